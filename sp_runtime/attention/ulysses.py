@@ -1,0 +1,115 @@
+"""Ulysses attention: one fused all-to-all turns "my tokens, all heads" into "all tokens, my heads" and one turns it back.
+
+Exact for any sequence length (shards are padded to the longest for the exchange and the padding is trimmed out
+before attention) and any head count (heads are zero-padded to a multiple of the degree; those extra heads cost
+ceil(H / P) * P / H - 1 more attention and exchange work, e.g. 33% for 3 heads on 4 ranks, and are dropped).
+Joint text tokens are replicated: each rank cuts its heads out locally and the return exchange carries the text
+output so every rank ends with all heads of the text.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .local import _joint_mask
+from .shards import SeqShards
+
+
+def _heads_per_rank(heads: int, degree: int) -> int:
+    return -(-heads // degree)
+
+
+def _pad(x: torch.Tensor, tokens: int, heads: int) -> torch.Tensor:
+    """Zero-pad a [B, S, H, D] tensor to `tokens` tokens and `heads` heads (no copy when nothing to pad)."""
+    pad_tokens, pad_heads = tokens - x.shape[1], heads - x.shape[2]
+    if pad_tokens == 0 and pad_heads == 0:
+        return x
+    return F.pad(x, (0, 0, 0, pad_heads, 0, pad_tokens))
+
+
+def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def _gather_sequence(recv: torch.Tensor, sizes: Sequence[int], text: Optional[torch.Tensor],
+                     text_first: bool) -> torch.Tensor:
+    """[P, 3, B, h, chunk, D] from P shards -> [3, B, h, S, D] with padding trimmed and text joined, in one copy."""
+    parts = [recv[source, ..., :size, :] for source, size in enumerate(sizes)]
+    if text is not None:
+        parts = [text, *parts] if text_first else [*parts, text]
+    return torch.cat(parts, dim=3)
+
+
+def _text_heads(text: Sequence[torch.Tensor], rank: int, heads: int, padded_heads: int) -> torch.Tensor:
+    """This rank's heads of replicated text q, k, v: [3, B, h, L, D] (no communication)."""
+    stacked = torch.stack([_pad(t, t.shape[1], padded_heads) for t in text])  # [3, B, L, Hp, D]
+    return stacked[:, :, :, rank * heads:(rank + 1) * heads].transpose(2, 3)
+
+
+def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int,
+                      shards: SeqShards, text: Optional[Sequence[torch.Tensor]] = None,
+                      text_mask: Optional[torch.Tensor] = None, text_first: bool = True,
+                      scale: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Attention over a sequence split across `group` (shards.sizes[r] tokens on rank r).
+
+    query/key/value: [B, n_local, H, D] local tokens with all heads; text: optional replicated (q, k, v) each
+    [B, L, H, D]; text_mask: optional bool [B, L], True = attend. Returns (local output [B, n_local, H, D],
+    text output [B, L, H, D] or None).
+    """
+    degree = shards.degree
+    batch, local_tokens, heads, head_dim = query.shape
+    heads_here = _heads_per_rank(heads, degree)
+    padded_heads = heads_here * degree
+    chunk = shards.chunk
+
+    # [P (destination's heads), 3, B, h, chunk, D]: one contiguous send buffer for q, k and v together.
+    per_destination = [_pad(x, chunk, padded_heads).view(batch, chunk, degree, heads_here, head_dim)
+                       .permute(2, 0, 3, 1, 4) for x in (query, key, value)]
+    recv = _all_to_all(torch.stack(per_destination, dim=1), group)
+
+    text_local = None if text is None else _text_heads(text, rank, heads_here, padded_heads)
+    q, k, v = _gather_sequence(recv, shards.sizes, text_local, text_first)
+    mask = None
+    if text_mask is not None:
+        mask = _joint_mask(text_mask, shards.total, text_first)[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, h, L + N, D]
+
+    text_len = 0 if text is None else text[0].shape[1]
+    image_start = text_len if text_first else 0
+    text_start = 0 if text_first else shards.total
+    back = _scatter_sequence(out, shards, image_start, text_start, text_len)
+    recv_back = _all_to_all(back, group)  # [P (source's heads), B, h, chunk + L, D]
+
+    image_out = _merge_heads(recv_back[:, :, :, :local_tokens], heads)
+    text_out = _merge_heads(recv_back[:, :, :, chunk:], heads) if text is not None else None
+    return image_out, text_out
+
+
+def _scatter_sequence(out: torch.Tensor, shards: SeqShards, image_start: int, text_start: int,
+                      text_len: int) -> torch.Tensor:
+    """[B, h, S, D] attention output -> [P, B, h, chunk + L, D]: each destination's tokens, then all text."""
+    batch, heads, _, head_dim = out.shape
+    chunk = shards.chunk
+    send = out.new_empty(shards.degree, batch, heads, chunk + text_len, head_dim)
+    image = out[:, :, image_start:image_start + shards.total]
+    if shards.even:
+        send[:, :, :, :chunk] = image.unflatten(2, (shards.degree, chunk)).permute(2, 0, 1, 3, 4)
+    else:
+        for destination, size in enumerate(shards.sizes):
+            start = shards.offset(destination)
+            send[destination, :, :, :size] = image[:, :, start:start + size]
+    if text_len:
+        send[:, :, :, chunk:] = out[:, :, text_start:text_start + text_len].unsqueeze(0)
+    return send
+
+
+def _merge_heads(parts: torch.Tensor, heads: int) -> torch.Tensor:
+    """[P, B, h, n, D] (head groups from every rank) -> [B, n, H, D], dropping padded heads."""
+    degree, batch, heads_here, tokens, head_dim = parts.shape
+    merged = parts.permute(1, 3, 0, 2, 4).reshape(batch, tokens, degree * heads_here, head_dim)
+    return merged if degree * heads_here == heads else merged[:, :, :heads].contiguous()

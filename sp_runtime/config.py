@@ -1,0 +1,158 @@
+"""SPConfig: the validated parallel layout (devices and Ulysses / Ring / CFG degrees) of one worker pool.
+
+Rank order puts Ulysses innermost (neighbouring ranks, usually the fastest links), Ring next, CFG outermost:
+rank = (cfg_index * ring_degree + ring_index) * ulysses_degree + ulysses_index.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+_CUDA_DEVICE = re.compile(r"^cuda:(\d+)$")
+MAX_CFG_DEGREE = 2  # a CFG batch holds at most two halves: cond and uncond
+
+
+def parse_device(device: str) -> str:
+    """Normalise one device string to 'cpu' or 'cuda:N'; raise ValueError naming the bad string."""
+    text = str(device).strip().lower()
+    if text == "cpu" or _CUDA_DEVICE.match(text):
+        return text
+    if text.isdigit():
+        return f"cuda:{text}"
+    raise ValueError(
+        f"device {device!r} is not understood: use 'cpu' or 'cuda:N' (N = a GPU index such as 0), "
+        f"one entry per worker")
+
+
+def valid_layouts(world_size: int) -> list[tuple[int, int, int]]:
+    """Every (ulysses, ring, cfg) whose product is world_size, Ulysses-heavy first."""
+    layouts = []
+    for cfg in range(1, MAX_CFG_DEGREE + 1):
+        if world_size % cfg:
+            continue
+        sp = world_size // cfg
+        for ring in range(1, sp + 1):
+            if sp % ring == 0:
+                layouts.append((sp // ring, ring, cfg))
+    return sorted(layouts, key=lambda layout: (layout[2], layout[1]))
+
+
+def format_layout(ulysses: int, ring: int, cfg: int) -> str:
+    parts = [f"ulysses_degree={ulysses}"]
+    if ring > 1:
+        parts.append(f"ring_degree={ring}")
+    if cfg > 1:
+        parts.append(f"cfg_degree={cfg}")
+    return ", ".join(parts)
+
+
+def _suggestion(world_size: int) -> str:
+    layouts = valid_layouts(world_size)
+    return "; ".join(f"({format_layout(*layout)})" for layout in layouts) or "none"
+
+
+@dataclass(frozen=True)
+class SPConfig:
+    """Devices (one worker each) and how they are split into Ulysses x Ring x CFG groups.
+
+    ulysses_degree=0 means "whatever the devices leave": len(devices) // (ring_degree * cfg_degree).
+    """
+
+    devices: Sequence[str]
+    ulysses_degree: int = 0
+    ring_degree: int = 1
+    cfg_degree: int = 1
+    master_addr: str = field(default="127.0.0.1", repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices, str):
+            raise ValueError(f"devices must be a list such as ['cuda:0', 'cuda:1'], got the string {self.devices!r}")
+        devices = tuple(parse_device(d) for d in self.devices)
+        if not devices:
+            raise ValueError("devices is empty: give at least one device, e.g. ['cpu'] or ['cuda:0', 'cuda:1']")
+        object.__setattr__(self, "devices", devices)
+        self._check_devices(devices)
+        self._check_degrees(len(devices))
+
+    @staticmethod
+    def _check_devices(devices: tuple[str, ...]) -> None:
+        kinds = {d.split(":")[0] for d in devices}
+        if len(kinds) > 1:
+            raise ValueError(f"devices {list(devices)} mix CPU and CUDA: one pool runs on one kind of device")
+        cuda = [d for d in devices if d.startswith("cuda")]
+        duplicates = sorted({d for d in cuda if cuda.count(d) > 1})
+        if duplicates:
+            raise ValueError(
+                f"devices {list(devices)} list {duplicates} more than once: NCCL needs one worker per GPU; "
+                f"use each GPU once, or 'cpu' entries for CPU workers")
+
+    def _check_degrees(self, world_size: int) -> None:
+        for name in ("ulysses_degree", "ring_degree", "cfg_degree"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if value < (0 if name == "ulysses_degree" else 1):
+                raise ValueError(f"{name}={value} must be >= {0 if name == 'ulysses_degree' else 1}")
+        if self.cfg_degree > MAX_CFG_DEGREE:
+            raise ValueError(
+                f"cfg_degree={self.cfg_degree} is not possible: a CFG batch has {MAX_CFG_DEGREE} halves "
+                f"(cond, uncond); valid layouts for {world_size} devices: {_suggestion(world_size)}")
+        outer = self.ring_degree * self.cfg_degree
+        ulysses = self.ulysses_degree
+        if ulysses == 0:
+            if world_size % outer:
+                raise ValueError(
+                    f"ring_degree={self.ring_degree} x cfg_degree={self.cfg_degree} = {outer} does not divide "
+                    f"{world_size} devices; valid layouts for {world_size} devices: {_suggestion(world_size)}")
+            object.__setattr__(self, "ulysses_degree", world_size // outer)
+        elif ulysses * outer != world_size:
+            raise ValueError(
+                f"ulysses_degree={ulysses} x ring_degree={self.ring_degree} x cfg_degree={self.cfg_degree} = "
+                f"{ulysses * outer}, but there are {world_size} devices {list(self.devices)}: the product of the "
+                f"degrees must equal the number of devices; valid layouts for {world_size} devices: "
+                f"{_suggestion(world_size)}")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def sp_degree(self) -> int:
+        """Ranks that share one sequence: ulysses_degree x ring_degree."""
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.devices[0].startswith("cuda") else "gloo"
+
+    @property
+    def layout_name(self) -> str:
+        """Short name used by the CLI and benchmarks: u2, u2r2, u2cfg2, 1 ..."""
+        name = f"u{self.ulysses_degree}" if self.ulysses_degree > 1 else ""
+        name += f"r{self.ring_degree}" if self.ring_degree > 1 else ""
+        name += f"cfg{self.cfg_degree}" if self.cfg_degree > 1 else ""
+        return name or "1"
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(cfg_index, ring_index, ulysses_index) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
+        ulysses_index = rank % self.ulysses_degree
+        ring_index = (rank // self.ulysses_degree) % self.ring_degree
+        cfg_index = rank // self.sp_degree
+        return cfg_index, ring_index, ulysses_index
+
+    def to_dict(self) -> dict:
+        return {"devices": list(self.devices), "ulysses_degree": self.ulysses_degree,
+                "ring_degree": self.ring_degree, "cfg_degree": self.cfg_degree}
+
+    @classmethod
+    def from_layout(cls, devices: Sequence[str], layout: str) -> "SPConfig":
+        """Parse a CLI layout name ('1', 'u2', 'u2r2', 'r2', 'u2cfg2') for the given devices."""
+        match = re.fullmatch(r"(?:u(\d+))?(?:r(\d+))?(?:cfg(\d+))?|1", layout.strip().lower())
+        if not match:
+            raise ValueError(f"layout {layout!r} is not understood: use names like 1, u2, u4, r2, u2r2, u2cfg2")
+        ulysses, ring, cfg = (int(g) if g else 1 for g in match.groups())
+        return cls(devices=list(devices)[: ulysses * ring * cfg], ulysses_degree=ulysses,
+                   ring_degree=ring, cfg_degree=cfg)

@@ -1,0 +1,104 @@
+"""The contract between the worker pool and a model family: what a loaded model exposes and what one call gets.
+
+The pool is generic: it only knows LoadRequest -> WorkerModel and WorkerModel.forward(...). Families (Qwen-Image,
+Flux, Wan, the test toy) live in their own modules and register in sp_runtime.families.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from ..groups import ParallelGroups
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def dtype_name(dtype: "torch.dtype | str | None") -> str:
+    """Canonical name of a weight dtype ('default' keeps the checkpoint's own)."""
+    if dtype is None or dtype == "default":
+        return "default"
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of default, {', '.join(sorted(DTYPES))}")
+    return str(DTYPES[dtype]).removeprefix("torch.")
+
+
+class Cancelled(Exception):
+    """The caller cancelled a call; every rank stopped at the same point."""
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What to load: a file or folder, a weight dtype name (see dtype_name) and family-specific options."""
+
+    path: str
+    dtype: str = "default"
+    options: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """Cache key of a loaded model inside a worker."""
+        import json
+        return json.dumps([self.path, self.dtype, self.options], sort_keys=True)
+
+
+@dataclass
+class ModelInfo:
+    """JSON-ready description a worker returns after loading; the host sizes outputs from it."""
+
+    family: str
+    variant: str
+    in_channels: int
+    out_channels: int
+    x_ndim: int
+    config: dict = field(default_factory=dict)
+    weight_dtype: str = "default"
+    compute_dtype: str = "float32"
+
+    def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """ComfyUI's diffusion_model returns x's shape with out_channels in dim 1."""
+        return (x_shape[0], self.out_channels, *x_shape[2:])
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class CallContext(Protocol):
+    """What the pool gives a family for one call, inside a worker."""
+
+    device: torch.device
+    groups: ParallelGroups
+
+    def to_device(self, name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Copy an input to the worker's device, reusing the last copy when the input did not change."""
+
+    def check_cancel(self) -> None:
+        """Raise Cancelled on every rank at once if the caller asked to cancel (call between blocks)."""
+
+
+class WorkerModel(Protocol):
+    """A model loaded in one worker."""
+
+    info: ModelInfo
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any],
+                out: torch.Tensor, ctx: CallContext) -> None:
+        """Run ComfyUI's diffusion_model(x, timestep, **inputs) and write this rank's share of the result into out.
+
+        x, timestep and tensors in inputs are CPU tensors (shared-memory views; treat as read-only).
+        out has info.output_shape(x.shape) and x's dtype; every rank writes its own disjoint part, and the parts
+        of all ranks together cover out.
+        """
+
+
+ProgressFn = Callable[[float, str], None]
+LoaderFn = Callable[[LoadRequest, torch.device, ParallelGroups, ProgressFn], WorkerModel]

@@ -1,0 +1,94 @@
+"""Process groups of one worker: the Ulysses, Ring and CFG axes of an SPConfig, built after init_process_group.
+
+Every rank must call build_groups() in the same order (torch.distributed.new_group is collective).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from .config import SPConfig
+
+
+@dataclass
+class SeqParallel:
+    """What attention needs to know about the ranks that share one sequence (Ulysses inner, Ring outer)."""
+
+    ulysses_group: Optional[dist.ProcessGroup]
+    ulysses_rank: int
+    ulysses_degree: int
+    ring_group: Optional[dist.ProcessGroup] = None
+    ring_rank: int = 0
+    ring_degree: int = 1
+    ring_global_ranks: tuple[int, ...] = (0,)
+
+    @property
+    def degree(self) -> int:
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def rank(self) -> int:
+        """Position of this rank's shard in the sequence: ring blocks of Ulysses shards."""
+        return self.ring_rank * self.ulysses_degree + self.ulysses_rank
+
+    @classmethod
+    def single(cls) -> "SeqParallel":
+        """No parallelism: one rank holds the whole sequence."""
+        return cls(ulysses_group=None, ulysses_rank=0, ulysses_degree=1)
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's coordinates and groups on every axis, plus a gloo group over all ranks for host-side votes."""
+
+    config: SPConfig
+    rank: int
+    seq: SeqParallel
+    cfg_group: Optional[dist.ProcessGroup]
+    cfg_rank: int
+    control_group: Optional[dist.ProcessGroup]
+
+    @property
+    def cfg_degree(self) -> int:
+        return self.config.cfg_degree
+
+
+def _ranks_along(config: SPConfig, axis: str) -> list[list[int]]:
+    """All rank lists that differ only in `axis` ('ulysses', 'ring' or 'cfg')."""
+    index = {"cfg": 0, "ring": 1, "ulysses": 2}[axis]
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(config.world_size):
+        coords = list(config.coords(rank))
+        coords[index] = -1
+        groups.setdefault(tuple(coords), []).append(rank)
+    return list(groups.values())
+
+
+def _new_groups(config: SPConfig, axis: str, rank: int, backend: Optional[str] = None):
+    """Create every group of one axis (collective) and return (this rank's group, its ranks)."""
+    mine = None, [rank]
+    for ranks in _ranks_along(config, axis):
+        group = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = group, ranks
+    return mine
+
+
+def build_groups(config: SPConfig) -> ParallelGroups:
+    """Build all groups of this layout on the already-initialised default process group."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if dist.is_initialized() and dist.get_world_size() != config.world_size:
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks but the layout has "
+                         f"{config.world_size} devices")
+    cfg_index, ring_index, ulysses_index = config.coords(rank)
+    if config.world_size == 1:
+        return ParallelGroups(config, 0, SeqParallel.single(), None, 0, None)
+    ulysses_group, _ = _new_groups(config, "ulysses", rank)
+    ring_group, ring_ranks = _new_groups(config, "ring", rank)
+    cfg_group, _ = _new_groups(config, "cfg", rank)
+    control_group = dist.new_group(list(range(config.world_size)), backend="gloo")
+    seq = SeqParallel(ulysses_group, ulysses_index, config.ulysses_degree,
+                      ring_group, ring_index, config.ring_degree, tuple(ring_ranks))
+    return ParallelGroups(config, rank, seq, cfg_group, cfg_index, control_group)
