@@ -41,7 +41,11 @@ class SeqParallel:
 
 @dataclass
 class ParallelGroups:
-    """This rank's coordinates and groups on every axis, plus a gloo group over all ranks for host-side votes."""
+    """This rank's coordinates and groups on every axis, plus a gloo group over all ranks for host-side votes.
+
+    seq is the sequence group of this rank's CFG half; seq_all spans every rank (same Ulysses groups, the CFG axis
+    joined to the Ring axis) for calls that cannot be split by CFG (batch 1); it is seq when cfg_degree is 1.
+    """
 
     config: SPConfig
     rank: int
@@ -49,6 +53,11 @@ class ParallelGroups:
     cfg_group: Optional[dist.ProcessGroup]
     cfg_rank: int
     control_group: Optional[dist.ProcessGroup]
+    seq_all: Optional[SeqParallel] = None
+
+    def __post_init__(self) -> None:
+        if self.seq_all is None:
+            self.seq_all = self.seq
 
     @property
     def cfg_degree(self) -> int:
@@ -56,18 +65,19 @@ class ParallelGroups:
 
 
 def _ranks_along(config: SPConfig, axis: str) -> list[list[int]]:
-    """All rank lists that differ only in `axis` ('ulysses', 'ring' or 'cfg')."""
-    index = {"cfg": 0, "ring": 1, "ulysses": 2}[axis]
+    """All rank lists that differ only in `axis` ('ulysses', 'ring', 'cfg', or 'ring+cfg' for both)."""
+    indices = [{"cfg": 0, "ring": 1, "ulysses": 2}[name] for name in axis.split("+")]
     groups: dict[tuple, list[int]] = {}
     for rank in range(config.world_size):
         coords = list(config.coords(rank))
-        coords[index] = -1
+        for index in indices:
+            coords[index] = -1
         groups.setdefault(tuple(coords), []).append(rank)
     return list(groups.values())
 
 
 def _new_groups(config: SPConfig, axis: str, rank: int, backend: Optional[str] = None):
-    """Create every group of one axis (collective) and return (this rank's group, its ranks)."""
+    """Create every group of one axis (collective) and return (this rank's group, its ranks in rank order)."""
     mine = None, [rank]
     for ranks in _ranks_along(config, axis):
         group = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
@@ -91,4 +101,19 @@ def build_groups(config: SPConfig) -> ParallelGroups:
     control_group = dist.new_group(list(range(config.world_size)), backend="gloo")
     seq = SeqParallel(ulysses_group, ulysses_index, config.ulysses_degree,
                       ring_group, ring_index, config.ring_degree, tuple(ring_ranks))
-    return ParallelGroups(config, rank, seq, cfg_group, cfg_index, control_group)
+    return ParallelGroups(config, rank, seq, cfg_group, cfg_index, control_group, _seq_all(config, rank, seq))
+
+
+def _seq_all(config: SPConfig, rank: int, seq: SeqParallel) -> SeqParallel:
+    """The sequence group over every rank: the CFG halves become more ring blocks (ring index cfg * R + ring).
+
+    Ring rather than a wider Ulysses: it needs no head divisibility, overlaps its transfers, and the CFG axis is
+    the outermost (slowest links). Its shard order is the global rank order.
+    """
+    if config.cfg_degree == 1:
+        return seq
+    ring_group, ring_ranks = _new_groups(config, "ring+cfg", rank)
+    cfg_index, ring_index, _ = config.coords(rank)
+    return SeqParallel(seq.ulysses_group, seq.ulysses_rank, seq.ulysses_degree, ring_group,
+                       cfg_index * config.ring_degree + ring_index, config.ring_degree * config.cfg_degree,
+                       tuple(ring_ranks))

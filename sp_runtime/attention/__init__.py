@@ -1,4 +1,4 @@
-"""Sequence-parallel attention: Ulysses (and, on the Ring axis, ring attention) exact for any shape."""
+"""Sequence-parallel attention: Ulysses, Ring and their hybrid, exact for any sequence length and head count."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -6,11 +6,14 @@ from typing import Optional, Sequence
 import torch
 
 from ..groups import SeqParallel
+from .hybrid import hybrid_attention
 from .local import joint_local_attention, local_attention
+from .ring import ring_attention
 from .shards import SeqShards
 from .ulysses import ulysses_attention
 
-__all__ = ["SeqShards", "local_attention", "joint_local_attention", "sp_attention", "ulysses_attention"]
+__all__ = ["SeqShards", "local_attention", "joint_local_attention", "sp_attention", "ulysses_attention",
+           "ring_attention", "hybrid_attention"]
 
 
 def sp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq: SeqParallel,
@@ -19,13 +22,19 @@ def sp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
                  scale: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Attention of this rank's tokens [B, n, H, D] over the whole split sequence, plus replicated joint text.
 
-    Returns (output for this rank's tokens [B, n, H, D], text output [B, L, H, D] or None).
+    Dispatches on the layout: one rank -> local SDPA; Ulysses only -> ulysses_attention; Ring only ->
+    ring_attention; both -> hybrid_attention. Returns (output for this rank's tokens [B, n, H, D], text output
+    [B, L, H, D] or None).
     """
     if shards.degree != seq.degree:
         raise ValueError(f"the sequence is split in {shards.degree} shards but the layout has {seq.degree} ranks "
                          f"per sequence")
+    if query.shape[1] != shards.sizes[seq.rank]:
+        raise ValueError(f"sequence rank {seq.rank} got {query.shape[1]} tokens but its shard has "
+                         f"{shards.sizes[seq.rank]} (shards {shards.sizes}): pass tokens shards.range(seq.rank)")
     if seq.ring_degree > 1:
-        raise NotImplementedError("ring attention is not available yet")
+        core = ring_attention if seq.ulysses_degree == 1 else hybrid_attention
+        return core(query, key, value, seq, shards, text, text_mask, text_first, scale)
     if seq.ulysses_degree == 1:
         return joint_local_attention(query, key, value, text, text_mask, text_first, scale)
     return ulysses_attention(query, key, value, seq.ulysses_group, seq.ulysses_rank, shards, text, text_mask,

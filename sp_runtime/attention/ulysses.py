@@ -5,6 +5,7 @@ before attention) and any head count (heads are zero-padded to a multiple of the
 ceil(H / P) * P / H - 1 more attention and exchange work, e.g. 33% for 3 heads on 4 ranks, and are dropped).
 Joint text tokens are replicated: each rank cuts its heads out locally and the return exchange carries the text
 output so every rank ends with all heads of the text.
+The two exchanges are public (exchange_to_heads, exchange_to_tokens) for the Ulysses x Ring hybrid.
 """
 from __future__ import annotations
 
@@ -45,8 +46,10 @@ def _gather_sequence(recv: torch.Tensor, sizes: Sequence[int], text: Optional[to
     return torch.cat(parts, dim=3)
 
 
-def _text_heads(text: Sequence[torch.Tensor], rank: int, heads: int, padded_heads: int) -> torch.Tensor:
+def text_heads(text: Sequence[torch.Tensor], rank: int, degree: int) -> torch.Tensor:
     """This rank's heads of replicated text q, k, v: [3, B, h, L, D] (no communication)."""
+    heads = _heads_per_rank(text[0].shape[2], degree)
+    padded_heads = heads * degree
     stacked = torch.stack([_pad(t, t.shape[1], padded_heads) for t in text])  # [3, B, L, Hp, D]
     return stacked[:, :, :, rank * heads:(rank + 1) * heads].transpose(2, 3)
 
@@ -61,18 +64,9 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     [B, L, H, D]; text_mask: optional bool [B, L], True = attend. Returns (local output [B, n_local, H, D],
     text output [B, L, H, D] or None).
     """
-    degree = shards.degree
-    batch, local_tokens, heads, head_dim = query.shape
-    heads_here = _heads_per_rank(heads, degree)
-    padded_heads = heads_here * degree
-    chunk = shards.chunk
-
-    # [P (destination's heads), 3, B, h, chunk, D]: one contiguous send buffer for q, k and v together.
-    per_destination = [_pad(x, chunk, padded_heads).view(batch, chunk, degree, heads_here, head_dim)
-                       .permute(2, 0, 3, 1, 4) for x in (query, key, value)]
-    recv = _all_to_all(torch.stack(per_destination, dim=1), group)
-
-    text_local = None if text is None else _text_heads(text, rank, heads_here, padded_heads)
+    heads = query.shape[2]
+    recv = exchange_to_heads(query, key, value, group, shards)
+    text_local = None if text is None else text_heads(text, rank, shards.degree)
     q, k, v = _gather_sequence(recv, shards.sizes, text_local, text_first)
     mask = None
     if text_mask is not None:
@@ -82,21 +76,54 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     text_len = 0 if text is None else text[0].shape[1]
     image_start = text_len if text_first else 0
     text_start = 0 if text_first else shards.total
-    back = _scatter_sequence(out, shards, image_start, text_start, text_len)
-    recv_back = _all_to_all(back, group)  # [P (source's heads), B, h, chunk + L, D]
+    image = out[:, :, image_start:image_start + shards.total]
+    text_out = out[:, :, text_start:text_start + text_len] if text is not None else None
+    return exchange_to_tokens(image, text_out, group, shards, query.shape[1], heads)
 
+
+def exchange_to_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group,
+                      shards: SeqShards) -> torch.Tensor:
+    """First half of Ulysses: one fused all-to-all of q, k, v from "my tokens, all heads" to "all tokens, my heads".
+
+    Returns the received buffer [P (source shard), 3, B, h, chunk, D]; shard r's tokens are [r, ..., :sizes[r], :].
+    """
+    degree = shards.degree
+    batch, _, heads, head_dim = query.shape
+    heads_here = _heads_per_rank(heads, degree)
+    padded_heads = heads_here * degree
+    chunk = shards.chunk
+    # [P (destination's heads), 3, B, h, chunk, D]: one contiguous send buffer for q, k and v together.
+    per_destination = [_pad(x, chunk, padded_heads).view(batch, chunk, degree, heads_here, head_dim)
+                       .permute(2, 0, 3, 1, 4) for x in (query, key, value)]
+    return _all_to_all(torch.stack(per_destination, dim=1), group)
+
+
+def gather_sequence(recv: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """exchange_to_heads' buffer -> [3, B, h, S, D]: q, k, v of every shard's tokens, padding trimmed."""
+    return _gather_sequence(recv, sizes, None, True)
+
+
+def exchange_to_tokens(image: torch.Tensor, text: Optional[torch.Tensor], group, shards: SeqShards,
+                       local_tokens: int, heads: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Second half of Ulysses: one all-to-all from "all tokens, my heads" back to "my tokens, all heads".
+
+    image: [B, h, S, D] output of this rank's heads for the whole sequence; text: [B, h, L, D] or None (sent to
+    every rank, so each ends with all heads of the text). Returns ([B, local_tokens, H, D], [B, L, H, D] or None).
+    """
+    back = _scatter_sequence(image, text, shards)
+    recv_back = _all_to_all(back, group)  # [P (source's heads), B, h, chunk + L, D]
     image_out = _merge_heads(recv_back[:, :, :, :local_tokens], heads)
-    text_out = _merge_heads(recv_back[:, :, :, chunk:], heads) if text is not None else None
+    text_out = _merge_heads(recv_back[:, :, :, shards.chunk:], heads) if text is not None else None
     return image_out, text_out
 
 
-def _scatter_sequence(out: torch.Tensor, shards: SeqShards, image_start: int, text_start: int,
-                      text_len: int) -> torch.Tensor:
-    """[B, h, S, D] attention output -> [P, B, h, chunk + L, D]: each destination's tokens, then all text."""
-    batch, heads, _, head_dim = out.shape
+def _scatter_sequence(image: torch.Tensor, text: Optional[torch.Tensor], shards: SeqShards) -> torch.Tensor:
+    """[B, h, S, D] image output (+ [B, h, L, D] text) -> [P, B, h, chunk + L, D]: each destination's tokens, then
+    all text."""
+    batch, heads, _, head_dim = image.shape
     chunk = shards.chunk
-    send = out.new_empty(shards.degree, batch, heads, chunk + text_len, head_dim)
-    image = out[:, :, image_start:image_start + shards.total]
+    text_len = 0 if text is None else text.shape[2]
+    send = image.new_empty(shards.degree, batch, heads, chunk + text_len, head_dim)
     if shards.even:
         send[:, :, :, :chunk] = image.unflatten(2, (shards.degree, chunk)).permute(2, 0, 1, 3, 4)
     else:
@@ -104,7 +131,7 @@ def _scatter_sequence(out: torch.Tensor, shards: SeqShards, image_start: int, te
             start = shards.offset(destination)
             send[destination, :, :, :size] = image[:, :, start:start + size]
     if text_len:
-        send[:, :, :, chunk:] = out[:, :, text_start:text_start + text_len].unsqueeze(0)
+        send[:, :, :, chunk:] = text.unsqueeze(0)
     return send
 
 

@@ -1,0 +1,173 @@
+"""Ring attention and the Ulysses x Ring hybrid on gloo equal single-process SDPA, for awkward shapes and text."""
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sp_runtime.attention.lse import LseMerger, attention_with_lse, key_padding_bias, math_attention_with_lse
+from sp_runtime.testing.spawn import run_distributed
+
+HEAD_DIM = 16
+# (ulysses_degree, ring_degree): pure ring at 2, 3, 4 ranks, the hybrid, and Ulysses alone through the dispatch
+LAYOUTS = [(1, 2), (2, 1), (2, 2), (1, 3), (1, 4)]
+
+
+def _cases(world_size):
+    short = world_size - 1  # fewer tokens than ranks: some ranks hold none
+    for seq_len, heads, (text_len, masked), batch, dtype in itertools.product(
+            (63, 189, short), (3, 6), ((0, False), (7, False), (7, True)), (1, 2), (torch.float32, torch.bfloat16)):
+        yield seq_len, heads, text_len, masked, batch, dtype
+
+
+def _inputs(seq_len, heads, text_len, masked, batch, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, seq_len, heads, HEAD_DIM, generator=gen).to(dtype) for _ in range(3))
+    text = mask = None
+    if text_len:
+        text = tuple(torch.randn(batch, text_len, heads, HEAD_DIM, generator=gen).to(dtype) for _ in range(3))
+    if masked:
+        mask = torch.ones(batch, text_len, dtype=torch.bool)
+        mask[0, text_len - 3:] = False  # padded text keys in the first prompt only
+        mask[-1, 0] = False
+    return q, k, v, text, mask
+
+
+def _reference(q, k, v, text, mask, text_first):
+    """Independent reference: the joint sequence in the given order through plain SDPA."""
+    text_len = 0 if text is None else text[0].shape[1]
+    if text is not None:
+        q, k, v = (torch.cat([t, x] if text_first else [x, t], dim=1) for t, x in zip(text, (q, k, v)))
+    attn_mask = None
+    if mask is not None:
+        image = torch.ones(mask.shape[0], q.shape[1] - text_len, dtype=torch.bool)
+        attn_mask = torch.cat([mask, image] if text_first else [image, mask], dim=1)[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=attn_mask).transpose(1, 2)
+    if text is None:
+        return out, None
+    if text_first:
+        return out[:, text_len:], out[:, :text_len]
+    return out[:, :-text_len], out[:, -text_len:]
+
+
+def _counting(module, name, calls):
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        if name == "batch_isend_irecv":
+            calls["p2p_ops"] = calls.get("p2p_ops", 0) + len(args[0])
+        return original(*args, **kwargs)
+    setattr(module, name, counted)
+
+
+def _run_layout(rank, world_size, ulysses, ring):
+    import torch.distributed as dist
+
+    from sp_runtime.attention import SeqShards, sp_attention
+    from sp_runtime.config import SPConfig
+    from sp_runtime.groups import build_groups
+
+    seq = build_groups(SPConfig(["cpu"] * world_size, ulysses_degree=ulysses, ring_degree=ring)).seq
+    calls = {}
+    for name in ("batch_isend_irecv", "all_to_all_single"):
+        _counting(dist, name, calls)
+    results = []
+    for index, case in enumerate(_cases(world_size)):
+        text_first = index % 3 != 1
+        q, k, v, text, mask = _inputs(*case, seed=index)
+        # float32 reference from the same (possibly bf16-rounded) inputs: the exact result the output should round to
+        text32 = None if text is None else tuple(t.float() for t in text)
+        ref_image, ref_text = _reference(q.float(), k.float(), v.float(), text32, mask, text_first)
+        shards = SeqShards.balanced(q.shape[1], seq.degree)
+        lo, hi = shards.range(seq.rank)
+        calls.clear()
+        image, text_out = sp_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], seq, shards, text=text,
+                                       text_mask=mask, text_first=text_first)
+        scale = max(1.0, ref_image.abs().max().item(), 0.0 if text is None else ref_text.abs().max().item())
+        err = (image.float() - ref_image[:, lo:hi].float()).abs().max().item() / scale if hi > lo else 0.0
+        text_err = 0.0 if text is None else (text_out.float() - ref_text.float()).abs().max().item() / scale
+        shapes_ok = image.shape == (q.shape[0], hi - lo, q.shape[2], HEAD_DIM) and image.dtype == q.dtype
+        if text is not None:
+            shapes_ok = shapes_ok and text_out.shape == text[0].shape and text_out.dtype == q.dtype
+        label = (case[:5], str(case[5]), text_first)
+        results.append((label, err, text_err, shapes_ok, dict(calls), hi - lo))
+    return results
+
+
+@pytest.mark.parametrize("ulysses,ring", LAYOUTS, ids=[f"u{u}r{r}" for u, r in LAYOUTS])
+def test_ring_and_hybrid_match_sdpa(ulysses, ring):
+    world_size = ulysses * ring
+    per_rank = run_distributed(_run_layout, world_size, ulysses, ring, timeout=300)
+    for rank, results in enumerate(per_rank):
+        for label, err, text_err, shapes_ok, calls, tokens in results:
+            bf16 = "bfloat16" in label[1]
+            # bf16: each block output is rounded (by the kernel) before the float32 merge and the sum once more:
+            # two units of bf16 rounding (2^-7 each) at the output scale
+            tolerance = 2 ** -6 if bf16 else 1e-5
+            assert shapes_ok, f"rank {rank} case {label}: wrong output shape or dtype"
+            assert err <= tolerance, f"rank {rank} case {label}: image max rel err {err}"
+            assert text_err <= tolerance, f"rank {rank} case {label}: text max rel err {text_err}"
+            # One message pair per ring step (k and v packed), Ulysses' two fused exchanges when U > 1.
+            assert calls.get("batch_isend_irecv", 0) == ring - 1, (rank, label, calls)
+            assert calls.get("p2p_ops", 0) == 2 * (ring - 1), (rank, label, calls)
+            assert calls.get("all_to_all_single", 0) == (2 if ulysses > 1 else 0), (rank, label, calls)
+    assert any(tokens == 0 for results in per_rank for *_, tokens in results), \
+        "the short case must leave some rank without tokens"
+
+
+# ---- the LSE kernels and the merge, in one process -------------------------------------------------------------
+
+def _bhsd(*shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_attention_with_lse_matches_formula(dtype):
+    q, k, v = (_bhsd(2, 3, n, 16, dtype=dtype, seed=seed) for seed, n in ((1, 5), (2, 9), (3, 9)))
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    keep[0, :4] = False
+    for bias in (None, key_padding_bias(keep, dtype)):
+        out, lse = attention_with_lse(q, k, v, bias, scale=0.3)
+        ref_out, ref_lse = math_attention_with_lse(q, k, v, bias, scale=0.3)
+        scores = q.float() @ k.float().transpose(-1, -2) * 0.3 + (0 if bias is None else bias.float())
+        assert torch.allclose(ref_lse, torch.logsumexp(scores, -1), atol=1e-5)
+        assert torch.allclose(lse, ref_lse, atol=1e-4), (lse - ref_lse).abs().max()
+        atol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(out.float(), ref_out.float(), atol=atol), (out.float() - ref_out.float()).abs().max()
+        assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, 3, 5)
+
+
+def test_lse_merge_of_key_blocks_equals_whole():
+    q, k, v = _bhsd(1, 2, 7, 8, seed=4), _bhsd(1, 2, 20, 8, seed=5), _bhsd(1, 2, 20, 8, seed=6)
+    k[..., 13:, :] += 4.0  # very different score ranges per block: the merge must rescale
+    merger = LseMerger()
+    for lo, hi in ((13, 20), (0, 1), (1, 13)):
+        merger.add(*attention_with_lse(q, k[:, :, lo:hi], v[:, :, lo:hi]))
+    whole = F.scaled_dot_product_attention(q, k, v)
+    assert (merger.out - whole).abs().max().item() < 1e-6
+    assert torch.allclose(merger.lse, torch.logsumexp(q @ k.transpose(-1, -2) / math.sqrt(8), -1), atol=1e-5)
+
+
+def test_empty_inputs_are_refused():
+    q = _bhsd(1, 1, 3, 8)
+    with pytest.raises(ValueError, match="needs queries and keys"):
+        attention_with_lse(q, q[:, :, :0], q[:, :, :0])
+
+
+def test_cuda_kernel_fallback_and_bias_layout():
+    """The CUDA-only code paths that can run here: a kernel that raises is remembered and skipped (the caller then
+    uses the float32 formula), and the mask bias is laid out as F.sdpa prepares it for the efficient kernel."""
+    from sp_runtime.attention import lse
+    q = _bhsd(2, 3, 5, 16, dtype=torch.bfloat16)
+    before = len(lse._CUDA_FAILED)
+    assert lse._cuda_with_lse(q, q, q, None, 0.25) is None  # CPU tensors: both CUDA kernels raise here
+    assert len(lse._CUDA_FAILED) == before + 2
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[1, 2] = False
+    bias = lse._aligned_bias(key_padding_bias(keep, torch.bfloat16), q, q)
+    assert bias.shape == (2, 3, 5, 5) and bias.stride(-1) == 1 and bias.stride(0) % 16 == 0
+    assert torch.equal(bias[1, 2, 4], torch.tensor([0, 0, float("-inf"), 0, 0], dtype=torch.bfloat16))
