@@ -72,6 +72,11 @@ class ModelInfo:
         return dict(self.__dict__)
 
 
+def config_entries(config, keys) -> dict:
+    """The entries of a model config named in `keys` (those it has), JSON-ready (tuples as lists): ModelInfo.config."""
+    return {key: list(config[key]) if isinstance(config[key], tuple) else config[key] for key in keys if key in config}
+
+
 class CallContext(Protocol):
     """What the pool gives a family for one call, inside a worker."""
 

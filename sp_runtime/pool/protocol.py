@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 import torch
 
-Tree = Any  # JSON node: {"t": name} | {"v": scalar} | {"dtype": name} | {"list": [...]} | {"tuple": [...]} | {"dict": {}}
+# A JSON node: {"t": tensor name} | {"v": scalar} | {"dtype": name} | {"list": []} | {"tuple": []} | {"dict": {}}
+Tree = Any
 
 
 def send(conn, message: dict) -> None:

@@ -1,4 +1,5 @@
 """run_distributed: run a function on N spawned gloo ranks (for tests and benchmarks) and collect the results.
+spawn_ranks, the process handling underneath, also serves the CLI's link probes (NCCL on GPUs).
 
 Every child is killed and reaped when one fails, when the time runs out, or when the caller is interrupted.
 """
@@ -38,7 +39,7 @@ def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-def _child(rank: int, world_size: int, port: int, threads: int, results, fn: Callable, args: tuple) -> None:
+def _child(rank: int, port: int, results, world_size: int, threads: int, fn: Callable, args: tuple) -> None:
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
@@ -60,15 +61,26 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     failing rank's traceback, or TimeoutError.
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    values = spawn_ranks(_child, world_size, (world_size, threads, fn, args), timeout, "distributed run")
+    return [_from_bytes(value) for value in values]
+
+
+def spawn_ranks(child: Callable, world_size: int, child_args: tuple, timeout: float, name: str) -> list[Any]:
+    """Run child(rank, port, results, *child_args) in world_size spawned processes (port: a free local port for the
+    process group) and return, in rank order, the value each puts on `results` as (rank, True, value).
+
+    A child reports a failure as (rank, False, traceback); that, a child's death or the timeout raises
+    RuntimeError / TimeoutError naming `name`, after every child has been killed and reaped.
+    """
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_child, args=(rank, world_size, port, threads, results, fn, args),
-                                 daemon=True) for rank in range(world_size)]
+    processes = [context.Process(target=child, args=(rank, port, results, *child_args), daemon=True)
+                 for rank in range(world_size)]
     try:
         for process in processes:
             process.start()
-        return _collect(results, processes, world_size, timeout)
+        return _collect(results, processes, timeout, name)
     finally:
         for process in processes:
             if process.is_alive():
@@ -77,23 +89,23 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         results.close()
 
 
-def _collect(results, processes, world_size: int, timeout: float) -> list[Any]:
+def _collect(results, processes, timeout: float, name: str) -> list[Any]:
     import time
     deadline = time.monotonic() + timeout
     collected: dict[int, Any] = {}
-    while len(collected) < world_size:
+    while len(collected) < len(processes):
         try:
             rank, ok, value = results.get(timeout=0.2)
         except queue.Empty:
             dead = [p for p in processes if p.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(f"rank {processes.index(dead[0])} exited with code {dead[0].exitcode} "
+                raise RuntimeError(f"{name}: rank {processes.index(dead[0])} exited with code {dead[0].exitcode} "
                                    f"before returning a result")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"distributed run did not finish in {timeout:.0f} s "
-                                   f"({len(collected)}/{world_size} ranks done)")
+                raise TimeoutError(f"{name} did not finish within {timeout:.0f} s "
+                                   f"({len(collected)}/{len(processes)} ranks done)")
             continue
         if not ok:
-            raise RuntimeError(f"rank {rank} failed:\n{value}")
-        collected[rank] = _from_bytes(value)
-    return [collected[rank] for rank in range(world_size)]
+            raise RuntimeError(f"{name}: rank {rank} failed:\n{value}")
+        collected[rank] = value
+    return [collected[rank] for rank in range(len(processes))]

@@ -1,0 +1,283 @@
+"""Worker process main: one per device, started by WorkerPool as `python -m sp_runtime.pool.worker '<json spec>'`.
+
+It joins the process group, then serves JSON requests from its pipe (load, call, set_loras, unload, exit) until told
+to exit
+or until the pipe closes (the parent died). Tensors come and go through shared memory only.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from ..cfg_parallel import run_forward
+from ..config import SPConfig
+from ..families import LoadRequest, load_worker_model
+from ..groups import build_groups
+from .context import DeviceCache, WorkerCallContext, view_key
+from .control import ControlBlock
+from .protocol import decode_tree, name_to_dtype, recv, send
+from .segments import Segment, release_retired
+
+PROGRESS_INTERVAL_S = 0.1
+WATCHDOG_INTERVAL_S = 0.5
+PR_SET_PDEATHSIG = 1
+NCCL_REMEDIES = ("usual remedies: set NCCL_P2P_DISABLE=1 (GPUs without working peer-to-peer, e.g. some consumer "
+                 "cards or virtual machines), NCCL_IB_DISABLE=1 (no InfiniBand), use the same NVIDIA driver for all "
+                 "GPUs, and set NCCL_DEBUG=INFO to see why")
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Exit when the pool's process dies, even in the middle of a long call."""
+    if sys.platform.startswith("linux"):
+        try:  # a belt: the kernel kills us when the spawning thread (the pool's long-lived spawner) ends
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(3)
+
+    def watch() -> None:
+        while True:
+            time.sleep(WATCHDOG_INTERVAL_S)
+            if os.getppid() != parent_pid:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="usp-parent-watchdog", daemon=True).start()
+
+
+def error_reply(error: BaseException) -> dict:
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if os.path.abspath(frame.filename) != os.path.abspath(__file__)][-8:]  # the family's frames matter
+    summary = "".join(traceback.format_list(frames)) + f"{type(error).__name__}: {error}"
+    return {"ok": False, "error": type(error).__name__, "message": str(error), "traceback": summary[-6000:],
+            "oom": isinstance(error, torch.OutOfMemoryError)}
+
+
+class StartError(Exception):
+    """A start-up step failed; the message says which and what to do."""
+
+
+class Worker:
+    def __init__(self, spec: dict, conn: Connection):
+        self.spec = spec
+        self.conn = conn
+        self.rank = spec["rank"]
+        self.config = SPConfig(**spec["config"])
+        self.device = torch.device(self.config.devices[self.rank])
+        self.groups = None
+        self.control = ControlBlock.attach(spec["control"])
+        self.segments: dict[str, Segment] = {}
+        self.models: dict = {}
+        self.requests: dict[str, LoadRequest] = {}
+        self.lora_states: dict = {}  # model key -> sp_runtime.lora.apply.LoraState, once a LoRA was set
+        self.cache = DeviceCache()
+        self.calls = 0
+
+    # ---- start-up -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._setup_device()
+        self._join_process_group()
+        self.groups = build_groups(self.config)
+
+    def _setup_device(self) -> None:
+        if self.device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if self.device.index >= count:
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+                raise StartError(f"CUDA device {self.device} is not available: this process sees {count} CUDA "
+                                 f"device(s) (torch {torch.__version__}, CUDA_VISIBLE_DEVICES={visible}); pick "
+                                 f"devices from cuda:0 to cuda:{count - 1}" if count else
+                                 f"CUDA device {self.device} is not available: torch {torch.__version__} sees no "
+                                 f"CUDA device (CPU-only torch build, no driver, or CUDA_VISIBLE_DEVICES={visible})")
+            try:
+                torch.cuda.set_device(self.device)
+                torch.empty(1, device=self.device)  # create the CUDA context now, so a broken GPU fails at start
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:
+                raise StartError(f"CUDA device {self.device} could not be initialised: {type(error).__name__}: "
+                                 f"{error}; check `nvidia-smi`, the driver, and that the GPU is not in exclusive "
+                                 f"mode for another process") from error
+        else:
+            threads = self.spec.get("threads") or max(1, (os.cpu_count() or 1) // self.config.world_size)
+            torch.set_num_threads(threads)
+
+    def _join_process_group(self) -> None:
+        timeout = datetime.timedelta(seconds=self.spec["timeout_s"])
+        try:
+            store = dist.TCPStore(self.spec["store_host"], self.spec["store_port"], is_master=False,
+                                  timeout=timeout)
+            options = dict(backend=self.config.backend, store=store, rank=self.rank,
+                           world_size=self.config.world_size)
+            if self.device.type == "cuda":
+                options["device_id"] = self.device  # NCCL communicators are created now: failures show at start
+            dist.init_process_group(**options)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            hint = NCCL_REMEDIES if self.config.backend == "nccl" else \
+                "another worker may have failed to start (see its error), or a firewall blocks 127.0.0.1"
+            raise StartError(f"{self.config.backend} process group init failed on {self.device} (rank {self.rank} "
+                             f"of {self.config.world_size}): {type(error).__name__}: {error}; {hint}") from error
+
+    # ---- serving --------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        while True:
+            try:
+                message = recv(self.conn)
+            except (EOFError, OSError):
+                return  # the pool closed our pipe or died
+            if message["op"] == "exit":
+                send(self.conn, {"id": message.get("id"), "ok": True})
+                return
+            reply = self._handle(message)
+            reply["id"] = message.get("id")
+            reply["memory"] = self.memory()
+            send(self.conn, reply)
+
+    def _handle(self, message: dict) -> dict:
+        try:
+            return {"ok": True, **getattr(self, "op_" + message["op"])(message)}
+        except BaseException as error:  # noqa: BLE001 - every failure goes back to the caller
+            reply = error_reply(error)
+            if isinstance(error, torch.OutOfMemoryError) and self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return reply
+
+    def memory(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        return {"allocated": torch.cuda.memory_allocated(self.device),
+                "reserved": torch.cuda.memory_reserved(self.device),
+                "peak": torch.cuda.max_memory_allocated(self.device)}
+
+    def op_load(self, message: dict) -> dict:
+        request = LoadRequest(**message["request"])
+        if request.key not in self.models:
+            self.models[request.key] = load_worker_model(request, self.device, self.groups,
+                                                         self._progress_fn(message["id"]))
+            self.requests[request.key] = request
+        return {"info": self.models[request.key].info.to_dict()}
+
+    def _progress_fn(self, request_id):
+        last = [0.0]
+
+        def progress(fraction: float, text: str = "") -> None:
+            now = time.monotonic()
+            if self.rank == 0 and (now - last[0] >= PROGRESS_INTERVAL_S or fraction >= 1.0):
+                last[0] = now
+                send(self.conn, {"id": request_id, "progress": float(fraction), "message": str(text)})
+        return progress
+
+    def op_unload(self, message: dict) -> dict:
+        keys = list(self.models) if message.get("all") else [message["key"]]
+        for key in keys:
+            self.models.pop(key, None)
+            self.requests.pop(key, None)
+            self.lora_states.pop(key, None)
+        self.cache.clear()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"models": list(self.models)}
+
+    def op_set_loras(self, message: dict) -> dict:
+        """Make a loaded model's weights base + the LoRAs [[path, strength], ...] ([] restores the base weights)."""
+        key = message["key"]
+        if key not in self.models:
+            raise KeyError(f"model {key} is not loaded in worker rank {self.rank}")
+        if key not in self.lora_states:
+            from ..lora.apply import lora_state
+            self.lora_states[key] = lora_state(self.models[key], self.requests[key].path, self.device)
+        return self.lora_states[key].set(message["loras"], self._progress_fn(message["id"]))
+
+    def op_call(self, message: dict) -> dict:
+        model = self.models.get(message["key"])
+        if model is None:
+            raise KeyError(f"model {message['key']} is not loaded in worker rank {self.rank}")
+        started = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        x, timestep, kwargs, out, versions = self._arguments(message)
+        ctx = WorkerCallContext(self.device, self.groups, self.control, self.cache, versions)
+        with torch.inference_mode():
+            run_forward(model, x, timestep, kwargs, out, ctx)  # splits CFG batches over the CFG groups
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the host reads `out` as soon as we reply
+        del x, timestep, kwargs, out
+        self.calls += 1
+        return {"seconds": time.perf_counter() - started, "cancel_checks": ctx.cancel_checks}
+
+    def _arguments(self, message: dict):
+        inputs = self._segment(message["input_segment"])
+        region = message["output"]
+        output = self._segment(region["segment"])
+        self._release_other_segments({inputs.name, output.name})
+        self.cache.keep_only(set(message["live"]))
+        tensors, versions = {}, {}
+        for spec in message["tensors"]:
+            view = inputs.view(spec["offset"], name_to_dtype(spec["dtype"]), tuple(spec["shape"]))
+            tensors[spec["name"]] = view
+            versions[view_key(view)] = spec["version"]
+        args = {name: decode_tree(node, tensors.__getitem__) for name, node in message["args"].items()}
+        out = output.view(region["offset"], name_to_dtype(region["dtype"]), tuple(region["shape"]))
+        return args.pop("x"), args.pop("timestep"), args.pop("kwargs"), out, versions
+
+    def _segment(self, name: str) -> Segment:
+        if name not in self.segments:
+            self.segments[name] = Segment.attach(name)
+        return self.segments[name]
+
+    def _release_other_segments(self, keep: set[str]) -> None:
+        for name in [name for name in self.segments if name not in keep]:
+            self.segments.pop(name).release()
+        release_retired()
+
+    def shutdown(self) -> None:
+        self.lora_states.clear()
+        self.models.clear()
+        self.cache.clear()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C belongs to the host, which decides what to stop
+    _die_with_parent(spec["parent_pid"])
+    conn = Connection(spec["fd"])
+    try:
+        worker = Worker(spec, conn)
+        worker.start()
+    except BaseException as error:  # noqa: BLE001 - reported to the host, which raises PoolStartError
+        reply = error_reply(error)
+        if isinstance(error, torch.OutOfMemoryError):
+            reply["message"] = f"out of memory on {spec['config']['devices'][spec['rank']]} while starting: {error}"
+        send(conn, {"event": "start_failed", **reply})
+        return 1
+    send(conn, {"event": "ready", "rank": worker.rank, "pid": os.getpid(), "device": str(worker.device),
+                "torch": torch.__version__, "threads": torch.get_num_threads(), "memory": worker.memory()})
+    try:
+        worker.serve()
+    finally:
+        worker.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
