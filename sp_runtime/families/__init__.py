@@ -12,6 +12,10 @@ from .base import (Cancelled, CallContext, LoadRequest, ModelInfo, ProgressFn, W
 # family name -> module that defines `load(request, detection, device, groups, progress) -> WorkerModel`
 FAMILY_MODULES = {
     "toy": "sp_runtime.families.toy",
+    "qwen_image": "sp_runtime.families.qwen_image",
+    "flux": "sp_runtime.families.flux",
+    "wan": "sp_runtime.families.wan",
+    "synthetic": "sp_runtime.cli.synthetic",  # random weights drawn on the workers (benchmark presets)
 }
 
 

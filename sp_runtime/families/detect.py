@@ -67,13 +67,34 @@ DETECTORS = [
 ]
 
 
+# Signature keys of model families (and non-model files) that no detector above handles, for the error message.
+OTHER_KINDS = {
+    "Flux.2": ("double_stream_modulation_img.lin.weight", "single_stream_modulation.lin.weight"),
+    "Chroma": ("distilled_guidance_layer.in_proj.weight", "distilled_guidance_layer.in_proj.bias"),
+    "Qwen-Image 2.1": ("txt_in.text_norm.weight",),
+    "Wan": ("head.modulation", "condition_embedder.time_proj.weight"),
+    "HunyuanVideo": ("txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias",),
+    "SD3 / SD3.5": ("joint_blocks.0.context_block.attn.qkv.weight",),
+    "SDXL / SD1.x UNet": ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
+    "LTX-Video": ("patchify_proj.weight",),
+    "HiDream": ("double_stream_blocks.0.block.adaLN_modulation.1.bias",),
+    "Lumina 2 / Z-Image": ("cap_embedder.0.weight", "layers.0.adaLN_modulation.0.weight"),
+    "a VAE": ("decoder.conv_in.weight", "decoder.conv_in.conv.weight", "decoder.middle.0.residual.0.gamma"),
+    "a text encoder": ("encoder.block.0.layer.0.SelfAttention.q.weight", "text_model.encoder.layers.0.mlp.fc1.weight",
+                       "model.layers.0.self_attn.q_proj.weight"),
+    "a LoRA": ("lora_down.weight", "lora_A.weight", "lora_up.weight"),
+}
+
+
 def detect(path: str) -> Detection:
-    """Family of a checkpoint file; the model families' own detectors are tried in turn."""
-    header = read_header(path)
+    """Family of a checkpoint file or diffusers folder; the model families' own detectors are tried in turn."""
+    from .checkpoint import read_checkpoint_header
+    header = read_checkpoint_header(path)
     family = header.metadata.get(FAMILY_METADATA_KEY)
     if family:
         return Detection(family=family, config=json.loads(header.metadata.get("ulysses_sp.config", "{}")),
                          files=(path,))
+    supported = []
     for module_name in DETECTORS:
         try:
             module = importlib.import_module(module_name)
@@ -81,7 +102,25 @@ def detect(path: str) -> Detection:
             if error.name != module_name:
                 raise
             continue
+        supported.append(getattr(module, "DESCRIPTION", module_name.rsplit(".", 1)[-1]))
         detection = module.detect(header)
         if detection is not None:
             return detection
-    raise ValueError(f"{path!r}: no supported model family recognised")
+    raise ValueError(f"{path!r}: no supported model family recognised. {describe_unknown(header)} "
+                     f"Supported: {'; '.join(supported)}")
+
+
+def describe_unknown(header: Header) -> str:
+    """What an unrecognised checkpoint looks like: a known other family, or a summary of its tensors."""
+    if not header.tensors:
+        return "The file holds no tensors."
+    for kind, signatures in OTHER_KINDS.items():
+        hits = [key for key in header.tensors if key.endswith(signatures)]
+        if hits:
+            return f"It looks like {kind} (it has {hits[0]!r}), which is not supported."
+    groups: dict[str, int] = {}
+    for key in header.tensors:
+        stem = key.split(".", 1)[0]
+        groups[stem] = groups.get(stem, 0) + 1
+    top = ", ".join(f"{stem} ({count})" for stem, count in sorted(groups.items(), key=lambda g: -g[1])[:8])
+    return f"It holds {len(header.tensors)} tensors, grouped as: {top}; e.g. {sorted(header.tensors)[:3]}."

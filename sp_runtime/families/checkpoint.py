@@ -1,0 +1,365 @@
+"""Checkpoint loading shared by every model family: files and key prefixes, dtype policy, and weights read once.
+
+Flow in a worker: `source = resolve_checkpoint(path)` -> `dtypes = choose_dtypes(request.dtype, header)` ->
+`model = build_empty_model(cls, config, dtypes)` -> `load_weights(model, source, prefix=..., plan=..., ...)`.
+Each tensor is read once with safetensors (mmap) straight onto the worker's device and cast to its final dtype as
+soon as it is read, so loading never holds more than the final model plus one source tensor.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from .base import DTYPES, ProgressFn, dtype_name
+from .detect import Header, read_header
+
+# Prefixes under which real checkpoints keep the diffusion model, most specific first. ComfyUI's full checkpoints use
+# "model.diffusion_model."; some exporters write "diffusion_model." or "model."; diffusers pipelines "transformer.".
+KNOWN_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.", "transformer.", "")
+CONFIG_METADATA_KEY = "diffusers.config"  # a folder's config.json, carried in the merged Header's metadata
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_COMPUTE_DTYPE = torch.bfloat16
+
+# target key -> function of the source tensor (None: the tensor itself)
+Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
+# source key (prefix stripped) -> the model keys made from it; lets one source tensor feed several parameters
+KeyPlan = Mapping[str, Sequence[tuple[str, Transform]]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files and headers
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    """A checkpoint on disk: one .safetensors file, or a diffusers folder (config.json + one file or shards)."""
+
+    path: str
+    files: tuple[str, ...]
+    config: Optional[dict] = None  # the folder's config.json; None for a single file
+
+
+def resolve_checkpoint(path: str) -> CheckpointSource:
+    """Files of a checkpoint path; a pipeline folder with a transformer/ subfolder resolves to that subfolder."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    if os.path.isfile(path):
+        _refuse_other_formats(path)
+        return CheckpointSource(path, (path,))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist: give a .safetensors file or a diffusers "
+                                f"model folder (config.json + .safetensors)")
+    if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(os.path.join(path, "transformer")):
+        return resolve_checkpoint(os.path.join(path, "transformer"))
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"folder {path!r} has no config.json: a diffusers model folder holds config.json and "
+                         f".safetensors weights; or give the .safetensors file itself")
+    with open(config_path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    return CheckpointSource(path, _folder_weight_files(path), config)
+
+
+def _folder_weight_files(folder: str) -> tuple[str, ...]:
+    indexes = sorted(glob.glob(os.path.join(folder, "*.safetensors.index.json")))
+    if indexes:
+        with open(indexes[0], encoding="utf-8") as handle:
+            weight_map = json.load(handle).get("weight_map", {})
+        files = sorted({os.path.join(folder, name) for name in weight_map.values()})
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"{indexes[0]!r} lists shards that are missing: {missing[:3]}; copy the whole "
+                                    f"folder again")
+        return tuple(files)
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"folder {folder!r} has config.json but no .safetensors weights (only .safetensors loads)")
+    return tuple(files)
+
+
+def _refuse_other_formats(path: str) -> None:
+    """Clear errors for the other weight formats people keep next to .safetensors files."""
+    with open(path, "rb") as handle:
+        magic = handle.read(9)
+    if magic[8:9] == b"{":  # a safetensors header (its 8-byte length may well start with 0x80 or "PK")
+        return
+    if magic[:4] == b"GGUF":
+        raise ValueError(f"{path!r} is a GGUF (quantized) file: it is not supported; use a .safetensors file "
+                         f"(bf16, fp16, fp32 or fp8)")
+    if magic[:2] == b"PK" or magic[:1] == b"\x80":  # zip (torch.save) or a raw pickle
+        raise ValueError(f"{path!r} is a pickled (.ckpt/.pt/.bin) checkpoint: only .safetensors files load "
+                         f"(pickles can run code); convert it to .safetensors first")
+
+
+def read_checkpoint_header(path: str) -> Header:
+    """Header of a file, or of a diffusers folder (shards merged; config.json under CONFIG_METADATA_KEY)."""
+    source = resolve_checkpoint(path)
+    if source.config is None:
+        return read_header(source.files[0])
+    tensors: dict = {}
+    for file in source.files:
+        tensors.update(read_header(file).tensors)
+    return Header(source.path, tensors, {CONFIG_METADATA_KEY: json.dumps(source.config)})
+
+
+def header_config(header: Header) -> Optional[dict]:
+    """The diffusers config.json of a folder header, or None for a single file."""
+    text = header.metadata.get(CONFIG_METADATA_KEY)
+    return json.loads(text) if text else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Key prefixes and header inspection
+
+def find_prefix(keys: Iterable[str], anchors: Sequence[str]) -> Optional[str]:
+    """The prefix p for which p + anchor is a key for every anchor, or None.
+
+    Known prefixes (KNOWN_PREFIXES) are preferred; any other prefix ending in "." is accepted too.
+    """
+    keys = keys if isinstance(keys, (set, dict)) else set(keys)
+    first = anchors[0]
+    candidates = {key[: len(key) - len(first)] for key in keys if key.endswith(first)}
+    candidates = {p for p in candidates if p == "" or p.endswith(".")}
+    ordered = [p for p in KNOWN_PREFIXES if p in candidates] + sorted(candidates - set(KNOWN_PREFIXES), key=len)
+    for prefix in ordered:
+        if all(prefix + anchor in keys for anchor in anchors):
+            return prefix
+    return None
+
+
+def strip_prefix(tensors: Mapping[str, tuple], prefix: str) -> dict[str, tuple]:
+    """Entries under `prefix`, with the prefix removed (other entries, e.g. a VAE in the same file, are dropped)."""
+    return {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)}
+
+
+def count_blocks(keys: Iterable[str], stem: str) -> int:
+    """Number of consecutive blocks stem.0., stem.1., ... present among the keys."""
+    indices = set()
+    for key in keys:
+        if key.startswith(stem + "."):
+            index = key[len(stem) + 1:].split(".", 1)[0]
+            if index.isdigit():
+                indices.add(int(index))
+    count = 0
+    while count in indices:
+        count += 1
+    return count
+
+
+def layout_keys(table: Mapping[str, tuple[str, str]], layout: str) -> dict[str, str]:
+    """fact -> its key in `layout` ("original" or "diffusers"), from a family's table of (original, diffusers) keys."""
+    index = ("original", "diffusers").index(layout)
+    return {fact: keys[index] for fact, keys in table.items()}
+
+
+def shape_of(tensors: Mapping[str, tuple], key: str) -> tuple[int, ...]:
+    """Shape of a header entry; a clear error when a key the architecture needs is missing."""
+    if key not in tensors:
+        raise ValueError(f"the checkpoint has no tensor {key!r}, which this architecture needs: the file is "
+                         f"incomplete or not the model family it looks like")
+    return tuple(tensors[key][1])
+
+
+def quantization_markers(keys: Iterable[str]) -> list[str]:
+    """Keys of quantized formats this loader does not dequantize (ComfyUI scaled fp8, GGUF-like, bitsandbytes)."""
+    suffixes = (".scale_weight", ".weight_scale", ".scale_input", ".input_scale", ".comfy_quant", ".absmax",
+                ".quant_map", ".quant_state.bitsandbytes__nf4", ".weight_scale_2")
+    return sorted(k for k in keys if k == "scaled_fp8" or k.endswith(suffixes))
+
+
+def reject_quantized(header: Header, prefix: str) -> None:
+    markers = quantization_markers(strip_prefix(header.tensors, prefix))
+    if markers:
+        raise ValueError(f"{header.path!r} is a quantized checkpoint (it has {markers[:3]}...): scaled-fp8 / "
+                         f"nf4 / mixed-quant files are not supported; use a plain bf16, fp16 or fp8 "
+                         f"(e4m3fn / e5m2) file")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dtypes
+
+@dataclass(frozen=True)
+class WeightDtypes:
+    """How weights are kept: `storage` for the large layers, `compute` for everything else and for the maths.
+
+    storage != compute (fp8) means diffusers' layerwise casting: weights stay fp8 and each layer is cast to
+    `compute` only while it runs; norms, embeddings and the final projection stay in `compute`.
+    """
+
+    storage: torch.dtype
+    compute: torch.dtype
+
+    @property
+    def layerwise(self) -> bool:
+        return self.storage != self.compute
+
+    @property
+    def storage_name(self) -> str:
+        return dtype_name(self.storage)
+
+    @property
+    def compute_name(self) -> str:
+        return dtype_name(self.compute)
+
+
+def dominant_dtype(header: Header, prefix: str = "") -> torch.dtype:
+    """The float dtype holding most parameters under `prefix` (the checkpoint's own precision)."""
+    totals: dict[str, int] = {}
+    for dtype, shape in strip_prefix(header.tensors, prefix).values():
+        if dtype in SAFETENSORS_DTYPES:
+            numel = 1
+            for size in shape:
+                numel *= size
+            totals[dtype] = totals.get(dtype, 0) + numel
+    if not totals:
+        raise ValueError(f"{header.path!r} holds no floating-point weights under {prefix!r}")
+    return SAFETENSORS_DTYPES[max(totals, key=totals.get)]
+
+
+def choose_dtypes(requested: str, header: Optional[Header] = None, prefix: str = "") -> WeightDtypes:
+    """Weight dtypes for a request: "default" keeps the file's own (fp8 files stay fp8 with bf16 compute)."""
+    name = dtype_name(requested)
+    if name == "default":
+        if header is None:
+            raise ValueError("dtype 'default' needs the checkpoint header to know the file's precision")
+        dtype = dominant_dtype(header, prefix)
+        dtype = torch.float32 if dtype == torch.float64 else dtype
+    else:
+        dtype = DTYPES[name]
+    if dtype in FP8_DTYPES:
+        return WeightDtypes(dtype, FP8_COMPUTE_DTYPE)
+    return WeightDtypes(dtype, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model construction and loading
+
+def build_empty_model(model_cls, config: Mapping, dtypes: WeightDtypes):
+    """A diffusers model with parameters on the meta device (buffers real), layerwise casting set up for fp8.
+
+    accelerate's init_empty_weights keeps buffers real: torch.device("meta") would break non-persistent buffers
+    (e.g. rotary tables) that no checkpoint carries.
+    """
+    from accelerate import init_empty_weights
+    with init_empty_weights():
+        model = model_cls.from_config(dict(config))
+    if dtypes.layerwise:
+        # On the empty model this only re-tags meta parameters: the hooked layers now expect `storage` tensors.
+        model.enable_layerwise_casting(storage_dtype=dtypes.storage, compute_dtype=dtypes.compute)
+    return model
+
+
+def target_dtypes(model: torch.nn.Module, dtypes: WeightDtypes) -> dict[str, Optional[torch.dtype]]:
+    """Final dtype of every state-dict entry (None: keep the file's dtype, for integer buffers)."""
+    targets = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if not tensor.is_floating_point():
+            targets[name] = None
+        elif dtypes.layerwise and tensor.dtype == dtypes.storage:
+            targets[name] = dtypes.storage
+        else:
+            targets[name] = dtypes.compute
+    return targets
+
+
+def identity_plan(keys: Iterable[str]) -> dict[str, list[tuple[str, Transform]]]:
+    """A plan for checkpoints whose keys already are the model's keys (diffusers layout)."""
+    return {key: [(key, None)] for key in keys}
+
+
+def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: torch.device | str,
+                 dtypes: WeightDtypes, prefix: str = "", plan: Optional[KeyPlan] = None,
+                 ignore: Iterable[str] = (), progress: Optional[ProgressFn] = None) -> torch.nn.Module:
+    """Read every tensor of `source` once onto `device`, convert it through `plan`, cast it, and assign it.
+
+    plan: source key (prefix stripped) -> [(model key, transform)]; None means keys are already the model's.
+    ignore: source keys (prefix stripped) that carry no weights (e.g. ComfyUI marker tensors).
+    Missing model keys and unknown source keys raise ValueError naming them. Returns the model, in eval mode.
+    """
+    from safetensors import safe_open
+
+    device = torch.device(device)
+    targets = target_dtypes(model, dtypes)
+    ignore = set(ignore)
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    reporter = _Progress(progress, source)
+    for file in source.files:
+        with safe_open(file, framework="pt", device=str(device)) as handle:
+            for key in handle.keys():
+                if not key.startswith(prefix):
+                    continue
+                name = key[len(prefix):]
+                if name in ignore:
+                    continue
+                outputs = [(name, None)] if plan is None else plan.get(name)
+                if outputs is None or any(target not in targets for target, _ in outputs):
+                    unexpected.append(name)
+                    continue
+                tensor = handle.get_tensor(key)
+                for target, transform in outputs:
+                    state[target] = _cast(transform(tensor) if transform else tensor, targets[target])
+                reporter.advance(tensor)
+                del tensor
+    _check_keys(source, targets, state, unexpected)
+    model.load_state_dict(state, strict=True, assign=True)
+    _move_buffers(model, device)
+    model.requires_grad_(False)
+    reporter.done()
+    return model.eval()
+
+
+def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    if dtype is None or tensor.dtype == dtype:
+        return tensor.contiguous()
+    return tensor.to(dtype).contiguous()
+
+
+def _check_keys(source: CheckpointSource, targets: Mapping, state: Mapping, unexpected: list[str]) -> None:
+    missing = sorted(set(targets) - set(state))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} weights the model needs are missing (e.g. {missing[:4]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} tensors are not part of the model (e.g. {sorted(unexpected)[:4]})")
+        raise ValueError(f"{source.path!r} does not match the detected architecture: {'; '.join(parts)}. "
+                         f"The file may be a different variant or a merge with extra layers")
+
+
+def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Buffers were built on the CPU by init_empty_weights; parameters already sit on `device`."""
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+
+
+class _Progress:
+    """Reports loading progress by bytes read, at most once per percent."""
+
+    def __init__(self, progress: Optional[ProgressFn], source: CheckpointSource):
+        self.progress = progress
+        self.total = max(1, sum(os.path.getsize(f) for f in source.files))
+        self.read = 0
+        self.last = -1.0
+        self.name = os.path.basename(source.path)
+
+    def advance(self, tensor: torch.Tensor) -> None:
+        self.read += tensor.numel() * tensor.element_size()
+        fraction = min(1.0, self.read / self.total)
+        if self.progress is not None and fraction - self.last >= 0.01:
+            self.last = fraction
+            self.progress(fraction, f"loading {self.name}")
+
+    def done(self) -> None:
+        if self.progress is not None:
+            self.progress(1.0, f"loaded {self.name}")

@@ -1,0 +1,317 @@
+"""Pieces shared by the joint-attention image DiTs (Flux, Qwen-Image) under Ulysses sequence parallelism.
+
+ComfyUI's latent packing (circular padding to the patch size, 2x2 patches as (c, ph, pw) features), its position ids
+for the image and reference latents, this rank's token range and rotary slice, the joint attention call that
+replaces diffusers' attention, and writing this rank's output tokens back into the latent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import SeqShards, sp_attention
+from ..groups import SeqParallel
+
+ROPE_THETA = 10000
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Architecture facts a header cannot show
+
+def rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """Rotary dims of the (index, row, column) axes: (16, 56, 56) at the real head size 128.
+
+    Checkpoints do not store them; other head sizes (tiny test models) follow the same proportions: about an
+    eighth for the index axis, the rest split evenly, every part even.
+    """
+    if head_dim % 2 or head_dim < 6:
+        raise ValueError(f"head size {head_dim} cannot carry 3-axis rotary embeddings (needs an even size >= 6)")
+    spatial = 2 * ((head_dim - max(2, 2 * round(head_dim / 16))) // 4)
+    return head_dim - 2 * spatial, spatial, spatial
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Latent <-> tokens
+
+def pad_to_patch(x: torch.Tensor, patch: int) -> torch.Tensor:
+    """Pad the last two dims to a multiple of the patch size, circularly (what ComfyUI's models do)."""
+    pad_h = (patch - x.shape[-2] % patch) % patch
+    pad_w = (patch - x.shape[-1] % patch) % patch
+    if pad_h == 0 and pad_w == 0:
+        return x
+    return F.pad(x, (0, pad_w, 0, pad_h), mode="circular")
+
+
+def patchify(x: torch.Tensor, patch: int) -> torch.Tensor:
+    """[B, C, H, W] (padded) -> [B, (H/p)(W/p), C*p*p] tokens, row-major, features ordered (c, ph, pw)."""
+    batch, channels, height, width = x.shape
+    rows, cols = height // patch, width // patch
+    tokens = x.reshape(batch, channels, rows, patch, cols, patch).permute(0, 2, 4, 1, 3, 5)
+    return tokens.reshape(batch, rows * cols, channels * patch * patch)
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """The token grid of one latent: rows x cols patches covering height x width latent pixels (padded)."""
+
+    rows: int
+    cols: int
+    height: int
+    width: int
+    patch: int
+
+    @classmethod
+    def of(cls, height: int, width: int, patch: int) -> "TokenGrid":
+        return cls(-(-height // patch), -(-width // patch), height, width, patch)
+
+    @property
+    def count(self) -> int:
+        return self.rows * self.cols
+
+    def rectangles(self, first: int, stop: int) -> list[tuple[int, int, int, int]]:
+        """Tokens [first, stop) as at most 3 (row0, row1, col0, col1) blocks: partial row, full rows, partial row."""
+        blocks = []
+        while first < stop:
+            row, col = divmod(first, self.cols)
+            if col == 0 and stop - first >= self.cols:
+                full = (stop - first) // self.cols
+                blocks.append((row, row + full, 0, self.cols))
+                first += full * self.cols
+            else:
+                end = min(self.cols, col + stop - first)
+                blocks.append((row, row + 1, col, end))
+                first += end - col
+        return blocks
+
+    def write(self, out: torch.Tensor, tokens: torch.Tensor, first: int) -> None:
+        """Unpatchify tokens [B, n, C*p*p] (grid positions first..first+n) into out [B, C, height, width], cropped."""
+        p = self.patch
+        done = 0
+        for row0, row1, col0, col1 in self.rectangles(first, first + tokens.shape[1]):
+            rows, cols = row1 - row0, col1 - col0
+            block = tokens[:, done:done + rows * cols]
+            done += rows * cols
+            block = block.reshape(block.shape[0], rows, cols, -1, p, p).permute(0, 3, 1, 4, 2, 5)
+            block = block.reshape(block.shape[0], block.shape[1], rows * p, cols * p)
+            top, left = row0 * p, col0 * p
+            bottom, right = min(row1 * p, self.height), min(col1 * p, self.width)
+            out[:, :, top:bottom, left:right].copy_(block[:, :, :bottom - top, :right - left])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Position ids (ComfyUI's conventions, which the outputs must reproduce)
+
+def grid_ids(grid: TokenGrid, index: float, row_offset: int, col_offset: int, centred: bool,
+             dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[rows*cols, 3] (index, row, col) ids of one latent's tokens; offsets in latent pixels, as ComfyUI gives.
+
+    ComfyUI builds the row / column ranges in the latent's dtype (exact below 256 in bf16), so do we.
+    """
+    half = grid.patch // 2
+    row_start = (row_offset + half) // grid.patch
+    col_start = (col_offset + half) // grid.patch
+    rows = torch.arange(row_start, row_start + grid.rows, device=device).to(dtype).float()
+    cols = torch.arange(col_start, col_start + grid.cols, device=device).to(dtype).float()
+    if centred:  # Qwen-Image centres the grid on 0
+        rows, cols = rows - grid.rows // 2, cols - grid.cols // 2
+    ids = torch.empty(grid.rows, grid.cols, 3, device=device)
+    ids[..., 0] = index
+    ids[..., 1] = rows[:, None]
+    ids[..., 2] = cols[None, :]
+    return ids.reshape(-1, 3)
+
+
+def reference_placements(method: str, shape_hw: tuple[int, int], refs_hw: Sequence[tuple[int, int]],
+                         patch: int, methods: Sequence[str]) -> list[tuple[int, int, int]]:
+    """(index, row offset, col offset) of each reference latent, following ComfyUI's ref_latents_method.
+
+    `methods` are the names the family knows besides "offset"; any other name takes ComfyUI's default branch,
+    which places the references side by side ("offset").
+    """
+    method = method if method in methods else "offset"
+    placements, index, used_h, used_w = [], 0, 0, 0
+    grid = TokenGrid.of(shape_hw[0], shape_hw[1], patch)
+    for ref_h, ref_w in refs_hw:
+        if method in ("index", "index_timestep_zero"):
+            index += 1
+            placements.append((index, 0, 0))
+        elif method == "negative_index":
+            index -= 1
+            placements.append((index, 0, 0))
+        elif method == "uxo":
+            placements.append((0, grid.rows * patch + used_h, grid.cols * patch + used_w))
+            used_h, used_w = used_h + ref_h, used_w + ref_w
+        else:
+            row_offset = col_offset = 0
+            if ref_h + used_h > ref_w + used_w:
+                col_offset = used_w
+            else:
+                row_offset = used_h
+            used_h, used_w = max(used_h, ref_h + row_offset), max(used_w, ref_w + col_offset)
+            placements.append((1, row_offset, col_offset))
+    return placements
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sequence split and joint attention
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """This rank's share [lo, hi) of a sequence of `total` image tokens whose first `outputs` produce output."""
+
+    shards: SeqShards
+    lo: int
+    hi: int
+    outputs: int
+
+    @classmethod
+    def of(cls, total: int, outputs: int, seq: SeqParallel) -> "TokenSplit":
+        shards = SeqShards.balanced(total, seq.degree)
+        lo, hi = shards.range(seq.rank)
+        return cls(shards, lo, hi, outputs)
+
+    @property
+    def output_range(self) -> tuple[int, int]:
+        """The output tokens this rank holds, [lo, hi) clipped to the output latent's tokens."""
+        return min(self.lo, self.outputs), min(self.hi, self.outputs)
+
+
+@dataclass
+class JointAttention:
+    """Everything one joint attention needs besides q, k, v; passed to our processors as `image_rotary_emb`.
+
+    image_rope / text_rope: (cos, sin) [tokens, head_dim] for this rank's image tokens and for all text tokens.
+    text_mask: bool [B, L] (True = attend) or None. text_len: text tokens in front of the image in single blocks.
+    """
+
+    seq: SeqParallel
+    shards: SeqShards
+    image_rope: tuple[torch.Tensor, torch.Tensor]
+    text_rope: tuple[torch.Tensor, torch.Tensor]
+    text_mask: Optional[torch.Tensor]
+    text_len: int
+
+    def __call__(self, image_qkv: Sequence[torch.Tensor], text_qkv: Sequence[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate, attend jointly over [text, all image tokens]; returns (image out, text out), each [B, S, H, D]."""
+        image_q, image_k, image_v = image_qkv
+        text_q, text_k, text_v = text_qkv
+        image_q, image_k = _rotate(image_q, self.image_rope), _rotate(image_k, self.image_rope)
+        text_q, text_k = _rotate(text_q, self.text_rope), _rotate(text_k, self.text_rope)
+        return sp_attention(image_q, image_k, image_v, self.seq, self.shards, text=(text_q, text_k, text_v),
+                            text_mask=self.text_mask, text_first=True)
+
+
+@dataclass
+class ImageSequence:
+    """This rank's part of the image sequence: the output latent's tokens, then every reference latent's."""
+
+    tokens: torch.Tensor                            # [B, hi - lo, C*p*p] patch tokens of this rank
+    rope: tuple[torch.Tensor, torch.Tensor]         # their rotary (cos, sin)
+    split: TokenSplit
+    grid: TokenGrid                                 # the output latent's token grid
+
+    def write(self, out: torch.Tensor, result: torch.Tensor) -> None:
+        """Unpatchify this rank's output tokens (result [B, hi - lo, C*p*p]) into out [B, C, H, W]."""
+        first, stop = self.split.output_range
+        if stop > first:
+            self.grid.write(out, result[:, :stop - first].to(out.dtype).cpu(), first)
+
+
+def image_sequence(latents: Sequence[torch.Tensor], placements: Sequence[tuple[int, int, int]], seq: SeqParallel,
+                   axes: Sequence[int], patch: int, centred: bool, id_dtype: torch.dtype) -> ImageSequence:
+    """Patch tokens and rotary of this rank's share of [output latent, *reference latents].
+
+    latents: [B or 1, C, H, W] on the device, the output latent first (a batch-1 reference serves every item);
+    placements: the (index, row offset, col offset) of each latent. Every rank patchifies the (small) latents whole
+    and embeds only its own tokens.
+    """
+    batch = latents[0].shape[0]
+    token_parts, id_parts = [], []
+    for latent, (index, row_offset, col_offset) in zip(latents, placements):
+        latent = latent.expand(batch, *latent.shape[1:]) if latent.shape[0] == 1 else latent
+        token_parts.append(patchify(pad_to_patch(latent, patch), patch))
+        grid = TokenGrid.of(latent.shape[-2], latent.shape[-1], patch)
+        id_parts.append(grid_ids(grid, index, row_offset, col_offset, centred, id_dtype, latent.device))
+    ids = torch.cat(id_parts)
+    output_grid = TokenGrid.of(latents[0].shape[-2], latents[0].shape[-1], patch)
+    split = TokenSplit.of(ids.shape[0], output_grid.count, seq)
+    return ImageSequence(slice_tokens(token_parts, split.lo, split.hi), rotary(ids[split.lo:split.hi], axes), split,
+                         output_grid)
+
+
+def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """diffusers' rotary on [B, S, H, D]; a rank with no tokens (more ranks than tokens) has nothing to rotate."""
+    from diffusers.models.embeddings import apply_rotary_emb
+    return apply_rotary_emb(x, rope, sequence_dim=1) if x.shape[1] else x
+
+
+def rotary(ids: torch.Tensor, axes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [S, head_dim] for ids [S, 3], interleaved per pair; float64 angles as ComfyUI and diffusers."""
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+    return FluxPosEmbed(theta=ROPE_THETA, axes_dim=list(axes))(ids)
+
+
+def text_key_mask(mask: Optional[torch.Tensor], batch: int, length: int) -> Optional[torch.Tensor]:
+    """A text padding mask as bool [B, L] (True = attend), or None when nothing is masked.
+
+    Accepts ComfyUI's forms: 1/0 or bool keep-masks, and additive float masks (0 = keep, large negative = drop).
+    """
+    if mask is None:
+        return None
+    if mask.dim() != 2 or mask.shape[-1] != length or mask.shape[0] not in (1, batch):
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}; expected [batch, text tokens] = "
+                         f"[{batch}, {length}]")
+    if mask.dtype == torch.bool:
+        keep = mask
+    elif mask.is_floating_point() and bool((mask < 0).any()):
+        if bool(((mask < 0) & (mask > -1e4)).any()) or bool((mask > 0).any()):
+            raise ValueError("attention_mask holds additive values other than 0 and a large negative number: only "
+                             "keep / drop text masks are supported")
+        keep = mask == 0
+    else:
+        keep = mask != 0
+    keep = keep.expand(batch, length)
+    return None if bool(keep.all()) else keep
+
+
+def slice_tokens(parts: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    """Tokens [lo, hi) of the concatenation of parts along dim 1, copying only what this rank needs."""
+    pieces, start = [], 0
+    for part in parts:
+        end = start + part.shape[1]
+        if end > lo and start < hi:
+            pieces.append(part[:, max(lo, start) - start:min(hi, end) - start])
+        start = end
+    if not pieces:  # more ranks than tokens: this rank holds none
+        return parts[0][:, :0]
+    return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+
+
+def as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Single-process reference packing (tests, demo, benchmarks): written apart from the SP path on purpose
+
+def reference_pack(latent: torch.Tensor, patch: int) -> tuple[torch.Tensor, TokenGrid]:
+    """[B, C, H, W] -> ([B, N, C*p*p] tokens, grid): wrap-around padding by concatenation, then F.unfold."""
+    grid = TokenGrid.of(latent.shape[-2], latent.shape[-1], patch)
+    extra_rows, extra_cols = grid.rows * patch - grid.height, grid.cols * patch - grid.width
+    latent = torch.cat([latent, latent[:, :, :extra_rows]], dim=2) if extra_rows else latent
+    latent = torch.cat([latent, latent[:, :, :, :extra_cols]], dim=3) if extra_cols else latent
+    tokens = F.unfold(latent.float(), kernel_size=patch, stride=patch).transpose(1, 2)
+    return tokens.to(latent.dtype), grid
+
+
+def reference_unpack(tokens: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
+    """[B, N, C*p*p] tokens -> [B, C, H, W] with F.fold, cropped to the unpadded size."""
+    size = (grid.rows * grid.patch, grid.cols * grid.patch)
+    latent = F.fold(tokens.float().transpose(1, 2), size, kernel_size=grid.patch, stride=grid.patch)
+    return latent[:, :, :grid.height, :grid.width].to(tokens.dtype)

@@ -1,0 +1,375 @@
+"""Qwen-Image (and Qwen-Image-Edit) under Ulysses SP: detection from the header, loading into diffusers'
+QwenImageTransformer2DModel, and ComfyUI's `diffusion_model(x, timestep, context, attention_mask, ref_latents)`.
+
+ComfyUI and diffusers name Qwen-Image's weights the same way, so a ComfyUI file needs no key conversion beyond
+dropping a `model.diffusion_model.` prefix. Qwen-Image, Qwen-Image-Edit and Edit-2509 share one architecture: their
+headers look alike and the call (reference latents or not) decides; Edit-2511 files carry ComfyUI's
+`__index_timestep_zero__` marker (diffusers folders: `zero_cond_t` in config.json), or pass option variant="edit_2511".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Optional
+
+import torch
+
+from .base import LoadRequest, ModelInfo, ProgressFn, config_entries
+from .checkpoint import (CheckpointSource, KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, count_blocks,
+                         find_prefix, header_config, identity_plan, load_weights, read_checkpoint_header,
+                         reject_quantized, resolve_checkpoint, shape_of, strip_prefix)
+from .detect import Detection, Header
+from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
+                        reference_placements, rope_axes, rotary, text_key_mask)
+
+FAMILY = "qwen_image"
+DESCRIPTION = "Qwen-Image / Qwen-Image-Edit (2509, 2511)"
+PATCH = 2
+ANCHORS = ("txt_norm.weight", "img_in.weight", "txt_in.weight", "transformer_blocks.0.attn.norm_q.weight",
+           "proj_out.weight")
+EDIT_2511_MARKER = "__index_timestep_zero__"  # ComfyUI's flag tensor in Qwen-Image-Edit-2511 files
+LAYERED_MARKER = "time_text_embed.addition_t_embedding.weight"
+REF_METHODS = ("index", "index_timestep_zero", "negative_index")  # others place references side by side
+CONFIG_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim", "num_attention_heads",
+               "joint_attention_dim", "axes_dims_rope", "zero_cond_t")
+VARIANT_IMAGE = "image"         # Qwen-Image, Qwen-Image-Edit, Edit-2509 (one architecture)
+VARIANT_EDIT_2511 = "edit_2511"  # reference tokens modulated with timestep 0 by default
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Detection
+
+def detect(header: Header) -> Optional[Detection]:
+    """Qwen-Image from its header alone (no weights read); None when the file is another family."""
+    folder_config = header_config(header)
+    if folder_config is not None and folder_config.get("_class_name") != "QwenImageTransformer2DModel":
+        return None
+    prefix = find_prefix(header.tensors, ANCHORS)
+    if prefix is None:
+        return None
+    keys = strip_prefix(header.tensors, prefix)
+    if LAYERED_MARKER in keys or (folder_config or {}).get("use_layer3d_rope"):
+        raise ValueError(f"{header.path!r} is Qwen-Image-Layered, which is not supported (only Qwen-Image and "
+                         f"Qwen-Image-Edit load)")
+    reject_quantized(header, prefix)
+    config = _folder_config(folder_config) if folder_config else architecture(keys)
+    if EDIT_2511_MARKER in keys:
+        config["zero_cond_t"] = True
+    variant = VARIANT_EDIT_2511 if config.get("zero_cond_t") else VARIANT_IMAGE
+    return Detection(family=FAMILY, variant=variant, layout="diffusers", prefix=prefix, config=config,
+                     files=resolve_checkpoint(header.path).files)
+
+
+def architecture(keys: dict) -> dict:
+    """QwenImageTransformer2DModel config from header shapes (keys without prefix)."""
+    hidden, in_features = shape_of(keys, "img_in.weight")
+    head_dim = shape_of(keys, "transformer_blocks.0.attn.norm_q.weight")[0]
+    if hidden % head_dim:
+        raise ValueError(f"Qwen-Image width {hidden} is not a multiple of its head size {head_dim}")
+    out_features = shape_of(keys, "proj_out.weight")[0]
+    return {
+        "patch_size": PATCH,
+        "in_channels": in_features,
+        "out_channels": out_features // (PATCH * PATCH),
+        "num_layers": count_blocks(keys, "transformer_blocks"),
+        "attention_head_dim": head_dim,
+        "num_attention_heads": hidden // head_dim,
+        "joint_attention_dim": shape_of(keys, "txt_in.weight")[1],
+        "axes_dims_rope": rope_axes(head_dim),
+        "zero_cond_t": False,
+    }
+
+
+def _folder_config(config: dict) -> dict:
+    known = {key: config[key] for key in CONFIG_KEYS if key in config}
+    known.setdefault("zero_cond_t", False)
+    if "axes_dims_rope" in known:
+        known["axes_dims_rope"] = tuple(known["axes_dims_rope"])
+    return known
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
+    """How a checkpoint's keys (prefix stripped) become parameters, for load_model and for LoRA's re-reading of
+    base weights: as they are (None), in every layout (see original_plan)."""
+    return None
+
+
+def original_plan(keys: Iterable[str], config) -> KeyPlan:
+    """ComfyUI (original) key names -> parameters: ComfyUI names Qwen-Image's weights as diffusers does."""
+    return identity_plan(keys)
+
+
+def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
+               detection: Optional[Detection] = None, options: Optional[dict] = None,
+               progress: Optional[ProgressFn] = None) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
+    """A diffusers QwenImageTransformer2DModel with the checkpoint's weights (stock attention processors)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    header = read_checkpoint_header(path)
+    detection = detection or detect(header)
+    if detection is None:
+        raise ValueError(f"{path!r} is not a Qwen-Image checkpoint")
+    detection = _with_options(detection, options or {})
+    dtypes = choose_dtypes(dtype, header, detection.prefix)
+    model = build_empty_model(QwenImageTransformer2DModel, detection.config, dtypes)
+    source: CheckpointSource = resolve_checkpoint(path)
+    plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
+    load_weights(model, source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
+                 ignore=(EDIT_2511_MARKER,), progress=progress)
+    return model, detection, dtypes
+
+
+def _with_options(detection: Detection, options: dict) -> Detection:
+    """Apply load options: variant="edit_2511" (files that cannot say so), axes_dims_rope (unusual head sizes)."""
+    config = dict(detection.config)
+    if "axes_dims_rope" in options:
+        config["axes_dims_rope"] = tuple(options["axes_dims_rope"])
+    variant = options.get("variant") or detection.variant
+    if variant not in (VARIANT_IMAGE, VARIANT_EDIT_2511):
+        raise ValueError(f"Qwen-Image variant {variant!r} is unknown; use {VARIANT_IMAGE!r} or {VARIANT_EDIT_2511!r}")
+    config["zero_cond_t"] = variant == VARIANT_EDIT_2511
+    return replace(detection, variant=variant, config=config)
+
+
+def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
+         ) -> "QwenImageWorker":
+    """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
+    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress)
+    return worker_from_model(model, detection, dtypes, request.options)
+
+
+def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
+                      ) -> "QwenImageWorker":
+    """The worker around a built model (load(), synthetic models), its attention switched to sequence parallel."""
+    model.set_attn_processor(QwenSPAttnProcessor())
+    return QwenImageWorker(model, detection, dtypes, options)
+
+
+def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
+    config = model.config
+    return ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels // (PATCH * PATCH),
+                     out_channels=config.out_channels, x_ndim=5,
+                     config=config_entries(config, CONFIG_KEYS),
+                     weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sequence-parallel forward
+
+class QwenSPAttnProcessor:
+    """Joint attention of diffusers' Qwen-Image blocks through sp_attention.
+
+    Replaces QwenDoubleStreamAttnProcessor2_0: the block hands us this rank's image tokens, all text tokens and,
+    as `image_rotary_emb`, a JointAttention carrying the sequence split, the rotary slices and the text mask.
+    """
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
+                 encoder_hidden_states_mask: Optional[torch.Tensor] = None,
+                 attention_mask: Optional[torch.Tensor] = None,
+                 image_rotary_emb: Optional[JointAttention] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        joint = image_rotary_emb
+        if not isinstance(joint, JointAttention):
+            raise TypeError("QwenSPAttnProcessor runs inside the sequence-parallel forward only")
+        head_dim = attn.inner_dim // attn.heads
+
+        def split_heads(tensor):
+            return tensor.unflatten(-1, (-1, head_dim))
+
+        image = [split_heads(proj(hidden_states)) for proj in (attn.to_q, attn.to_k, attn.to_v)]
+        text = [split_heads(proj(encoder_hidden_states)) for proj in (attn.add_q_proj, attn.add_k_proj,
+                                                                      attn.add_v_proj)]
+        image[0], image[1] = attn.norm_q(image[0]), attn.norm_k(image[1])
+        text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
+        image_out, text_out = joint(image, text)
+        dtype = image[0].dtype
+        image_out = attn.to_out[1](attn.to_out[0](image_out.flatten(2, 3).to(dtype).contiguous()))
+        text_out = attn.to_add_out(text_out.flatten(2, 3).to(dtype).contiguous())
+        return image_out, text_out
+
+
+class QwenImageWorker:
+    """A loaded Qwen-Image in one worker; forward() is ComfyUI's diffusion_model call, split over the Ulysses group."""
+
+    def __init__(self, model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None):
+        self.model = model
+        self.dtypes = dtypes
+        self.info = model_info(model, detection, dtypes)
+        options = options or {}
+        self.default_ref_method = options.get("ref_latents_method") or (
+            "index_timestep_zero" if model.config.zero_cond_t else "index")
+        self.axes = tuple(model.config.axes_dims_rope)
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
+                ctx) -> None:
+        call = _prepare_call(self, x, timestep, inputs, ctx)
+        call.image.write(out[:, :, 0] if out.dim() == 5 else out, _run_blocks(self.model, call, ctx))
+
+
+@dataclass
+class _Call:
+    """One call's inputs on this rank, ready for the blocks."""
+
+    image: ImageSequence
+    text: torch.Tensor              # [b, L, joint_attention_dim]
+    sigma: torch.Tensor             # [b] float32
+    joint: JointAttention
+    mask: Optional[torch.Tensor]    # bool [b, L] or None
+    zero_refs: bool                 # Edit-2511: reference tokens modulated at timestep 0
+
+
+def _prepare_call(worker: QwenImageWorker, x, timestep, inputs, ctx) -> _Call:
+    _check_unsupported(inputs)
+    height, width = _check_latent(worker.model, x)
+    context = inputs.get("context")
+    if context is None or context.dim() != 3:
+        raise ValueError("Qwen-Image needs context [batch, text tokens, features] (the text encoder output)")
+    refs = [_as_4d(ref, "ref_latents") for ref in as_list(inputs.get("ref_latents"))]
+    method = inputs.get("ref_latents_method") or worker.default_ref_method
+    placements = reference_placements(method, (height, width), [r.shape[-2:] for r in refs], PATCH, REF_METHODS)
+    latents = [_as_4d(ctx.to_device(name, latent, worker.dtypes.compute), name) for name, latent in
+               [("x", x)] + [(f"ref_latents.{n}", ref) for n, ref in enumerate(refs)]]
+    image = image_sequence(latents, [(0, 0, 0), *placements], ctx.groups.seq, worker.axes, PATCH, centred=True,
+                           id_dtype=x.dtype)
+
+    text = ctx.to_device("context", context, worker.dtypes.compute)
+    length = text.shape[1]
+    start = max(image.grid.rows // 2, image.grid.cols // 2)  # ComfyUI: text ids follow the centred image
+    text_ids = torch.arange(start, start + length, device=ctx.device, dtype=torch.float32)[:, None].expand(-1, 3)
+    mask = inputs.get("attention_mask")
+    mask = text_key_mask(mask, x.shape[0], length)  # checked on the host: no device sync
+    mask = None if mask is None else mask.to(ctx.device)
+    # ComfyUI embeds the timestep from float32 sigma; diffusers would round sigma to the compute dtype first
+    sigma = ctx.to_device("timestep", timestep.reshape(-1), torch.float32)
+    sigma = sigma.expand(x.shape[0]) if sigma.numel() == 1 else sigma
+    joint = JointAttention(ctx.groups.seq, image.split.shards, image.rope, rotary(text_ids, worker.axes), mask,
+                           length)
+    return _Call(image, text, sigma, joint, mask, method == "index_timestep_zero" and bool(refs))
+
+
+def _check_latent(model, x: torch.Tensor) -> tuple[int, int]:
+    _, channels, height, width = _as_4d(x, "x").shape
+    if channels * PATCH * PATCH != model.config.in_channels:
+        raise ValueError(f"x has {channels} channels but this Qwen-Image takes "
+                         f"{model.config.in_channels // (PATCH * PATCH)}")
+    return height, width
+
+
+def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
+    """img_in .. proj_out on this rank's tokens; returns its output tokens [b, hi - lo, C*p*p]."""
+    hidden = model.img_in(call.image.tokens)
+    text = model.txt_in(model.txt_norm(call.text))
+    sigma, modulate_index = call.sigma, None
+    if call.zero_refs:
+        sigma = torch.cat([sigma, sigma * 0])
+        split = call.image.split
+        positions = torch.arange(split.lo, split.hi, device=hidden.device)
+        modulate_index = (positions >= split.outputs).int()[None].expand(hidden.shape[0], -1)
+    temb = model.time_text_embed(sigma, hidden)
+    for block in model.transformer_blocks:
+        ctx.check_cancel()
+        block.zero_cond_t = call.zero_refs  # diffusers' blocks read this flag for the text modulation
+        text, hidden = block(hidden_states=hidden, encoder_hidden_states=text, encoder_hidden_states_mask=call.mask,
+                             temb=temb, image_rotary_emb=call.joint, modulate_index=modulate_index)
+    if call.zero_refs:
+        temb = temb.chunk(2, dim=0)[0]
+    return model.proj_out(model.norm_out(hidden, temb))
+
+
+def _check_unsupported(inputs: dict) -> None:
+    if inputs.get("additional_t_cond") is not None:
+        raise ValueError("additional_t_cond (Qwen-Image-Layered) is not supported")
+    for name in ("control", "eligen_entity_prompt_emb", "eligen_entity_masks"):
+        if inputs.get(name) is not None:
+            raise ValueError(f"{name} is not supported by the sequence-parallel Qwen-Image")
+
+
+def _as_4d(latent: torch.Tensor, name: str) -> torch.Tensor:
+    """[B, C, 1, H, W] (ComfyUI's Qwen latents) or [B, C, H, W] -> [B, C, H, W] view."""
+    if latent.dim() == 5:
+        if latent.shape[2] != 1:
+            raise ValueError(f"{name} has {latent.shape[2]} frames; Qwen-Image takes one frame ([B, C, 1, H, W])")
+        return latent[:, :, 0]
+    if latent.dim() != 4:
+        raise ValueError(f"{name} has shape {tuple(latent.shape)}; Qwen-Image takes [B, C, 1, H, W]")
+    return latent
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Single-process reference (tests, demo, benchmarks): diffusers' stock forward and processors, ComfyUI's packing
+
+def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor] = None, ref_latents=None,
+                      ref_latents_method: Optional[str] = None, dtype: str = "default", **_ignored) -> torch.Tensor:
+    """ComfyUI's Qwen-Image diffusion_model(...) computed by diffusers' own forward on one process.
+
+    The only departure from the stock call is the rotary position lookup: diffusers' tables are addressed with
+    ComfyUI's position ids (diffusers centres odd grids one step differently and starts the text after the largest
+    reference image).
+    """
+    from .joint_dit import reference_pack, reference_unpack
+    model = model_or_path
+    if not isinstance(model, torch.nn.Module):
+        model = load_model(model_or_path, dtype)[0]
+    compute = model.proj_out.weight.dtype
+    device = model.proj_out.weight.device
+    latent = _as_4d(x, "x")
+    refs = [_as_4d(ref, "ref_latents") for ref in as_list(ref_latents)]
+    method = ref_latents_method or ("index_timestep_zero" if model.config.zero_cond_t else "index")
+    height, width = latent.shape[-2:]
+    packed, shapes, id_parts = [], [], []
+    placements = [(0, 0, 0)] + reference_placements(method, (height, width), [r.shape[-2:] for r in refs], PATCH,
+                                                    REF_METHODS)
+    for part, (index, row_offset, col_offset) in zip([latent, *refs], placements):
+        part = part.expand(latent.shape[0], *part.shape[1:])
+        tokens, grid = reference_pack(part.to(device, compute), PATCH)
+        packed.append(tokens)
+        shapes.append((1, grid.rows, grid.cols))
+        id_parts.append(grid_ids(grid, index, row_offset, col_offset, True, x.dtype, device))
+    zero_refs = method == "index_timestep_zero" and bool(refs)
+    grid = TokenGrid.of(height, width, PATCH)
+    mask = None if attention_mask is None else attention_mask.to(device)
+    if mask is not None and mask.is_floating_point():
+        mask = mask == 0 if bool((mask < 0).any()) else mask != 0
+    positions = _ComfyPositions(model.pos_embed, torch.cat(id_parts), max(grid.rows // 2, grid.cols // 2))
+    saved = model.pos_embed, model.zero_cond_t, [block.zero_cond_t for block in model.transformer_blocks]
+    model.pos_embed, model.zero_cond_t = positions, zero_refs
+    for block in model.transformer_blocks:
+        block.zero_cond_t = zero_refs
+    try:
+        with torch.no_grad():
+            tokens = model(hidden_states=torch.cat(packed, dim=1), encoder_hidden_states=context.to(device, compute),
+                           encoder_hidden_states_mask=mask,
+                           timestep=timestep.reshape(-1).expand(latent.shape[0]).to(device, compute),
+                           img_shapes=[shapes] * latent.shape[0], return_dict=False)[0]
+    finally:
+        model.pos_embed, model.zero_cond_t = saved[0], saved[1]
+        for block, flag in zip(model.transformer_blocks, saved[2]):
+            block.zero_cond_t = flag
+    result = reference_unpack(tokens[:, :grid.count], grid).to(x.dtype).cpu()
+    return result[:, :, None] if x.dim() == 5 else result
+
+
+class _ComfyPositions(torch.nn.Module):
+    """Stands in for diffusers' QwenEmbedRope: its own complex tables, looked up at ComfyUI's position ids."""
+
+    def __init__(self, table, image_ids: torch.Tensor, text_start: int):
+        super().__init__()
+        self.table, self.image_ids, self.text_start = table, image_ids, text_start
+
+    def forward(self, video_fhw, device=None, max_txt_seq_len=None):
+        halves = [dim // 2 for dim in self.table.axes_dim]
+        positive = self.table.pos_freqs.split(halves, dim=1)
+        negative = self.table.neg_freqs.split(halves, dim=1)  # row j holds position j - len(table)
+
+        def look_up(ids):
+            columns = []
+            for axis in range(3):
+                position = ids[:, axis].long().cpu()
+                rows = torch.where(position >= 0, position, position + negative[axis].shape[0])
+                columns.append(torch.where((position >= 0)[:, None], positive[axis][rows], negative[axis][rows]))
+            return torch.cat(columns, dim=1).to(device)
+
+        text = torch.arange(self.text_start, self.text_start + int(max_txt_seq_len))[:, None].expand(-1, 3)
+        return look_up(self.image_ids), look_up(text)

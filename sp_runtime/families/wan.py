@@ -1,0 +1,452 @@
+"""Wan 2.1 / 2.2 video (T2V, I2V, FLF2V, the A14B experts, TI2V 5B) under Ulysses SP: loading into diffusers'
+WanTransformer3DModel and ComfyUI's `diffusion_model(x, timestep, context, clip_fea, time_dim_concat)`.
+
+ComfyUI's call: x [B, C, T, H, W] (I2V: 36 channels, noise + mask + image latent), timestep = sigma x 1000 as [B]
+or, for Wan 2.2 TI2V 5B with a denoise mask, [B, T] per latent frame; context [B, L, 4096]; clip_fea
+[B, 257, 1280] for models with a CLIP image embedder. Returns [B, out_channels, T, H, W].
+
+SP plan: every rank patch-embeds only its balanced share of the video tokens (Conv3d with kernel == stride is a
+linear over flattened patches), takes the rotary embeddings and (TI2V) per-token modulations of those tokens,
+runs self-attention through sp_attention and cross-attention locally against the replicated text / image context
+(no communication), and writes its own output tokens. Header detection lives in wan_checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import SeqShards, local_attention, sp_attention
+from ..groups import SeqParallel
+from .base import LoadRequest, ModelInfo, ProgressFn, config_entries
+from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, header_config, load_weights,
+                         read_checkpoint_header, resolve_checkpoint)
+from .detect import Detection
+from .video_tokens import VideoGrid, pad_to_patch_3d
+from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY,
+                             folder_overrides, wan_key_plan)
+from .wan_checkpoint import detect  # noqa: F401 - the family's detector (detect.DETECTORS looks it up here)
+
+DESCRIPTION = "Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B)"
+INFO_KEYS = ("patch_size", "num_layers", "text_dim", "ffn_dim", "freq_dim", "image_dim", "pos_embed_seq_len")
+# inputs of Wan variants whose extra modules we do not load; ComfyUI would use them, so never ignore them silently
+UNSUPPORTED_INPUTS = ("vace_context", "camera_conditions", "audio_embed", "reference_motion", "control_video",
+                      "face_pixel_values", "pose_latents")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
+    """How a checkpoint's keys (prefix stripped) become parameters, for load_model and for LoRA's re-reading of
+    base weights: original-layout files through wan_key_plan, diffusers layouts as they are (None)."""
+    return wan_key_plan(keys) if detection.layout == "original" else None
+
+
+def original_plan(keys: Iterable[str], config) -> KeyPlan:
+    """Original (Wan / ComfyUI) key names -> parameters (LoRAs use these names too); the same for every size."""
+    return wan_key_plan(keys)
+
+
+def model_config(detection: Detection, options: Optional[dict] = None) -> dict:
+    """The diffusers config to build, with the head size from options["head_dim"] when given.
+
+    Order of precedence: the head_dim option, then what the files state (diffusers config.json, original release
+    config.json, or our test checkpoints' metadata key), then Wan's real head size, 128.
+    """
+    config = dict(detection.config)
+    inner = config.pop("inner_dim_unsplit", None) or config["attention_head_dim"] * config["num_attention_heads"]
+    wanted = (options or {}).get("head_dim") or config["attention_head_dim"]
+    if wanted is None:
+        raise ValueError(f"this Wan checkpoint is {inner} wide, which is not a multiple of Wan's head size "
+                         f"{DEFAULT_HEAD_DIM}: load it with the option head_dim=<size> (or write the size in the "
+                         f"file's safetensors metadata under {HEAD_DIM_METADATA_KEY!r})")
+    head_dim = int(wanted)
+    if head_dim < 6 or head_dim % 2 or inner % head_dim:
+        raise ValueError(f"head_dim={head_dim} does not fit a Wan model {inner} wide: it must divide the width and "
+                         f"be even and at least 6 (3-axis rotary embeddings)")
+    config.update(attention_head_dim=head_dim, num_attention_heads=inner // head_dim)
+    config["patch_size"] = tuple(config["patch_size"])
+    return config
+
+
+def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
+               detection: Optional[Detection] = None, options: Optional[dict] = None,
+               progress: Optional[ProgressFn] = None) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
+    """WanTransformer3DModel with the checkpoint's weights on `device`, stock attention processors."""
+    from diffusers import WanTransformer3DModel
+
+    header = read_checkpoint_header(path)
+    detection = detection or detect(header)
+    if detection is None or detection.family != FAMILY:
+        raise ValueError(f"{path!r} is not a Wan checkpoint")
+    config = {**model_config(detection, options), **folder_overrides(header_config(header))}
+    dtypes = choose_dtypes(dtype, header, detection.prefix)
+    model = build_empty_model(WanTransformer3DModel, config, dtypes)
+    keys = [key[len(detection.prefix):] for key in header.tensors if key.startswith(detection.prefix)]
+    plan = weight_plan(detection, keys)
+    ignore = [key for key in keys if key.endswith(DIFFUSERS_IGNORED_SUFFIX)] if plan is None else []
+    load_weights(model, resolve_checkpoint(path), device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
+                 ignore=ignore, progress=progress)
+    return model, detection, dtypes
+
+
+def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
+         ) -> "WanWorker":
+    """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
+    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress)
+    return worker_from_model(model, detection, dtypes, request.options)
+
+
+def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
+                      ) -> "WanWorker":
+    """The worker around a built model (load(), synthetic models), its attention switched to sequence parallel.
+
+    options: the load options, already applied by model_config (none concern the worker).
+    """
+    for block in model.blocks:
+        block.attn1.set_processor(WanSPSelfAttention())
+        block.attn2.set_processor(WanLocalCrossAttention())
+    return WanWorker(model, detection, dtypes)
+
+
+def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
+    config = model.config
+    described = config_entries(config, INFO_KEYS)
+    described.update(dim=config.num_attention_heads * config.attention_head_dim,
+                     num_heads=config.num_attention_heads, head_dim=config.attention_head_dim)
+    return ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
+                     out_channels=config.out_channels, x_ndim=5, config=described,
+                     weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention processors of the sequence-parallel forward
+
+@dataclass
+class SelfAttentionPlan:
+    """Passed to WanSPSelfAttention as `rotary_emb`: the split and this rank's rotary factors [1, n, 1, D/2]."""
+
+    seq: SeqParallel
+    shards: SeqShards
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass
+class CrossContext:
+    """Passed to WanLocalCrossAttention as `encoder_hidden_states`: embedded text, and image context or None."""
+
+    text: torch.Tensor
+    image: Optional[torch.Tensor]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' Wan rotary embedding on interleaved pairs (its processor defines it inline, so it is restated)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def _heads(attn, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.unflatten(2, (attn.heads, -1))
+
+
+class WanSPSelfAttention:
+    """WanAttnProcessor's self-attention on this rank's tokens, attending over the whole split sequence."""
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb: Optional[SelfAttentionPlan] = None) -> torch.Tensor:
+        plan = rotary_emb
+        if not isinstance(plan, SelfAttentionPlan):
+            raise TypeError("WanSPSelfAttention runs inside the sequence-parallel Wan forward only")
+        query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
+        key = _heads(attn, attn.norm_k(attn.to_k(hidden_states)))
+        value = _heads(attn, attn.to_v(hidden_states))
+        query, key = rotate(query, plan.cos, plan.sin), rotate(key, plan.cos, plan.sin)
+        out, _ = sp_attention(query, key, value, plan.seq, plan.shards)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class WanLocalCrossAttention:
+    """WanAttnProcessor's cross-attention of this rank's tokens to the replicated context: no communication.
+
+    The image context comes separately (diffusers splits a joint context assuming exactly 512 text tokens).
+    """
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: CrossContext = None,
+                 attention_mask=None, rotary_emb=None) -> torch.Tensor:
+        context = encoder_hidden_states
+        if not isinstance(context, CrossContext):
+            raise TypeError("WanLocalCrossAttention runs inside the sequence-parallel Wan forward only")
+        query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
+        image_out = None
+        if attn.add_k_proj is not None and context.image is not None:
+            key_img = _heads(attn, attn.norm_added_k(attn.add_k_proj(context.image)))
+            value_img = _heads(attn, attn.add_v_proj(context.image))
+            image_out = local_attention(query, key_img, value_img).flatten(2, 3).type_as(query)
+        key = _heads(attn, attn.norm_k(attn.to_k(context.text)))
+        value = _heads(attn, attn.to_v(context.text))
+        out = local_attention(query, key, value).flatten(2, 3).type_as(query)
+        if image_out is not None:
+            out = out + image_out
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sequence-parallel forward
+
+class WanWorker:
+    """A loaded Wan in one worker; forward() is ComfyUI's diffusion_model call, split over the sequence group."""
+
+    def __init__(self, model, detection: Detection, dtypes: WeightDtypes):
+        self.model = model
+        self.dtypes = dtypes
+        self.info = model_info(model, detection, dtypes)
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
+                ctx) -> None:
+        call = _prepare_call(self.model, self.dtypes.compute, x, timestep, inputs, ctx)
+        tokens = _run_blocks(self.model, call, ctx)
+        if tokens.shape[1]:
+            call.grid.write(out, tokens.to(out.dtype).cpu(), call.lo)
+
+
+@dataclass
+class _Call:
+    """The prepared inputs of one call on this rank."""
+
+    grid: VideoGrid
+    lo: int
+    hidden: torch.Tensor                  # [b, n, dim] this rank's embedded patches
+    attention: SelfAttentionPlan
+    context: CrossContext
+    block_modulation: torch.Tensor        # [b, 6, dim] or per token [b, n, 6, dim]
+    out_modulation: torch.Tensor          # [b, 1, dim] or per token [b, n, dim]
+
+
+def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx) -> _Call:
+    _check_inputs(model.config, x, inputs)
+    batch = x.shape[0]
+    latent = _video_latent(model, x, inputs, ctx)
+    grid = VideoGrid.of(tuple(latent.shape[2:]), tuple(model.config.patch_size))
+    seq = ctx.groups.seq
+    shards = SeqShards.balanced(grid.count, seq.degree)
+    lo, hi = shards.range(seq.rank)
+    hidden = patch_embed(model, grid.patches(latent, lo, hi)).to(dtype)
+    context = _cross_context(model, inputs, ctx, dtype, batch)
+    sigma = _per_item(ctx.to_device("timestep", timestep, torch.float32), batch)
+    temb, projection = time_embeddings(model, sigma, dtype)
+    entries = token_entries(temb.shape[1], grid.count, lo, hi, ctx.device)
+    if entries is None:
+        block_modulation, out_modulation = projection[:, 0], temb
+    else:
+        block_modulation, out_modulation = projection[:, entries], temb[:, entries]
+    cos, sin = rotary_factors(model.rope, grid, grid.positions(lo, hi, ctx.device))
+    return _Call(grid, lo, hidden, SelfAttentionPlan(seq, shards, cos, sin), context, block_modulation,
+                 out_modulation)
+
+
+def _video_latent(model, x, inputs, ctx) -> torch.Tensor:
+    """x in float32 (ComfyUI embeds patches in float32), padded to whole patches, with time_dim_concat's frames
+    appended (e.g. Phantom subjects: attended to, never output)."""
+    patch = tuple(model.config.patch_size)
+    latent = pad_to_patch_3d(ctx.to_device("x", x, torch.float32), patch)
+    extra = inputs.get("time_dim_concat")
+    if extra is None:
+        return latent
+    extra = pad_to_patch_3d(_per_item(ctx.to_device("time_dim_concat", extra, torch.float32), x.shape[0]), patch)
+    return torch.cat([latent, extra], dim=2)
+
+
+def _cross_context(model, inputs, ctx, dtype: torch.dtype, batch: int) -> CrossContext:
+    text = _per_item(ctx.to_device("context", inputs["context"], dtype), batch)
+    text = model.condition_embedder.text_embedder(text)
+    if model.condition_embedder.image_embedder is None:
+        return CrossContext(text, None)  # ComfyUI ignores clip_fea for models without an image embedder
+    clip = inputs.get("clip_fea")
+    if clip is None:  # ComfyUI: an image model called without clip_fea attends its image branch to the text
+        return CrossContext(text, text)
+    return CrossContext(text, image_context(model, _per_item(ctx.to_device("clip_fea", clip, dtype), batch)))
+
+
+def _per_item(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """An input with one row per batch item; a batch-1 input serves every item."""
+    return tensor.expand(batch, *tensor.shape[1:]) if tensor.shape[0] == 1 else tensor
+
+
+def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
+    """The transformer blocks and the output head on this rank's tokens: [b, n, pt*ph*pw*out_channels]."""
+    hidden = call.hidden
+    for block in model.blocks:
+        ctx.check_cancel()
+        hidden = block(hidden, call.context, call.block_modulation, call.attention)
+    table = model.scale_shift_table
+    if call.block_modulation.dim() == 3:  # one modulation for every token
+        shift, scale = (table + call.out_modulation).chunk(2, dim=1)
+    else:  # per-token modulation (Wan 2.2 TI2V 5B with per-frame timesteps)
+        shift, scale = (table.unsqueeze(0) + call.out_modulation.unsqueeze(2)).chunk(2, dim=2)
+        shift, scale = shift.squeeze(2), scale.squeeze(2)
+    hidden = (model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+    return model.proj_out(hidden)
+
+
+def _check_inputs(config, x: torch.Tensor, inputs: dict) -> None:
+    if x.dim() != 5 or x.shape[1] != config.in_channels:
+        raise ValueError(f"x has shape {list(x.shape)}; this Wan takes [B, {config.in_channels}, T, H, W]")
+    context = inputs.get("context")
+    if context is None or context.dim() != 3 or context.shape[-1] != config.text_dim:
+        shape = None if context is None else list(context.shape)
+        raise ValueError(f"Wan needs context [B, L, {config.text_dim}] (the text encoder output); got {shape}")
+    for name in UNSUPPORTED_INPUTS:
+        if inputs.get(name) is not None:
+            raise ValueError(f"{name} belongs to a Wan variant the sequence-parallel Wan does not support")
+    extra = inputs.get("time_dim_concat")
+    if extra is not None and (extra.dim() != 5 or extra.shape[1] != x.shape[1] or extra.shape[3:] != x.shape[3:]):
+        raise ValueError(f"time_dim_concat has shape {list(extra.shape)}; it must match x {list(x.shape)} in "
+                         f"channels, height and width")
+
+
+def patch_embed(model, patches: torch.Tensor) -> torch.Tensor:
+    """The Conv3d patch embedding as a float32 linear over flattened patches (ComfyUI runs it in float32)."""
+    conv = model.patch_embedding
+    return F.linear(patches.float(), conv.weight.flatten(1).float(), conv.bias.float())
+
+
+def image_context(model, clip_fea: torch.Tensor) -> torch.Tensor:
+    """CLIP image features -> image context, as ComfyUI's img_emb (FLF2V: positions added to the first tokens).
+
+    diffusers' WanImageEmbedding instead reshapes [2B, 257] pairs into [B, 514]; ComfyUI gives [B, 514] directly.
+    """
+    embedder = model.condition_embedder.image_embedder
+    if embedder.pos_embed is not None:
+        clip_fea = clip_fea[:, :embedder.pos_embed.shape[1]]
+        clip_fea = clip_fea + embedder.pos_embed[:, :clip_fea.shape[1]].to(clip_fea.dtype)
+    return embedder.norm2(embedder.ff(embedder.norm1(clip_fea)))
+
+
+def wan_sinusoid(dim: int, timestep: torch.Tensor) -> torch.Tensor:
+    """Wan's own sinusoidal_embedding_1d, [cos, sin] of float32 angles, which ComfyUI uses.
+
+    Restated because diffusers' Timesteps rounds its frequencies differently (up to 6e-5 apart at t = 1000, which
+    shows in the output at 1e-5 of its scale).
+    """
+    half = dim // 2
+    position = timestep.float()
+    angles = torch.outer(position, torch.pow(10000, -torch.arange(half, device=position.device).to(position)
+                                             .div(half)))
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
+
+
+def time_embeddings(model, sigma: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """timestep [b] or [b, E] (E per-frame entries) -> (temb [b, E', dim], projection [b, E', 6, dim]), E' = E or 1."""
+    if sigma.dim() not in (1, 2):
+        raise ValueError(f"timestep has shape {list(sigma.shape)}; Wan takes [B] or per-frame [B, T]")
+    sigma = sigma.reshape(sigma.shape[0], -1)
+    condition = model.condition_embedder
+    embedder_dtype = next(iter(condition.time_embedder.parameters())).dtype
+    sinusoid = wan_sinusoid(model.config.freq_dim, sigma.flatten()).to(embedder_dtype)
+    temb = condition.time_embedder(sinusoid).to(dtype)
+    projection = condition.time_proj(condition.act_fn(temb))
+    batch, entries = sigma.shape
+    return temb.view(batch, entries, -1), projection.view(batch, entries, 6, -1)
+
+
+def token_entries(entries: int, total: int, lo: int, hi: int, device) -> Optional[torch.Tensor]:
+    """Which per-frame timestep entry each token [lo, hi) takes, as ComfyUI's repeat_e spreads E entries over
+    `total` tokens (E = latent frames: each frame's tokens share its entry); None for one shared entry."""
+    if entries == 1:
+        return None
+    repeats = total // entries
+    step = repeats if repeats * entries == total else repeats + 1
+    return torch.arange(lo, hi, device=device) // step
+
+
+def rotary_factors(rope, grid: VideoGrid, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [1, n, 1, D/2] for (frame, row, col) positions of the grid, from diffusers' WanRotaryPosEmbed
+    tables."""
+    longest = max(grid.frames, grid.rows, grid.cols)
+    if longest > rope.max_seq_len:
+        raise ValueError(f"the video is {longest} patches long on one axis; Wan's rotary tables hold "
+                         f"{rope.max_seq_len}")
+    sizes = [rope.t_dim, rope.h_dim, rope.w_dim]
+    cos_axes, sin_axes = rope.freqs_cos.split(sizes, dim=1), rope.freqs_sin.split(sizes, dim=1)
+    cos = torch.cat([table[positions[:, axis]] for axis, table in enumerate(cos_axes)], dim=1)
+    sin = torch.cat([table[positions[:, axis]] for axis, table in enumerate(sin_axes)], dim=1)
+    return cos[None, :, None, 0::2], sin[None, :, None, 1::2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Single-process reference (tests, benchmarks): diffusers' stock forward, ComfyUI's packing around it
+
+def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
+                      clip_fea: Optional[torch.Tensor] = None, time_dim_concat: Optional[torch.Tensor] = None,
+                      dtype: str = "default", head_dim: Optional[int] = None, **_ignored) -> torch.Tensor:
+    """ComfyUI's Wan diffusion_model(...) computed by diffusers' own WanTransformer3DModel.forward on one process.
+
+    Around the stock call: circular padding and cropping as ComfyUI, per-frame timesteps spread over their tokens
+    (diffusers' per-token form), FLF2V's [B, 2N] CLIP features given as diffusers' [2B, N] pairs, and one
+    departure inside: Wan's own timestep sinusoid (wan_sinusoid) replaces diffusers' Timesteps. diffusers' I2V
+    processor assumes exactly 512 text tokens, so image models need context [B, 512, D] here.
+    """
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    model = model_or_path
+    if not isinstance(model, torch.nn.Module):
+        model = load_model(model_or_path, dtype, options={"head_dim": head_dim} if head_dim else None)[0]
+    compute, device = model.scale_shift_table.dtype, model.scale_shift_table.device
+    patch = tuple(model.config.patch_size)
+    latent = _wrap_pad(x, patch)
+    if time_dim_concat is not None:
+        latent = torch.cat([latent, _wrap_pad(time_dim_concat, patch).expand(x.shape[0], -1, -1, -1, -1)], dim=2)
+    grid = [size // p for size, p in zip(latent.shape[2:], patch)]
+    sigma = timestep.reshape(x.shape[0], -1).float()
+    if sigma.shape[1] > 1:
+        tokens = grid[0] * grid[1] * grid[2]
+        sigma = sigma[:, token_entries(sigma.shape[1], tokens, 0, tokens, "cpu")]
+    else:
+        sigma = sigma[:, 0]
+    image = None
+    if model.condition_embedder.image_embedder is not None:
+        if clip_fea is None or context.shape[1] != 512:
+            raise ValueError("the diffusers reference of an image Wan needs clip_fea and 512 text tokens")
+        image = clip_fea
+        if model.condition_embedder.image_embedder.pos_embed is not None:
+            image = clip_fea.reshape(2 * clip_fea.shape[0], clip_fea.shape[1] // 2, clip_fea.shape[2])
+        image = image.to(device, compute)
+    saved = model.attn_processors, model.condition_embedder.timesteps_proj
+    model.set_attn_processor(WanAttnProcessor())
+    model.condition_embedder.timesteps_proj = _WanSinusoid(model.config.freq_dim)
+    try:
+        with torch.no_grad():
+            result = model(hidden_states=latent.to(device, compute), timestep=sigma.to(device),
+                           encoder_hidden_states=context.to(device, compute), encoder_hidden_states_image=image,
+                           return_dict=False)[0]
+    finally:
+        model.set_attn_processor(saved[0])
+        model.condition_embedder.timesteps_proj = saved[1]
+    t, h, w = x.shape[2:]
+    return result[:, :, :t, :h, :w].to(x.dtype).cpu()
+
+
+class _WanSinusoid(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, timestep: torch.Tensor) -> torch.Tensor:
+        return wan_sinusoid(self.dim, timestep)
+
+
+def _wrap_pad(latent: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """Circular padding by concatenating each axis' first entries (written apart from pad_to_patch_3d)."""
+    for axis, size in enumerate(patch, start=2):
+        extra = (-latent.shape[axis]) % size
+        if extra:
+            latent = torch.cat([latent, latent.narrow(axis, 0, extra)], dim=axis)
+    return latent

@@ -1,0 +1,234 @@
+"""Wan 2.1 / 2.2 checkpoints from the header alone: key layout (original / ComfyUI or diffusers), variant,
+WanTransformer3DModel config, and the per-tensor key plan from the original names to diffusers' names.
+
+The plan is our per-tensor version of diffusers' `convert_wan_transformer_to_diffusers` (string replacements over a
+whole state dict in memory); per tensor, each weight is cast to its final dtype as it is read. It also maps
+`img_emb.emb_pos` (first-last-frame models), which that converter leaves unconverted. tests/test_wan.py checks both
+give the same tensors. No torch or diffusers import here: detection runs in the ComfyUI process.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from .checkpoint import (count_blocks, find_prefix, header_config, layout_keys, reject_quantized, resolve_checkpoint,
+                         shape_of, strip_prefix)
+from .detect import Detection, Header
+
+FAMILY = "wan"
+DEFAULT_HEAD_DIM = 128  # every released Wan model; q/k norms span all heads, so no checkpoint shows it
+HEAD_DIM_METADATA_KEY = "ulysses_sp.head_dim"  # our tiny test checkpoints state theirs here
+DIFFUSERS_CLASS = "WanTransformer3DModel"
+ORIGINAL_CLASS = "WanModel"  # config.json of the original Wan-AI release folders (original key names)
+
+ORIGINAL_ANCHORS = ("patch_embedding.weight", "text_embedding.0.weight", "time_embedding.0.weight",
+                    "time_projection.1.weight", "blocks.0.self_attn.q.weight", "head.head.weight", "head.modulation")
+DIFFUSERS_ANCHORS = ("patch_embedding.weight", "condition_embedder.time_proj.weight",
+                     "condition_embedder.text_embedder.linear_1.weight", "blocks.0.attn1.to_q.weight",
+                     "scale_shift_table", "proj_out.weight")
+# Wan-based models with extra modules our SP forward does not run, by a key stem they carry (either layout).
+UNSUPPORTED_PARTS = {
+    "vace_blocks.": "Wan VACE", "vace_patch_embedding.": "Wan VACE", "control_adapter.": "Wan Fun Camera",
+    "casual_audio_encoder.": "Wan 2.2 S2V", "audio_proj.": "Wan HuMo", "face_adapter.": "Wan 2.2 Animate",
+    "motion_encoder.": "Wan 2.2 Animate", "ref_conv.": "Wan Fun Control with a reference image",
+}
+
+# ----- original (Wan / ComfyUI) module names -> diffusers module names -----
+_TOP = {
+    "patch_embedding": "patch_embedding",
+    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+    "time_projection.1": "condition_embedder.time_proj",
+    "head.head": "proj_out",
+    "img_emb.proj.0": "condition_embedder.image_embedder.norm1",
+    "img_emb.proj.1": "condition_embedder.image_embedder.ff.net.0.proj",
+    "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
+    "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
+}
+_TOP_PARAMETERS = {"head.modulation": "scale_shift_table",
+                   "img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed"}
+_BLOCK = {
+    "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
+    "self_attn.o": "attn1.to_out.0", "self_attn.norm_q": "attn1.norm_q", "self_attn.norm_k": "attn1.norm_k",
+    "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k", "cross_attn.v": "attn2.to_v",
+    "cross_attn.o": "attn2.to_out.0", "cross_attn.norm_q": "attn2.norm_q", "cross_attn.norm_k": "attn2.norm_k",
+    "cross_attn.k_img": "attn2.add_k_proj", "cross_attn.v_img": "attn2.add_v_proj",
+    "cross_attn.norm_k_img": "attn2.norm_added_k",
+    "norm3": "norm2",  # the original's norm3 is the (affine) cross-attention norm; its norm2 has no weights
+    "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2",
+}
+_BLOCK_PARAMETERS = {"modulation": "scale_shift_table"}
+# diffusers keys some released diffusers checkpoints carry but WanTransformer3DModel does not use
+DIFFUSERS_IGNORED_SUFFIX = ".norm_added_q.weight"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Key plan
+
+def wan_key_plan(keys) -> dict[str, list[tuple[str, None]]]:
+    """Original-layout key (prefix stripped) -> [(diffusers key, None)]; keys it does not know are left out."""
+    plan = {}
+    for key in keys:
+        target = _convert(key)
+        if target is not None:
+            plan[key] = [(target, None)]
+    return plan
+
+
+def _convert(key: str) -> Optional[str]:
+    if key in _TOP_PARAMETERS:
+        return _TOP_PARAMETERS[key]
+    if key.startswith("blocks."):
+        _, index, rest = key.split(".", 2)
+        if not index.isdigit():
+            return None
+        if rest in _BLOCK_PARAMETERS:
+            return f"blocks.{index}.{_BLOCK_PARAMETERS[rest]}"
+        module, _, kind = rest.rpartition(".")
+        return f"blocks.{index}.{_BLOCK[module]}.{kind}" if module in _BLOCK and kind in ("weight", "bias") else None
+    module, _, kind = key.rpartition(".")
+    return f"{_TOP[module]}.{kind}" if module in _TOP and kind in ("weight", "bias") else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Detection
+
+def detect(header: Header) -> Optional[Detection]:
+    """Wan 2.1 / 2.2 from the header alone; None when the file is another family."""
+    folder_config = header_config(header)
+    if folder_config is not None and folder_config.get("_class_name") not in (None, DIFFUSERS_CLASS,
+                                                                                ORIGINAL_CLASS):
+        name = folder_config["_class_name"]
+        if name.startswith("Wan"):
+            raise ValueError(f"{header.path!r} is a {name}: only {DIFFUSERS_CLASS} (Wan 2.1 / 2.2 T2V, I2V, FLF2V "
+                             f"and TI2V 5B) is supported")
+        return None
+    prefix = find_prefix(header.tensors, ORIGINAL_ANCHORS)
+    if prefix is not None:
+        keys = strip_prefix(header.tensors, prefix)
+        reject_quantized(header, prefix)
+        _reject_unsupported(header, keys)
+        _reject_unknown(header, keys, wan_key_plan(keys))
+        config = architecture(keys, "original", _stated_head_dim(header, folder_config))
+        return _detection(header, "original", prefix, config)
+    prefix = find_prefix(header.tensors, DIFFUSERS_ANCHORS)
+    if prefix is None:
+        return None
+    keys = strip_prefix(header.tensors, prefix)
+    reject_quantized(header, prefix)
+    _reject_unsupported(header, keys)
+    config = architecture(keys, "diffusers", _stated_head_dim(header, folder_config))
+    return _detection(header, "diffusers", prefix, config)
+
+
+def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
+    folder = header_config(header) is not None
+    files = resolve_checkpoint(header.path).files if folder else (header.path,)
+    return Detection(family=FAMILY, variant=variant_of(config), layout=layout, prefix=prefix, config=config,
+                     files=files)
+
+
+def variant_of(config: dict) -> str:
+    """ti2v (Wan 2.2 5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat (image latent in extra
+    input channels without CLIP: Wan 2.2 A14B I2V experts, Fun models) or t2v (also the Wan 2.2 A14B T2V experts)."""
+    if config["out_channels"] == 48:
+        return "ti2v"
+    if config.get("image_dim"):
+        return "flf2v" if config.get("pos_embed_seq_len") else "i2v"
+    return "i2v_concat" if config["in_channels"] != config["out_channels"] else "t2v"
+
+
+def _stated_head_dim(header: Header, folder_config: Optional[dict]) -> Optional[int]:
+    """The head size where the files state it: our metadata key, or an original release folder's num_heads."""
+    stated = header.metadata.get(HEAD_DIM_METADATA_KEY)
+    if stated:
+        return int(stated)
+    if folder_config and folder_config.get("_class_name") == ORIGINAL_CLASS and folder_config.get("num_heads"):
+        return int(folder_config["dim"]) // int(folder_config["num_heads"])
+    if folder_config and folder_config.get("attention_head_dim"):
+        return int(folder_config["attention_head_dim"])
+    return None
+
+
+def _reject_unsupported(header: Header, keys: dict) -> None:
+    for stem, name in UNSUPPORTED_PARTS.items():
+        if any(key.startswith(stem) or f".{stem}" in key for key in keys):
+            raise ValueError(f"{header.path!r} is a {name} checkpoint (it has {stem}* weights), which the "
+                             f"sequence-parallel Wan does not support; supported: Wan 2.1 / 2.2 T2V, I2V, FLF2V, "
+                             f"TI2V 5B and Fun-InP-style models")
+
+
+def _reject_unknown(header: Header, keys: dict, plan: dict) -> None:
+    unknown = sorted(key for key in keys if key not in plan)
+    if unknown:
+        raise ValueError(f"{header.path!r} looks like Wan but has {len(unknown)} tensors this loader does not know "
+                         f"(e.g. {unknown[:4]}): a Wan variant with extra modules, which is not supported")
+
+
+def _with_heads(config: dict, head_dim: Optional[int]) -> dict:
+    """Set the head size and count (None while unknown: load() then needs the head_dim option)."""
+    inner = config.pop("inner_dim")
+    head_dim = head_dim or DEFAULT_HEAD_DIM
+    if inner % head_dim:
+        config.update(attention_head_dim=None, num_attention_heads=None, inner_dim_unsplit=inner)
+    else:
+        config.update(attention_head_dim=head_dim, num_attention_heads=inner // head_dim)
+    return config
+
+
+# Where a header shows each architecture fact: (original key, diffusers key), prefix stripped
+ARCHITECTURE_KEYS = {
+    "out": ("head.head.weight", "proj_out.weight"),
+    "text": ("text_embedding.0.weight", "condition_embedder.text_embedder.linear_1.weight"),
+    "time": ("time_embedding.0.weight", "condition_embedder.time_embedder.linear_1.weight"),
+    "ffn": ("blocks.0.ffn.0.weight", "blocks.0.ffn.net.0.proj.weight"),
+    "cross_attn_norm": ("blocks.0.norm3.weight", "blocks.0.norm2.weight"),
+    "image": ("img_emb.proj.1.weight", "condition_embedder.image_embedder.ff.net.0.proj.weight"),
+    "image_kv": ("blocks.0.cross_attn.k_img.weight", "blocks.0.attn2.add_k_proj.weight"),
+    "image_pos": ("img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed"),
+    "qk_norm": ("blocks.0.self_attn.norm_q.weight", "blocks.0.attn1.norm_q.weight"),
+}
+
+
+def architecture(keys: dict, layout: str, head_dim: Optional[int] = None) -> dict:
+    """WanTransformer3DModel config from a header in the "original" or "diffusers" key layout (keys without
+    prefix)."""
+    names = layout_keys(ARCHITECTURE_KEYS, layout)
+
+    def optional_width(fact: str) -> Optional[int]:  # parts only image models have
+        return shape_of(keys, names[fact])[1] if names[fact] in keys else None
+
+    inner, in_channels, *patch = shape_of(keys, "patch_embedding.weight")
+    config = {
+        "patch_size": tuple(patch),
+        "inner_dim": inner,
+        "in_channels": in_channels,
+        "out_channels": shape_of(keys, names["out"])[0] // math.prod(patch),
+        "text_dim": shape_of(keys, names["text"])[1],
+        "freq_dim": shape_of(keys, names["time"])[1],
+        "ffn_dim": shape_of(keys, names["ffn"])[0],
+        "num_layers": count_blocks(keys, "blocks"),
+        "cross_attn_norm": names["cross_attn_norm"] in keys,
+        "qk_norm": "rms_norm_across_heads",
+        "eps": 1e-6,
+        "image_dim": optional_width("image"),
+        "added_kv_proj_dim": optional_width("image_kv"),
+        "rope_max_seq_len": 1024,
+        "pos_embed_seq_len": optional_width("image_pos"),
+    }
+    _check_qk_norm(keys, names["qk_norm"])
+    return _with_heads(config, head_dim)
+
+
+def _check_qk_norm(keys: dict, key: str) -> None:
+    if key not in keys:
+        raise ValueError(f"this Wan checkpoint has no {key!r}: Wan models without q/k norms are not supported")
+
+
+def folder_overrides(folder_config: Optional[dict]) -> dict:
+    """Settings of a diffusers config.json that a header cannot show (eps, rope length), kept when present."""
+    if not folder_config or folder_config.get("_class_name") != DIFFUSERS_CLASS:
+        return {}
+    return {key: folder_config[key] for key in ("eps", "rope_max_seq_len") if key in folder_config}

@@ -1,0 +1,205 @@
+"""Tiny random-weight models with the real architectures (diffusers' classes, small widths) and writers that save
+them as the checkpoint files users have: ComfyUI/original key layout (with or without `model.diffusion_model.`),
+diffusers single files and diffusers folders, in fp32 / bf16 / fp16 / fp8.
+
+Defaults use 6 heads (so 4 ranks do not divide them) of size 16, and 2 (+2 single) blocks. The original-layout
+writer is the inverse of the loader's key conversion, written separately so that a round trip checks both.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+FAMILIES = ("qwen_image", "flux", "wan")  # wan: see tiny_wan.py
+LAYOUTS = ("original", "diffusers", "diffusers_folder")
+COMFY_PREFIX = "model.diffusion_model."
+
+QWEN_TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+                 num_attention_heads=6, joint_attention_dim=32, axes_dims_rope=(4, 6, 6), zero_cond_t=False)
+FLUX_TINY = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=2, num_single_layers=2,
+                 attention_head_dim=16, num_attention_heads=6, joint_attention_dim=32, pooled_projection_dim=24,
+                 guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+EDIT_2511_MARKER = "__index_timestep_zero__"
+
+
+def tiny_config(family: str, **size) -> dict:
+    """diffusers config of a tiny model; `size` overrides (e.g. guidance_embeds=False for Flux schnell)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; tiny models exist for {FAMILIES}")
+    if family == "wan":  # Wan's tiny models live in tiny_wan.py (size may hold variant=...)
+        from . import tiny_wan
+        return tiny_wan.tiny_config(**size)
+    config = dict(QWEN_TINY if family == "qwen_image" else FLUX_TINY)
+    unknown = set(size) - set(config)
+    if unknown:
+        raise ValueError(f"unknown size options {sorted(unknown)} for {family}; known: {sorted(config)}")
+    config.update(size)
+    if "attention_head_dim" in size and "axes_dims_rope" not in size:
+        from ..families.joint_dit import rope_axes
+        config["axes_dims_rope"] = rope_axes(config["attention_head_dim"])
+    return config
+
+
+def build_tiny_model(family: str, seed: int = 0, **size) -> torch.nn.Module:
+    """A float32 diffusers model of the family with seeded random weights (stock attention processors)."""
+    if family == "wan":
+        from . import tiny_wan
+        return tiny_wan.build_tiny_model(seed, **size)
+    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel
+    cls = QwenImageTransformer2DModel if family == "qwen_image" else FluxTransformer2DModel
+    model = cls.from_config(tiny_config(family, **size))
+    randomize_(model, seed)
+    return model.eval().requires_grad_(False)
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Replace every weight with seeded random values of a sane scale.
+
+    Nothing stays at its default (zeros, ones): a zero output layer or a unit norm would hide a wrong wiring.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if parameter.dim() >= 2:
+                parameter.copy_(noise / math.sqrt(parameter.shape[1]))
+            elif "norm" in name:
+                parameter.copy_(1 + 0.1 * noise)
+            else:
+                parameter.copy_(0.1 * noise)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Key layouts
+
+def original_state_dict(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under ComfyUI's / the original release's key names."""
+    if family == "wan":
+        from . import tiny_wan
+        return tiny_wan.original_state_dict(model)
+    state = {key: value.detach() for key, value in model.state_dict().items()}
+    if family == "qwen_image":
+        return state  # ComfyUI uses diffusers' names for Qwen-Image
+    return _flux_to_original(state, model.config.num_layers, model.config.num_single_layers)
+
+
+_FLUX_TOP = {
+    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "context_embedder": "txt_in",
+    "x_embedder": "img_in",
+    "proj_out": "final_layer.linear",
+}
+_FLUX_DOUBLE = {
+    "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
+    "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj",
+    "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
+}
+_FLUX_DOUBLE_NORMS = {"attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+                      "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm"}
+_FLUX_SINGLE = {"norm.linear": "modulation.lin", "proj_out": "linear2"}
+_FLUX_SINGLE_NORMS = {"attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
+
+
+def _flux_to_original(state: dict, double: int, single: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for ours, theirs in _FLUX_TOP.items():
+        for kind in ("weight", "bias"):
+            if f"{ours}.{kind}" in state:
+                out[f"{theirs}.{kind}"] = state[f"{ours}.{kind}"]
+    for kind in ("weight", "bias"):  # diffusers keeps (scale, shift), the original (shift, scale)
+        scale, shift = state[f"norm_out.linear.{kind}"].chunk(2, dim=0)
+        out[f"final_layer.adaLN_modulation.1.{kind}"] = torch.cat([shift, scale])
+    for i in range(double):
+        ours, theirs = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        for kind in ("weight", "bias"):
+            for a, b in _FLUX_DOUBLE.items():
+                out[f"{theirs}{b}.{kind}"] = state[f"{ours}{a}.{kind}"]
+            out[f"{theirs}img_attn.qkv.{kind}"] = torch.cat([state[f"{ours}attn.to_{p}.{kind}"] for p in "qkv"])
+            out[f"{theirs}txt_attn.qkv.{kind}"] = torch.cat([state[f"{ours}attn.add_{p}_proj.{kind}"]
+                                                             for p in "qkv"])
+        for a, b in _FLUX_DOUBLE_NORMS.items():
+            out[f"{theirs}{b}.scale"] = state[f"{ours}{a}.weight"]
+    for i in range(single):
+        ours, theirs = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        for kind in ("weight", "bias"):
+            for a, b in _FLUX_SINGLE.items():
+                out[f"{theirs}{b}.{kind}"] = state[f"{ours}{a}.{kind}"]
+            parts = [state[f"{ours}attn.to_{p}.{kind}"] for p in "qkv"] + [state[f"{ours}proj_mlp.{kind}"]]
+            out[f"{theirs}linear1.{kind}"] = torch.cat(parts)
+        for a, b in _FLUX_SINGLE_NORMS.items():
+            out[f"{theirs}{b}.scale"] = state[f"{ours}{a}.weight"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writers
+
+def cast_like_release(state: dict, dtype: str) -> dict[str, torch.Tensor]:
+    """Cast as released files are: fp8 files keep matrices in fp8 and vectors (biases, norms) in bf16."""
+    from ..families.base import DTYPES
+    target = DTYPES[dtype]
+    if target in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return {k: v.to(target if v.dim() >= 2 else torch.bfloat16).contiguous() for k, v in state.items()}
+    return {k: v.to(target).contiguous() for k, v in state.items()}
+
+
+def write_tiny_checkpoint(family: str, path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
+                          prefix: str = "", variant: str = "", max_shard_size: Optional[str] = None,
+                          **size) -> str:
+    """Build a tiny model and save it; returns the path written (a file, or a folder for "diffusers_folder").
+
+    layout: "original" (ComfyUI key names), "diffusers" (one file, diffusers names), "diffusers_folder"
+    (config.json + weights via diffusers' save_pretrained; max_shard_size e.g. "100KB" writes shards + index).
+    prefix: prepended to every key of a file, e.g. "model.diffusion_model." as in ComfyUI's full checkpoints.
+    variant: "edit_2511" (Qwen: ComfyUI's marker tensor / zero_cond_t), "schnell" (Flux without guidance),
+    "fill" (Flux with 384 input features).
+    """
+    from safetensors.torch import save_file
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+    if family == "wan":
+        from . import tiny_wan
+        return tiny_wan.write_tiny_checkpoint(path, layout, dtype, seed, prefix, variant, max_shard_size, **size)
+    size = {**_variant_size(family, variant, layout), **size}
+    model = build_tiny_model(family, seed, **size)
+    if layout == "diffusers_folder":
+        _save_folder(model, path, dtype, max_shard_size)
+        return path
+    state = original_state_dict(family, model) if layout == "original" else model.state_dict()
+    state = cast_like_release(state, dtype)
+    if family == "qwen_image" and variant == "edit_2511" and layout == "original":
+        state[EDIT_2511_MARKER] = torch.tensor([])
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file({prefix + key: value for key, value in state.items()}, path)
+    return path
+
+
+def _variant_size(family: str, variant: str, layout: str) -> dict:
+    if not variant:
+        return {}
+    if family == "qwen_image" and variant == "edit_2511":
+        return {"zero_cond_t": True} if layout == "diffusers_folder" else {}
+    if family == "flux" and variant == "schnell":
+        return {"guidance_embeds": False}
+    if family == "flux" and variant == "fill":
+        return {"in_channels": 384, "out_channels": 64}
+    raise ValueError(f"unknown variant {variant!r} for {family}")
+
+
+def _save_folder(model: torch.nn.Module, path: str, dtype: str, max_shard_size: Optional[str]) -> None:
+    from ..families.base import DTYPES
+    target = DTYPES[dtype]
+    if target in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError("diffusers folders are written in float dtypes only (fp8 files are single files)")
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(target).save_pretrained(path, safe_serialization=True, **kwargs)

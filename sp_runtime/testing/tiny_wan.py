@@ -1,0 +1,118 @@
+"""Tiny random-weight Wan models (diffusers' WanTransformer3DModel, small widths) and their checkpoint files in the
+original / ComfyUI key layout, as diffusers single files and as diffusers folders. tiny_models dispatches here.
+
+Variants: t2v (16 -> 16 channels), i2v (36 input channels and a CLIP image embedder of ComfyUI's fixed width 1280),
+flf2v (i2v plus first-last-frame positions), i2v_concat (36 input channels, no CLIP: Wan 2.2 A14B I2V style) and
+ti2v (48 -> 48 channels: Wan 2.2 5B style, run with per-frame timesteps). Defaults: 6 heads (4 ranks do not divide
+them) of size 16, 2 blocks. Files state their head size in the safetensors metadata key
+`ulysses_sp.head_dim` (wan_checkpoint.HEAD_DIM_METADATA_KEY) unless head_dim_metadata=False, in which case loading
+needs the option head_dim=16. The original-layout writer is the inverse of the loader's key plan, written
+separately so a round trip checks both.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=16, in_channels=16, out_channels=16,
+                text_dim=32, freq_dim=256, ffn_dim=128, num_layers=2, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+                rope_max_seq_len=1024, pos_embed_seq_len=None)
+CLIP_DIM = 1280         # ComfyUI's Wan image embedder input width is fixed
+FLF_CLIP_TOKENS = 10    # tiny first-last-frame models: 2 x 5 CLIP tokens
+VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v")
+
+
+def tiny_config(variant: str = "t2v", **size) -> dict:
+    """diffusers config of a tiny Wan; `size` overrides any key (e.g. num_attention_heads=3)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown Wan variant {variant!r}; tiny Wan models exist for {VARIANTS}")
+    config = dict(WAN_TINY)
+    unknown = set(size) - set(config)
+    if unknown:
+        raise ValueError(f"unknown size options {sorted(unknown)} for wan; known: {sorted(config)}")
+    config.update(size)
+    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    if variant in ("i2v", "flf2v"):
+        config.update(in_channels=36, image_dim=CLIP_DIM, added_kv_proj_dim=inner)
+    if variant == "flf2v":
+        config["pos_embed_seq_len"] = FLF_CLIP_TOKENS
+    if variant == "i2v_concat":
+        config["in_channels"] = 36
+    if variant == "ti2v":
+        config.update(in_channels=48, out_channels=48)
+    config.update({key: value for key, value in size.items() if key in ("in_channels", "out_channels")})
+    return config
+
+
+def build_tiny_model(seed: int = 0, variant: str = "t2v", **size) -> torch.nn.Module:
+    """A float32 WanTransformer3DModel with seeded random weights (stock attention processors)."""
+    from diffusers import WanTransformer3DModel
+
+    from .tiny_models import randomize_
+    model = WanTransformer3DModel.from_config(tiny_config(variant, **size))
+    randomize_(model, seed)
+    return model.eval().requires_grad_(False)
+
+
+# ----- diffusers -> original (Wan / ComfyUI) names: the inverse of wan_checkpoint's plan, stated on its own -----
+_TOP = {
+    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+    "condition_embedder.time_proj": "time_projection.1",
+    "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+    "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+    "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+    "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
+    "proj_out": "head.head",
+    "patch_embedding": "patch_embedding",
+}
+_ATTENTION = {"to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o", "norm_q": "norm_q", "norm_k": "norm_k",
+              "add_k_proj": "k_img", "add_v_proj": "v_img", "norm_added_k": "norm_k_img"}
+_BLOCK = {f"{ours_attn}.{ours}": f"{theirs_attn}.{theirs}" for ours, theirs in _ATTENTION.items()
+          for ours_attn, theirs_attn in (("attn1", "self_attn"), ("attn2", "cross_attn"))}
+_BLOCK.update({"ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2", "norm2": "norm3"})
+
+
+def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under the original Wan release's / ComfyUI's key names."""
+    return {_original_name(key): value.detach() for key, value in model.state_dict().items()}
+
+
+def _original_name(key: str) -> str:
+    if key == "scale_shift_table":
+        return "head.modulation"
+    if key == "condition_embedder.image_embedder.pos_embed":
+        return "img_emb.emb_pos"
+    if key.startswith("blocks."):
+        _, index, rest = key.split(".", 2)
+        if rest == "scale_shift_table":
+            return f"blocks.{index}.modulation"
+        module, _, kind = rest.rpartition(".")
+        return f"blocks.{index}.{_BLOCK[module]}.{kind}"
+    module, _, kind = key.rpartition(".")
+    return f"{_TOP[module]}.{kind}"
+
+
+def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
+                          prefix: str = "", variant: str = "", max_shard_size: Optional[str] = None,
+                          head_dim_metadata: bool = True, **size) -> str:
+    """Build a tiny Wan and save it (see tiny_models.write_tiny_checkpoint); variant defaults to t2v."""
+    from safetensors.torch import save_file
+
+    from ..families.wan_checkpoint import HEAD_DIM_METADATA_KEY
+    from .tiny_models import _save_folder, cast_like_release
+    model = build_tiny_model(seed, variant or "t2v", **size)
+    if layout == "diffusers_folder":
+        _save_folder(model, path, dtype, max_shard_size)
+        return path
+    state = original_state_dict(model) if layout == "original" else model.state_dict()
+    state = cast_like_release(state, dtype)
+    metadata = {HEAD_DIM_METADATA_KEY: str(model.config.attention_head_dim)} if head_dim_metadata else None
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file({prefix + key: value for key, value in state.items()}, path, metadata=metadata)
+    return path
