@@ -1,0 +1,174 @@
+"""The LoRAs applied to one loaded model in one worker.
+
+Every patched parameter holds store_as(base + sum over the list, in order, of strength x scale x delta), computed in
+float32 (ComfyUI's intermediate dtype) from the base value re-read from the checkpoint. A record per parameter of
+which (file, strength) pairs it holds makes a change of list touch only the parameters whose contributions change;
+the same list again touches nothing, and a parameter whose contributions become empty gets its base value back,
+bitwise. All files are parsed and all names resolved before the first parameter changes, so a bad LoRA leaves the
+weights as they were.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .base import BaseWeights
+from .files import Adapter, LoraFile, adapter_delta, file_identity, read_lora_file
+from .keys import KeyResolver, Target, family_plans
+from .rounding import store_as
+
+Progress = Optional[Callable[[float, str], None]]
+Contribution = tuple  # (file identity, strength): what a parameter's value depends on, per list entry
+
+
+@dataclass(frozen=True)
+class _Use:
+    """One adapter of one list entry acting on one parameter."""
+
+    entry: int
+    adapter: Adapter
+    target: Target
+
+
+class LoraState:
+    """LoRA bookkeeping for one loaded model (a diffusers module) in one worker."""
+
+    def __init__(self, model: torch.nn.Module, family: str, checkpoint: str, device: torch.device):
+        self.model = model
+        self.family = family
+        self.checkpoint = checkpoint
+        self.device = torch.device(device)
+        self.plan, self.weight_plan = family_plans(family, model)
+        self.applied: dict[str, tuple[Contribution, ...]] = {}  # parameter -> contributions it holds now
+        self._files: dict[str, LoraFile] = {}
+        self._base: Optional[BaseWeights] = None
+        self._resolver: Optional[KeyResolver] = None
+
+    def set(self, loras: Sequence[Sequence], progress: Progress = None) -> dict:
+        """Make the weights base + the given LoRAs ([[path, strength], ...], in order); returns a summary."""
+        parameters = dict(self.model.named_parameters())
+        files = [self._file(path) for path, _ in loras]
+        strengths = [float(strength) for _, strength in loras]
+        uses = self._uses(files, strengths, parameters)
+        wanted = {name: tuple((files[use.entry].identity, strengths[use.entry]) for use in group)
+                  for name, group in uses.items()}
+        changed = sorted((name for name in set(wanted) | set(self.applied)
+                          if wanted.get(name, ()) != self.applied.get(name, ())), key=self.base.order)
+        self._write(changed, uses, wanted, files, strengths, parameters, progress)
+        skipped = sorted({module for lora in files for module in lora.skipped})  # the host logs them
+        return {"parameters": len(wanted), "updated": len(changed), "skipped": skipped}
+
+    # ---- preparation: nothing changes until every file and name is known good -----------------------------------
+    @property
+    def base(self) -> BaseWeights:
+        if self._base is None:
+            self._base = BaseWeights(self.checkpoint, {name for name, _ in self.model.named_parameters()},
+                                     self.weight_plan)
+        return self._base
+
+    @property
+    def resolver(self) -> KeyResolver:
+        if self._resolver is None:
+            names = [name for name, _ in self.model.named_parameters()]
+            self._resolver = KeyResolver(names, self.plan, self.base.checkpoint_keys)
+        return self._resolver
+
+    def _file(self, path: str) -> LoraFile:
+        cached = self._files.get(path)
+        if cached is None or cached.identity != file_identity(path):
+            self._files[path] = cached = read_lora_file(path)
+        return cached
+
+    def _uses(self, files: list[LoraFile], strengths: list[float], parameters: dict) -> dict[str, list[_Use]]:
+        """parameter -> the adapters acting on it, in list order (entries of strength 0 act on nothing)."""
+        uses: dict[str, list[_Use]] = {}
+        for entry, (lora, strength) in enumerate(zip(files, strengths)):
+            unknown = []
+            for adapter in lora.adapters:
+                targets = self.resolver.resolve(adapter.module, adapter.kind)
+                if targets is None:
+                    unknown.append(adapter.module)
+                    continue
+                for target in targets:
+                    _check_shape(lora, adapter, target, parameters[target.parameter])
+                    if strength != 0.0:
+                        uses.setdefault(target.parameter, []).append(_Use(entry, adapter, target))
+            if unknown:
+                raise ValueError(
+                    f"LoRA {lora.path!r}: {len(unknown)} of {len(lora.adapters)} modules match no weight of this "
+                    f"{self.family} model (e.g. {sorted(unknown)[:4]}). It may be a LoRA for another model family "
+                    f"or size. Names understood: the model's diffusers names or ComfyUI's names for it, bare or "
+                    f"after 'transformer.' / 'diffusion_model.', and kohya 'lora_unet_...' / 'lora_transformer_...'")
+        for group in uses.values():
+            group.sort(key=lambda use: use.entry)
+        return uses
+
+    # ---- writing ------------------------------------------------------------------------------------------------
+    def _write(self, changed: list[str], uses: dict[str, list[_Use]], wanted: dict, files: list[LoraFile],
+               strengths: list[float], parameters: dict, progress: Progress) -> None:
+        from safetensors import safe_open
+
+        deltas = _DeltaCache(uses, changed)
+        with contextlib.ExitStack() as stack, self.base.reader(self.device) as read_base, torch.no_grad():
+            handles = {}
+            for done, name in enumerate(changed):
+                parameter = parameters[name]
+                value = read_base(name, parameter.dtype).to(torch.float32, copy=True)  # never the read tensor
+                for use in uses.get(name, ()):
+                    lora = files[use.entry]
+                    if lora.path not in handles:
+                        handles[lora.path] = stack.enter_context(safe_open(lora.path, framework="pt",
+                                                                           device=str(self.device)))
+                    delta = deltas.get(use, handles[lora.path])
+                    value += (strengths[use.entry] * use.adapter.scale) * delta.reshape(value.shape)
+                parameter.copy_(store_as(value, parameter.dtype, name))
+                if wanted.get(name):
+                    self.applied[name] = wanted[name]
+                else:
+                    self.applied.pop(name, None)
+                if progress is not None:
+                    progress((done + 1) / len(changed), "applying LoRA")
+
+
+class _DeltaCache:
+    """Adapter deltas (mapped onto their parameter) while some changed parameter still needs them; a fused qkv
+    delta is computed once for its three parameters, which the sort order puts next to each other."""
+
+    def __init__(self, uses: dict[str, list[_Use]], changed: list[str]):
+        self.remaining: dict[tuple, int] = {}
+        for name in changed:
+            for use in uses.get(name, ()):
+                key = (use.entry, use.adapter.module, use.adapter.kind)
+                self.remaining[key] = self.remaining.get(key, 0) + 1
+        self.source: dict[tuple, torch.Tensor] = {}
+
+    def get(self, use: _Use, handle) -> torch.Tensor:
+        key = (use.entry, use.adapter.module, use.adapter.kind)
+        if key not in self.source:
+            self.source[key] = adapter_delta(handle, use.adapter)
+        delta = self.source[key]
+        self.remaining[key] -= 1
+        if not self.remaining[key]:
+            del self.source[key]
+        return use.target.transform(delta) if use.target.transform else delta
+
+
+def _check_shape(lora: LoraFile, adapter: Adapter, target: Target, parameter: torch.Tensor) -> None:
+    """The delta, mapped like a weight, must have the parameter's size (checked on a meta tensor: no reading)."""
+    mapped = torch.empty(adapter.shape, device="meta")
+    mapped = target.transform(mapped) if target.transform else mapped
+    if mapped.numel() != parameter.numel() or (adapter.down is not None and mapped.shape[0] != parameter.shape[0]):
+        raise ValueError(f"LoRA {lora.path!r}: module {adapter.module!r} gives a {list(mapped.shape)} change for "
+                         f"{target.parameter} of shape {list(parameter.shape)}: a LoRA for another size of model")
+
+
+def lora_state(worker_model, checkpoint: str, device: torch.device) -> LoraState:
+    """A LoraState for a family's loaded WorkerModel (its diffusers module is `worker_model.model`)."""
+    module = getattr(worker_model, "model", None)
+    family = worker_model.info.family
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"LoRA is not supported for {family!r} models (supported: Qwen-Image, Flux, Wan)")
+    return LoraState(module, family, checkpoint, device)

@@ -1,0 +1,111 @@
+"""Where a LoRA module lands in a loaded diffusers model: the LoRA's module name, in any of the naming schemes
+ComfyUI accepts for the family, resolved to model parameters through the family's own checkpoint key plan.
+
+A name is tried as the model's own (diffusers) name, then as an original / ComfyUI name through the family module's
+`original_plan`, the plan it loads original-layout checkpoints with (Qwen-Image's ComfyUI names are diffusers'), so a
+fused Flux `img_attn.qkv` LoRA is split into to_q / to_k / to_v exactly as the weights were.
+Prefixes (comfy/lora.py `model_lora_keys_unet`): `diffusion_model.`, `transformer.`, `base_model.model.`, none;
+underscored kohya names after `lora_unet_`, `lora_transformer_` or `lycoris_`; Wan Fun's `lora_unet__`
+(comfy/lora_convert.py).
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from ..families import FAMILY_MODULES
+from ..families.checkpoint import KeyPlan, Transform
+from ..families.detect import Detection
+
+DOTTED_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.transformer.",
+                   "base_model.model.", "transformer.", "unet.")
+UNDERSCORED_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
+MAX_UNDERSCORES = 14  # decoding tries every "_" / "." choice: 2^14 candidates at most per name
+PlanFn = Callable[[Iterable[str]], dict]
+WeightPlanFn = Callable[[Detection, Iterable[str]], Optional[KeyPlan]]  # a family module's weight_plan
+
+
+@dataclass(frozen=True)
+class Target:
+    """A model parameter a LoRA module changes; `transform` maps the module's delta (in the LoRA's key space,
+    e.g. a fused qkv) onto this parameter, as the key plan maps checkpoint tensors. Plan transforms select or
+    reorder rows, so they apply to a delta as they apply to a weight."""
+
+    parameter: str
+    transform: Transform = None
+
+
+def family_plans(family: str, model: torch.nn.Module) -> tuple[PlanFn, WeightPlanFn]:
+    """The family module's plans: from original (ComfyUI / reference release) key names to `model`'s parameters,
+    and the weight_plan its loader reads checkpoints with."""
+    module = importlib.import_module(FAMILY_MODULES[family]) if family in FAMILY_MODULES else None
+    if not hasattr(module, "weight_plan"):
+        raise ValueError(f"LoRA is not supported for {family!r} models (supported: Qwen-Image, Flux, Wan)")
+    return (lambda keys: module.original_plan(keys, model.config)), module.weight_plan
+
+
+class KeyResolver:
+    """Resolves LoRA module names to Targets of one model. `known_keys`: other key names the LoRA may use (the
+    base checkpoint's own, e.g. original Flux names), used to decode underscored names without guessing."""
+
+    def __init__(self, parameters: Iterable[str], plan: PlanFn, known_keys: Iterable[str] = ()):
+        self.parameters = set(parameters)
+        self.plan = plan
+        self.underscored = {}
+        for key in itertools.chain(self.parameters, known_keys):
+            module = key.rsplit(".", 1)[0]
+            self.underscored.setdefault(module.replace(".", "_"), module)
+
+    def resolve(self, module: str, kind: str) -> Optional[list[Target]]:
+        """Targets of a LoRA module changing its `kind` ("weight" / "bias"); None when no name scheme fits."""
+        if module.startswith("lora_unet__"):  # Wan Fun LoRAs (comfy/lora_convert.py convert_lora_wan_fun)
+            module = "lora_unet_" + module[len("lora_unet__"):]
+        for prefix in UNDERSCORED_PREFIXES:
+            if module.startswith(prefix):
+                return self._resolve_underscored(module[len(prefix):], kind)
+        for prefix in DOTTED_PREFIXES + ("",):
+            if module.startswith(prefix):
+                targets = self.resolve_dotted(module[len(prefix):], kind)
+                if targets:
+                    return targets
+        return None
+
+    def resolve_dotted(self, module: str, kind: str) -> Optional[list[Target]]:
+        key = f"{module}.{kind}"
+        if key in self.parameters:
+            return [Target(key)]
+        try:
+            mapped = self.plan([key]).get(key)
+        except (ValueError, KeyError):  # a name that is no key of this family at all
+            mapped = None
+        if mapped and all(parameter in self.parameters for parameter, _ in mapped):
+            return [Target(parameter, transform) for parameter, transform in mapped]
+        return None
+
+    def _resolve_underscored(self, name: str, kind: str) -> Optional[list[Target]]:
+        if name in self.underscored:
+            found = self.resolve_dotted(self.underscored[name], kind)
+            if found:
+                return found
+        return self._decode(name, kind)
+
+    def _decode(self, name: str, kind: str) -> Optional[list[Target]]:
+        """Try every spelling of `name` with each "_" kept or made a ".": kohya names of keys that neither the
+        model nor the base checkpoint spells (e.g. original Flux names on a model loaded from a diffusers file).
+        Two spellings that both resolve would be ambiguous: refuse rather than pick one."""
+        parts = name.split("_")
+        if len(parts) - 1 > MAX_UNDERSCORES:
+            return None
+        found: dict[str, list[Target]] = {}
+        for joins in itertools.product("_.", repeat=len(parts) - 1):
+            dotted = parts[0] + "".join(join + part for join, part in zip(joins, parts[1:]))
+            targets = self.resolve_dotted(dotted, kind)
+            if targets:
+                found[dotted] = targets
+        if len(found) > 1:
+            raise ValueError(f"the LoRA module name {name!r} fits several weights ({sorted(found)}): ambiguous")
+        return next(iter(found.values()), None)
