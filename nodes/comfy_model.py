@@ -1,0 +1,158 @@
+"""ComfyUI's own model config for an SP checkpoint, built from the safetensors header alone, and the weightless
+MODEL (BaseModel + proxy diffusion_model + ModelPatcher on the CPU) that the stock sampler nodes take.
+
+Real checkpoints go through ComfyUI's detection (comfy.model_detection) on a state dict of meta tensors, so the
+config is what ComfyUI itself would build. ComfyUI's detection hardcodes real sizes and does not know this
+project's test checkpoints, so when it finds nothing the config comes from our Detection / ModelInfo through
+FAMILY_CONFIGS. Sizes in unet_config never matter here: no ComfyUI network is created.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import comfy.model_detection
+import comfy.model_patcher
+import comfy.supported_models
+import comfy.utils
+
+from sp_runtime.families.detect import read_header
+
+log = logging.getLogger("ulysses_sp")
+
+# safetensors header dtype -> torch dtype, for meta tensors
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+# (our family, variant) -> comfy.supported_models class name, as ComfyUI's own detection maps the same files;
+# variant "" matches any variant of the family
+FAMILY_CONFIGS = {
+    ("qwen_image", ""): "QwenImage",
+    ("flux", "schnell"): "FluxSchnell",
+    ("flux", "fill"): "FluxInpaint",
+    ("flux", ""): "Flux",
+    ("wan", "i2v"): "WAN21_I2V",
+    ("wan", "flf2v"): "WAN21_I2V",
+    ("wan", "ti2v"): "WAN22_T2V",
+    ("wan", ""): "WAN21_T2V",  # t2v, and i2v_concat (Wan 2.2 A14B I2V: image latent in extra input channels)
+}
+# unet_config entries ComfyUI's model classes read at run time (concat_cond, memory estimates), in ComfyUI's own
+# convention: Flux and Wan count latent channels, Qwen-Image counts packed 2x2 patch features
+FAMILY_UNET_KEYS = {
+    "Flux": lambda info: {"in_channels": info.in_channels, "out_channels": info.out_channels},
+    "FluxInpaint": lambda info: {"in_channels": info.in_channels, "out_channels": info.out_channels},
+    "FluxSchnell": lambda info: {"in_channels": info.in_channels, "out_channels": info.out_channels},
+    "QwenImage": lambda info: {"in_channels": info.in_channels * 4},
+    "WAN21_T2V": lambda info: {"in_dim": info.in_channels, "out_dim": info.out_channels},
+    "WAN21_I2V": lambda info: {"in_dim": info.in_channels, "out_dim": info.out_channels},
+    "WAN22_T2V": lambda info: {"in_dim": info.in_channels, "out_dim": info.out_channels},
+}
+HOST_MEMORY_FACTOR = 0.01  # read by some ComfyUI code paths; memory_required below is what the host needs
+HOST_LATENT_COPIES = 8  # x, noise, denoised, the sampler's state and the shared-memory copies, in float32
+
+
+def meta_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the file as a meta tensor of the right shape and dtype (no weight is read)."""
+    header = read_header(path)
+    state = {}
+    for name, (dtype, shape) in header.tensors.items():
+        state[name] = torch.empty(shape, dtype=SAFETENSORS_DTYPES.get(dtype, torch.float32), device="meta")
+    return state
+
+
+def detect_with_comfy(path: str):
+    """ComfyUI's model config for the file, exactly as comfy.sd.load_diffusion_model_state_dict detects it, or None."""
+    state = meta_state_dict(path)
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(state)
+    stripped = comfy.utils.state_dict_prefix_replace(state, {prefix: ""}, filter_keys=True)
+    if stripped:
+        state = stripped
+    try:
+        config = comfy.model_detection.model_config_from_unet(state, "")
+        if config is None:
+            converted = comfy.model_detection.convert_diffusers_mmdit(state, "")
+            if converted is not None:
+                config = comfy.model_detection.model_config_from_unet(converted, "")
+    except Exception as error:  # detection of odd files may trip over shapes; our own detection decides then
+        log.debug("ulysses-sp: ComfyUI detection failed on %s: %s", path, error)
+        return None
+    return config
+
+
+def config_from_info(info) -> "comfy.supported_models_base.BASE":
+    """Model config from our ModelInfo (family, variant, channels) when ComfyUI's detection does not apply."""
+    family, variant = info.family, (info.variant or "")
+    name = FAMILY_CONFIGS.get((family, variant)) or FAMILY_CONFIGS.get((family, ""))
+    if name is None:
+        supported = sorted({f for f, _ in FAMILY_CONFIGS})
+        raise ValueError(f"model family {family!r} (variant {variant!r}) has no ComfyUI model class in ulysses-sp; "
+                         f"supported families: {', '.join(supported)}")
+    config_cls = getattr(comfy.supported_models, name)
+    unet_config = {**config_cls.unet_config, **FAMILY_UNET_KEYS[name](info)}
+    return config_cls(unet_config)
+
+
+def comfy_model_config(path: str, info):
+    """ComfyUI's config for the checkpoint; ComfyUI's detection first, our ModelInfo when it finds nothing."""
+    config = detect_with_comfy(path)
+    if config is None:
+        config = config_from_info(info)
+    elif info.family in {f for f, _ in FAMILY_CONFIGS} and not _same_family(config, info):
+        log.warning("ulysses-sp: ComfyUI detects %s as %s but the workers load it as %s; using the workers' view",
+                    path, type(config).__name__, info.family)
+        config = config_from_info(info)
+    return config
+
+
+def _same_family(config, info) -> bool:
+    wanted = {name for (family, _), name in FAMILY_CONFIGS.items() if family == info.family}
+    return any(isinstance(config, getattr(comfy.supported_models, name)) for name in wanted)
+
+
+def host_memory_required(input_shape, cond_shapes={}) -> int:
+    elements = 1
+    for size in input_shape:
+        elements *= int(size)
+    return elements * 4 * HOST_LATENT_COPIES
+
+
+class SPModelPatcher(comfy.model_patcher.ModelPatcher):
+    """A ModelPatcher whose weights live in the SP workers: weight patches made on the host would do nothing,
+    so they raise a clear error instead of being dropped silently."""
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        # Raise even for an empty dict: ComfyUI finds no LoRA keys in a weightless model, so a stock LoRA node
+        # calls this with {} and would otherwise "succeed" while doing nothing.
+        if strength_patch != 0:
+            raise RuntimeError(
+                "This model is a Ulysses SP model: its weights live in the SP worker processes, so a stock LoRA or "
+                "model-merge node cannot patch it here (the patch would silently do nothing). Use the "
+                "'LoRA (Ulysses SP)' node to apply a LoRA in the workers.")
+        return super().add_patches(patches, strength_patch, strength_model)
+
+    def add_hook_patches(self, hook, patches, strength_patch=1.0, strength_model=1.0):
+        if strength_patch != 0:
+            raise RuntimeError(
+                "Hook LoRAs / weight hooks cannot patch a Ulysses SP model: its weights live in the SP worker "
+                "processes. Use the 'LoRA (Ulysses SP)' node instead.")
+        return super().add_hook_patches(hook, patches, strength_patch, strength_model)
+
+
+def build_sp_model(model_config, proxy: torch.nn.Module, compute_dtype: torch.dtype) -> SPModelPatcher:
+    """A MODEL for the stock nodes: ComfyUI's BaseModel of the family with `proxy` as its diffusion_model,
+    patched and sampled on the CPU (no weights, no VRAM in the ComfyUI process)."""
+    model_config.unet_config["disable_unet_model_creation"] = True
+    model_config.set_inference_dtype(compute_dtype, None)
+    model_config.memory_usage_factor = HOST_MEMORY_FACTOR
+    model = model_config.get_model({}, "")
+    model.diffusion_model = proxy
+    model.memory_usage_factor = HOST_MEMORY_FACTOR
+    # ComfyUI sizes batches and frees memory from this estimate; the network runs in the workers, so the host
+    # needs room for a few latent copies only (a network-sized estimate would split cond/uncond into two calls)
+    model.memory_required = host_memory_required
+    cpu = torch.device("cpu")
+    return SPModelPatcher(model, load_device=cpu, offload_device=cpu)

@@ -1,0 +1,73 @@
+"""SPModelLoader, "Load Diffusion Model (Ulysses SP)": a MODEL for the stock samplers whose every diffusion call
+runs on the worker pool of the chosen devices."""
+from __future__ import annotations
+
+import comfy.model_management
+import comfy.utils
+import folder_paths
+from comfy_api.latest import io
+
+from .comfy_model import build_sp_model, comfy_model_config
+from .devices import config_from_inputs
+from .pool_owner import OWNER, ModelSpec
+from .proxy import SPDiffusionModel
+
+WEIGHT_DTYPES = ["default", "fp32", "bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2"]
+CATEGORY = "Ulysses SP"
+
+
+def progress_reporter(bar: "comfy.utils.ProgressBar"):
+    """A pool progress callback that drives a node's progress bar and never raises into the pool."""
+    def report(fraction: float, message: str = "") -> None:
+        try:
+            bar.update_absolute(max(0, min(100, round(float(fraction) * 100))))
+        except comfy.model_management.InterruptProcessingException:
+            pass  # a load finishes on every rank together; the cancel is raised once it has
+    return report
+
+
+def load_sp_model(spec: ModelSpec):
+    """Load spec's model in its pool (with a progress bar) and wrap it as a ComfyUI MODEL."""
+    bar = comfy.utils.ProgressBar(100)
+    handle = OWNER.load(spec, progress=progress_reporter(bar))
+    comfy.model_management.throw_exception_if_processing_interrupted()
+    info = handle.info
+    proxy = SPDiffusionModel(spec, info)
+    return build_sp_model(comfy_model_config(spec.path, info), proxy, proxy.dtype)
+
+
+class SPModelLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="SPModelLoader",
+            display_name="Load Diffusion Model (Ulysses SP)",
+            category=CATEGORY,
+            description="Loads a diffusion model into a pool of worker processes (one per device) that run each "
+                        "denoising step with Ulysses sequence parallelism. Connect the MODEL to the stock KSampler.",
+            inputs=[
+                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                               tooltip="A file from ComfyUI's models/diffusion_models folder."),
+                io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default",
+                               tooltip="Weight dtype in the workers; default keeps the file's own (fp8 files "
+                                       "stay fp8 and compute in bf16)."),
+                io.String.Input("devices", default="auto",
+                                tooltip="'auto' = every visible GPU; GPU indices such as '0,1,2,3' or '0-3'; "
+                                        "'cpu:2' = two CPU workers."),
+                io.Int.Input("ulysses_degree", default=0, min=0, max=64,
+                             tooltip="Ranks that split each sequence with Ulysses all-to-all; 0 = all devices "
+                                     "left after ring and CFG."),
+                io.Int.Input("ring_degree", default=1, min=1, max=64,
+                             tooltip="Ring-attention groups (for more devices than heads)."),
+                io.Boolean.Input("cfg_parallel", default=False,
+                                 tooltip="Run cond and uncond on two halves of the devices (needs CFG > 1)."),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, unet_name, weight_dtype, devices, ulysses_degree, ring_degree, cfg_parallel) -> io.NodeOutput:
+        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        config = config_from_inputs(devices, ulysses_degree, ring_degree, cfg_parallel)
+        spec = ModelSpec.create(config, path, weight_dtype)
+        return io.NodeOutput(load_sp_model(spec))

@@ -1,0 +1,94 @@
+"""The weightless `diffusion_model` of an SP MODEL: each call runs ComfyUI's DIFFUSION_MODEL wrappers around a call
+to the worker pool, polls ComfyUI's Cancel flag while it waits, and turns pool failures into clear node errors.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+import comfy.model_management
+import comfy.patcher_extension
+
+from sp_runtime.families.base import DTYPES, Cancelled
+
+from .pool_owner import OWNER, ModelSpec
+
+COMFY_PATCH = 2
+WAN_PATCH = (1, 2, 2)
+HOST_ONLY_KEYS = ("transformer_options", "control")
+
+
+class SPPoolError(RuntimeError):
+    """A worker pool failure, worded for the ComfyUI user; the pool restarts on the next run."""
+
+
+class SPDiffusionModel(torch.nn.Module):
+    """Stands where ComfyUI's diffusion network would be. Attributes ComfyUI's model classes read are plain
+    attributes (dtype; Flux/Qwen patch_size; Wan patch_embedding.weight.shape), never parameters."""
+
+    def __init__(self, spec: ModelSpec, info, owner=OWNER):
+        super().__init__()
+        self.spec = spec
+        self.info = info
+        self.owner = owner
+        self.dtype = DTYPES.get(info.compute_dtype, torch.float32)
+        self.in_channels = info.in_channels
+        self.out_channels = info.out_channels
+        self.patch_size = COMFY_PATCH  # ComfyUI's Flux / Qwen-Image latent patch (diffusers' Flux config says 1)
+        if info.family == "wan":
+            dim = int(info.config.get("dim", info.config.get("inner_dim", 0)) or 0)
+            shape = torch.Size((dim, info.in_channels, *WAN_PATCH))
+            self.patch_embedding = SimpleNamespace(weight=SimpleNamespace(shape=shape))
+
+    def with_spec(self, spec: ModelSpec) -> "SPDiffusionModel":
+        return SPDiffusionModel(spec, self.info, self.owner)
+
+    def forward(self, x, timestep, context=None, transformer_options={}, **kwargs):
+        wrappers = comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL,
+                                                            transformer_options)
+        executor = comfy.patcher_extension.WrapperExecutor.new_class_executor(self._forward, self, wrappers)
+        return executor.execute(x, timestep, context, transformer_options, **kwargs)
+
+    def _forward(self, x, timestep, context, transformer_options, **kwargs):
+        _reject_host_patches(transformer_options, kwargs.get("control"))
+        extra = {key: value for key, value in kwargs.items() if key not in HOST_ONLY_KEYS}
+        try:
+            return self.owner.call(self.spec, x, timestep, context=context,
+                                   should_cancel=comfy.model_management.processing_interrupted, **extra)
+        except Cancelled:
+            comfy.model_management.throw_exception_if_processing_interrupted()
+            raise comfy.model_management.InterruptProcessingException()
+        except Exception as error:
+            converted = _as_node_error(error)
+            if converted is error:
+                raise
+            raise converted from error
+
+
+def _reject_host_patches(transformer_options: dict, control) -> None:
+    """Patches that ComfyUI would run inside its own network cannot reach the workers: say so, never ignore."""
+    if control is not None:
+        raise SPPoolError("ControlNet / control inputs are not supported on a Ulysses SP model yet: the control "
+                          "network would have to run inside the SP workers. Remove the ControlNet apply node.")
+    patches = {key: value for key, value in (transformer_options.get("patches") or {}).items() if value}
+    replaces = {key: value for key, value in (transformer_options.get("patches_replace") or {}).items() if value}
+    if patches or replaces:
+        names = sorted(patches) + sorted(replaces)
+        raise SPPoolError(f"model patches {names} (added by a node such as an IP-Adapter, PuLID or attention "
+                          f"patch) cannot run inside the Ulysses SP workers and would silently do nothing; remove "
+                          f"that node for SP models")
+
+
+def _as_node_error(error: Exception) -> Exception:
+    from sp_runtime.pool.errors import WorkerError
+    if isinstance(error, (SPPoolError, comfy.model_management.InterruptProcessingException)):
+        return error
+    if isinstance(error, WorkerError):
+        text = str(error)
+        if "restarts" not in text:
+            text += "\n(the pool restarts on the next run if it has to)"
+        return SPPoolError(f"Ulysses SP worker pool failed: {text}")
+    if isinstance(error, ValueError):
+        return SPPoolError(f"Ulysses SP model call rejected: {error}")
+    return error

@@ -1,0 +1,79 @@
+"""The loader node's devices text and degree inputs (nodes/devices.py; no ComfyUI needed)."""
+import pytest
+
+from comfy_support import import_node_module
+
+devices = import_node_module("devices")
+
+
+@pytest.mark.parametrize("text, count, expected", [
+    ("cpu:2", 0, ["cpu", "cpu"]),
+    ("CPU:3", 0, ["cpu"] * 3),
+    ("cpu", 0, ["cpu"]),
+    ("auto", 3, ["cuda:0", "cuda:1", "cuda:2"]),
+    (" Auto ", 1, ["cuda:0"]),
+    ("0,1,2,3", 4, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]),
+    ("2, 0", 4, ["cuda:2", "cuda:0"]),
+    ("cuda:1,cuda:3", 4, ["cuda:1", "cuda:3"]),
+    ("0-3", 8, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]),
+    ("0-1,4", 8, ["cuda:0", "cuda:1", "cuda:4"]),
+])
+def test_parse_devices(text, count, expected):
+    assert devices.parse_devices(text, cuda_count=count) == expected
+
+
+@pytest.mark.parametrize("text, count, words", [
+    ("auto", 0, ["no CUDA GPU", "cpu:2"]),
+    ("0,1", 0, ["sees none", "cpu:2"]),
+    ("0,4", 2, ["GPU [4]", "only 2 GPU"]),
+    ("0,0", 2, ["more than once"]),
+    ("3-1", 4, ["backwards", "1-3"]),
+    ("gpu0", 4, ["'gpu0' is not a GPU index", "cpu:2"]),
+    ("cpu,0", 4, ["not a GPU index", "cannot be mixed"]),
+    ("cpu:0", 4, ["1..64"]),
+    ("", 4, ["empty"]),
+])
+def test_bad_devices_name_the_problem(text, count, words):
+    with pytest.raises(ValueError) as error:
+        devices.parse_devices(text, cuda_count=count)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_auto_counts_gpus_only_when_needed():
+    calls = []
+    assert devices.parse_devices("cpu:2", count_gpus=lambda: calls.append(1) or 0) == ["cpu", "cpu"]
+    assert calls == []  # a CPU pool never touches CUDA
+    assert devices.parse_devices("auto", count_gpus=lambda: 2) == ["cuda:0", "cuda:1"]
+
+
+@pytest.mark.parametrize("n, ulysses, ring, cfg, expected", [
+    (4, 0, 1, False, (4, 1, 1)),
+    (4, 0, 2, False, (2, 2, 1)),
+    (4, 0, 1, True, (2, 1, 2)),
+    (8, 0, 2, True, (2, 2, 2)),
+    (2, 2, 1, False, (2, 1, 1)),
+    (1, 0, 1, False, (1, 1, 1)),
+])
+def test_degree_choice(n, ulysses, ring, cfg, expected):
+    config = devices.build_config(["cpu"] * n, ulysses, ring, cfg)
+    assert (config.ulysses_degree, config.ring_degree, config.cfg_degree) == expected
+    assert config.world_size == n
+
+
+@pytest.mark.parametrize("n, ulysses, ring, cfg, words", [
+    (3, 0, 1, True, ["cfg_parallel", "even", "3"]),
+    (4, 3, 1, False, ["ulysses_degree=3", "4 devices", "valid layouts"]),
+    (6, 0, 4, False, ["ring_degree=4", "does not divide", "valid layouts"]),
+])
+def test_bad_degrees_suggest_valid_layouts(n, ulysses, ring, cfg, words):
+    with pytest.raises(ValueError) as error:
+        devices.build_config(["cpu"] * n, ulysses, ring, cfg)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_config_from_inputs_end_to_end():
+    config = devices.config_from_inputs("0-3", 0, 1, True, cuda_count=4)
+    assert config.devices == ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
+    assert config.layout_name == "u2cfg2" and config.backend == "nccl"
