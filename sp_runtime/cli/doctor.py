@@ -1,10 +1,255 @@
-"""Doctor placeholder (device checks come with the doctor)."""
+"""`python -m sp_runtime doctor`: the devices, whether workers start on them, the all-to-all bandwidth between them
+(and missing GPU peer-to-peer), and the degrees to use for a model and resolution, with the reasons.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from ..config import SPConfig
+from .machine import DEFAULT_CPU_WORKERS, LoadMonitor, describe_machine, parse_devices, write_json
+from .recommend import MODELS, measure_throughput, recommend
+
+NCCL_P2P_REMEDIES = [
+    "NCCL then copies through host memory: expect lower all-to-all bandwidth (see the table) and prefer fewer ranks",
+    "if NCCL hangs or fails at start: export NCCL_P2P_DISABLE=1 (forces the host-memory path)",
+    "on machines without InfiniBand: export NCCL_IB_DISABLE=1",
+    "for PCIe peer-to-peer on workstations: disable IOMMU / ACS in the BIOS or kernel (iommu=pt), and use the same "
+    "driver for all GPUs",
+    "to see what NCCL chooses: NCCL_DEBUG=INFO; the topology: nvidia-smi topo -m",
+]
+GPU_SIZES_MIB = (0.0625, 0.25, 1, 4, 16, 64, 256)
+CPU_SIZES_MIB = (0.0625, 0.25, 1, 4, 16)
 
 
-def add_arguments(parser) -> None:
-    pass
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen-image",
+                        help="model to recommend degrees for (default: qwen-image)")
+    parser.add_argument("--width", type=int, default=None, help="image width (default: the model's usual)")
+    parser.add_argument("--height", type=int, default=None, help="image height (default: the model's usual)")
+    parser.add_argument("--frames", type=int, default=None, help="video frames (wan; default 81)")
+    parser.add_argument("--text-tokens", type=int, default=None)
+    parser.add_argument("--devices", default=None, help="devices to check (default: every GPU, else 2 CPU workers)")
+    parser.add_argument("--cpu-workers", type=int, default=DEFAULT_CPU_WORKERS)
+    parser.add_argument("--sizes", default=None, help="all-to-all message sizes in MiB per rank, comma-separated "
+                                                      "(default: 0.0625 .. 256 on GPUs, .. 16 on CPUs)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per message size (default: 5)")
+    parser.add_argument("--skip-workers", action="store_true", help="do not start a worker pool")
+    parser.add_argument("--skip-bandwidth", action="store_true", help="do not measure the links")
+    parser.add_argument("--json", default=None, help="also write the report as JSON to this path ('-': stdout, "
+                                                     "and nothing else there)")
 
 
 def run(args) -> int:
-    print("doctor: not available yet")
-    return 2
+    quiet = args.json == "-"
+    out = _Printer(quiet)
+    try:
+        devices = parse_devices(args.devices, args.cpu_workers)
+        SPConfig(devices)
+        sizes = _sizes(args.sizes, devices)
+        if args.repeats < 1:
+            raise ValueError("--repeats must be at least 1")
+    except ValueError as error:
+        print(f"doctor: {error}", file=sys.stderr)
+        return 2
+    monitor = LoadMonitor()
+    report = {"machine": describe_machine(), "devices": devices}
+    out.section("devices")
+    report["gpus"] = _gpus(out)
+    report["cpu"] = _cpu(out, devices)
+    if len([d for d in devices if d.startswith("cuda")]) > 1:
+        out.section("peer-to-peer")
+        report["p2p"] = _peer_access(out, devices)
+    if not args.skip_workers:
+        out.section("workers")
+        report["workers"] = _worker_check(out, devices)
+    if len(devices) > 1 and not args.skip_bandwidth:
+        out.section(f"all-to-all bandwidth over {len(devices)} ranks")
+        report["all_to_all"] = _bandwidth(out, devices, sizes, args.repeats)
+    out.section(f"recommendation for {args.model}")
+    report["recommendation"] = _recommendation(out, args, devices, report.get("all_to_all"))
+    report["machine_load"] = monitor.finish()
+    out.line(report["machine_load"]["note"])
+    if args.json == "-":
+        json.dump(report, sys.stdout, indent=2, default=str)
+        print()
+    elif args.json:
+        out.line(f"wrote {write_json(args.json, report)}")
+    failed = not report.get("workers", {}).get("ok", True) or "error" in report.get("all_to_all", {})
+    return 1 if failed else 0
+
+
+class _Printer:
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+
+    def section(self, title: str) -> None:
+        self.line(f"\n== {title}")
+
+    def line(self, text: str) -> None:
+        if not self.quiet:
+            print(text, flush=True)
+
+
+def _sizes(text: Optional[str], devices: list[str]) -> list[int]:
+    if text:
+        try:
+            values = [float(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f"--sizes {text!r} must be numbers of MiB, e.g. 1,16,64") from None
+        if not values or min(values) <= 0:
+            raise ValueError(f"--sizes {text!r} must be positive numbers of MiB")
+    else:
+        values = GPU_SIZES_MIB if devices[0].startswith("cuda") else CPU_SIZES_MIB
+    return [int(value * 2**20) for value in values]
+
+
+# ---- devices -------------------------------------------------------------------------------------------------------
+def _gpus(out: _Printer) -> dict:
+    if not torch.cuda.is_available():
+        out.line(f"CUDA: none (torch {torch.__version__}"
+                 f"{', a CPU-only build' if torch.version.cuda is None else ', no driver or no GPU visible'})")
+        return {"count": 0}
+    info = {"count": torch.cuda.device_count(), "cuda_runtime": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None,
+            "driver": _nvidia_smi(["--query-gpu=driver_version", "--format=csv,noheader"]), "devices": []}
+    out.line(f"CUDA runtime {info['cuda_runtime']}, NCCL {info['nccl']}, driver "
+             f"{(info['driver'] or 'unknown').splitlines()[0] if info['driver'] else 'unknown'}")
+    for index in range(info["count"]):
+        props = torch.cuda.get_device_properties(index)
+        entry = {"device": f"cuda:{index}", "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+                 "compute_capability": f"{props.major}.{props.minor}", "bf16": props.major >= 8}
+        info["devices"].append(entry)
+        out.line(f"cuda:{index}  {props.name}, {entry['memory_gib']} GiB, compute capability "
+                 f"{entry['compute_capability']}" + ("" if entry["bf16"] else " (no native bf16: use fp16/fp32)"))
+    topology = _nvidia_smi(["topo", "-m"])
+    if topology:
+        info["topology"] = topology
+    return info
+
+
+def _cpu(out: _Printer, devices: list[str]) -> dict:
+    info = {"logical_cores": os.cpu_count()}
+    try:
+        import psutil
+        info.update(physical_cores=psutil.cpu_count(logical=False),
+                    memory_gib=round(psutil.virtual_memory().total / 2**30, 1),
+                    available_gib=round(psutil.virtual_memory().available / 2**30, 1))
+    except ImportError:
+        pass
+    out.line(f"CPU: {info['logical_cores']} logical cores, {info.get('memory_gib', '?')} GiB memory "
+             f"({info.get('available_gib', '?')} GiB free)")
+    if not devices[0].startswith("cuda"):
+        out.line(f"using {len(devices)} CPU workers (gloo); they share these cores")
+    return info
+
+
+def _nvidia_smi(arguments: list[str]) -> Optional[str]:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        done = subprocess.run(["nvidia-smi", *arguments], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _peer_access(out: _Printer, devices: list[str]) -> dict:
+    indices = [int(d.split(":")[1]) for d in devices]
+    matrix = {f"{a}->{b}": bool(torch.cuda.can_device_access_peer(a, b)) for a in indices for b in indices if a != b}
+    missing = [pair for pair, ok in matrix.items() if not ok]
+    if missing:
+        out.line(f"no peer-to-peer access between {', '.join(missing)} (PCIe without P2P, or across CPU sockets)")
+        for remedy in NCCL_P2P_REMEDIES:
+            out.line(f"  - {remedy}")
+    else:
+        out.line(f"every GPU pair has peer-to-peer access ({len(matrix)} directions)")
+    return {"matrix": matrix, "missing": missing, "remedies": NCCL_P2P_REMEDIES if missing else []}
+
+
+# ---- workers and links ---------------------------------------------------------------------------------------------
+def _worker_check(out: _Printer, devices: list[str]) -> dict:
+    """One pool over every device; if it cannot start, one world-1 pool per device to find the culprit."""
+    from ..pool import PoolStartError, WorkerPool
+    started = time.perf_counter()
+    try:
+        with WorkerPool(SPConfig(devices), start_timeout_s=120) as pool:
+            seconds = time.perf_counter() - started
+            pids = pool.worker_pids
+        out.line(f"a pool of {len(devices)} workers ({SPConfig(devices).backend}) started in {seconds:.1f} s "
+                 f"(pids {pids}) and stopped cleanly")
+        return {"ok": True, "start_s": round(seconds, 3), "per_device": None}
+    except PoolStartError as error:
+        first = str(error).splitlines()[0]
+        out.line(f"a pool over all devices could not start: {first}")
+    per_device = []
+    for device in dict.fromkeys(devices):
+        try:
+            with WorkerPool(SPConfig([device]), start_timeout_s=120):
+                per_device.append({"device": device, "ok": True})
+                out.line(f"  {device}: a single worker starts")
+        except PoolStartError as error:
+            per_device.append({"device": device, "ok": False, "error": str(error).splitlines()[0]})
+            out.line(f"  {device}: FAILS: {str(error).splitlines()[0]}")
+    return {"ok": False, "per_device": per_device}
+
+
+def _bandwidth(out: _Printer, devices: list[str], sizes: list[int], repeats: int) -> dict:
+    from .linkprobe import all_to_all_sweep, run_ranks
+    try:
+        per_rank = run_ranks(all_to_all_sweep, devices, sizes, repeats, timeout=600)
+    except (RuntimeError, TimeoutError) as error:
+        out.line(f"the all-to-all failed: {str(error).strip().splitlines()[-1]}")
+        return {"error": str(error)}
+    world = len(devices)
+    rows = []
+    out.line(f"{'MiB per rank':>12} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    for index, size in enumerate(sizes):
+        seconds = max(rank_rows[index]["seconds"] for rank_rows in per_rank)
+        message = per_rank[0][index]["bytes"]
+        algbw = message / seconds / 1e9
+        rows.append({"bytes": message, "seconds": seconds, "algbw_gb_s": round(algbw, 3),
+                     "busbw_gb_s": round(algbw * (world - 1) / world, 3)})
+        out.line(f"{message / 2**20:>12.4g} {seconds * 1e3:>9.3f} {algbw:>11.2f} {rows[-1]['busbw_gb_s']:>11.2f}")
+    out.line("algbw = bytes each rank sends / time; busbw = algbw x (n-1)/n, the share that crosses the links "
+             "(nccl-tests' convention)")
+    return {"ranks": world, "rows": rows}
+
+
+def _recommendation(out: _Printer, args, devices: list[str], sweep: Optional[dict]) -> dict:
+    from .presets import get_preset
+    from .recommend import MODELS
+    preset = get_preset(MODELS[args.model])
+    width, height = args.width or preset.width, args.height or preset.height
+    frames = args.frames or preset.frames
+    config = preset.size
+    heads = config["num_attention_heads"]
+    throughput = measure_throughput(devices[0], heads, config["attention_head_dim"])
+    memory = None
+    if devices[0].startswith("cuda"):
+        memory = min(torch.cuda.get_device_properties(int(d.split(":")[1])).total_memory for d in devices)
+    rows = (sweep or {}).get("rows")
+    result = recommend(args.model, width, height, frames, args.text_tokens, devices, rows, throughput, memory)
+    size = f"{width}x{height}" + (f", {frames} frames" if preset.is_video else "")
+    out.line(f"{args.model} at {size}: {result['image_tokens']} image + {result['text_tokens']} text tokens, "
+             f"{result['heads']} heads, {result['parameters'] / 1e9:.1f}B parameters")
+    out.line(f"measured on {devices[0]}: attention {throughput.attention_flops_per_s / 1e12:.2f} TFLOP/s, matmul "
+             f"{throughput.matmul_flops_per_s / 1e12:.2f} TFLOP/s ({throughput.dtype})")
+    for candidate in result["candidates"]:
+        comm = "?" if candidate["comm_ms"] is None else f"{candidate['comm_ms']:.1f}"
+        out.line(f"  {candidate['layout']:<4} estimated {candidate['estimated_ms']:>10.1f} ms/step (compute "
+                 f"{candidate['compute_ms']:.1f}, exchanges {comm}), speed-up "
+                 f"{candidate.get('estimated_speedup', 1):.2f}x")
+    out.line(f"recommended: {result['recommended_layout']}")
+    for reason in result["reasons"]:
+        out.line(f"  - {reason}")
+    out.line(f"  ({result['note']})")
+    return result
