@@ -8,38 +8,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_common import machine, median_time, write_result  # noqa: E402
 from sp_runtime.testing.spawn import run_distributed  # noqa: E402
 
 HEADS = 24
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _median_time(fn, repeats: int, barrier=None) -> tuple[float, list[float]]:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if barrier:
-            barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), times
-
-
 def _single(tokens: int, head_dim: int, dtype: str, repeats: int) -> float:
     torch.set_num_threads(2)
     q, k, v = (torch.randn(1, HEADS, tokens, head_dim, dtype=DTYPES[dtype]) for _ in range(3))
-    return _median_time(lambda: F.scaled_dot_product_attention(q, k, v), repeats)[0]
+    return median_time(lambda: F.scaled_dot_product_attention(q, k, v), repeats)
 
 
 def _ulysses(rank, world_size, tokens, head_dim, dtype, repeats):
@@ -52,7 +38,7 @@ def _ulysses(rank, world_size, tokens, head_dim, dtype, repeats):
     shards = SeqShards.balanced(tokens, world_size)
     local = shards.sizes[rank]
     q, k, v = (torch.randn(1, local, HEADS, head_dim, dtype=DTYPES[dtype]) for _ in range(3))
-    total, _ = _median_time(lambda: sp_attention(q, k, v, seq, shards), repeats, dist.barrier)
+    total = median_time(lambda: sp_attention(q, k, v, seq, shards), repeats, dist.barrier)
     # The two exchanges alone, with the buffers Ulysses sends: q, k, v out and the output back.
     send_qkv = torch.randn(3 * local * HEADS * head_dim, dtype=DTYPES[dtype])
     send_out = torch.randn(local * HEADS * head_dim, dtype=DTYPES[dtype])
@@ -60,7 +46,7 @@ def _ulysses(rank, world_size, tokens, head_dim, dtype, repeats):
     def exchanges():
         for send in (send_qkv, send_out):
             dist.all_to_all_single(torch.empty_like(send), send)
-    exchange, _ = _median_time(exchanges, repeats, dist.barrier)
+    exchange = median_time(exchanges, repeats, dist.barrier)
     return total, exchange
 
 
@@ -87,14 +73,10 @@ def main() -> None:
                        "all_to_all_ms": round(exchange * 1e3, 1), "all_to_all_share": round(exchange / ulysses, 3)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    result = {"benchmark": "attention", "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} CPUs", "torch": torch.__version__, "repeats": args.repeats,
-              "note": "single = one process with 2 threads; ulysses_w2 = 2 gloo processes with 1 thread each",
-              "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=2)
-    print(f"wrote {args.out}")
+    write_result(args.out, {
+        "benchmark": "attention", "machine": machine(), "torch": torch.__version__, "repeats": args.repeats,
+        "note": "single = one process with 2 threads; ulysses_w2 = 2 gloo processes with 1 thread each",
+        "rows": rows})
 
 
 if __name__ == "__main__":
