@@ -79,6 +79,9 @@ def test_panel_shows_an_empty_state_then_the_pool(server, page, tmp_path):
     page.wait_for_selector("#ulysses-sp-panel .usp-empty:has-text('No Ulysses SP pool')", timeout=30_000)
     run_prompt(server, seed=1)
     page.click("#ulysses-sp-panel .usp-refresh")
+    # The refresh is asynchronous: wait until its render (with the ranks' call times) replaced the earlier one.
+    page.wait_for_function("() => [...document.querySelectorAll('#ulysses-sp-panel .usp-r-call')]"
+                           ".some((node) => node.textContent.endsWith(' ms'))", timeout=30_000)
     pool = page.wait_for_selector("#ulysses-sp-panel .usp-pool[data-devices='cpu,cpu']", timeout=30_000)
     text = pool.inner_text()
     assert "layout u2 (gloo, 2 ranks)" in text

@@ -122,6 +122,13 @@ async function refresh() {
   renderAll();
 }
 
+let refreshTimer = null;
+
+function refreshSoon(delayMs = 1000) {
+  clearTimeout(refreshTimer);
+  refreshTimer = setTimeout(refresh, delayMs);
+}
+
 async function post(route) {
   try {
     const response = await api.fetchApi(route, { method: "POST" });
@@ -141,6 +148,7 @@ function onEvent(event) {
     const key = (data.devices || []).join(",");
     state.lastStep[key] = data;
     state.stepEvents[key] = (state.stepEvents[key] || 0) + 1;
+    refreshSoon();  // per-rank memory and call times come with the status, not with the step event
   }
   else if (state.status && (event.type === "ulysses_sp.state" || data.event === "state")) {
     const pool = state.status.pools.find((p) => p.devices.join(",") === (data.devices || []).join(","));
