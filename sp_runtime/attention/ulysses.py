@@ -50,8 +50,8 @@ def text_heads(text: Sequence[torch.Tensor], rank: int, degree: int) -> torch.Te
     """This rank's heads of replicated text q, k, v: [3, B, h, L, D] (no communication)."""
     heads = _heads_per_rank(text[0].shape[2], degree)
     padded_heads = heads * degree
-    stacked = torch.stack([_pad(t, t.shape[1], padded_heads) for t in text])  # [3, B, L, Hp, D]
-    return stacked[:, :, :, rank * heads:(rank + 1) * heads].transpose(2, 3)
+    mine = [_pad(t, t.shape[1], padded_heads)[:, :, rank * heads:(rank + 1) * heads] for t in text]
+    return torch.stack(mine).transpose(2, 3)  # copies this rank's heads only
 
 
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int,
