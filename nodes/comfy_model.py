@@ -3,8 +3,8 @@ MODEL (BaseModel + proxy diffusion_model + ModelPatcher on the CPU) that the sto
 
 Real checkpoints go through ComfyUI's detection (comfy.model_detection) on a state dict of meta tensors, so the
 config is what ComfyUI itself would build. ComfyUI's detection hardcodes real sizes and does not know this
-project's test checkpoints, so when it finds nothing the config comes from our Detection / ModelInfo through
-FAMILY_CONFIGS. Sizes in unet_config never matter here: no ComfyUI network is created.
+project's test checkpoints, so when it finds nothing the config comes from our ModelInfo through the family's
+ComfyHost (sp_runtime.families.comfy_host). Sizes in unet_config never matter here: no ComfyUI network is created.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import comfy.model_patcher
 import comfy.supported_models
 import comfy.utils
 
-from sp_runtime.families.detect import read_header
+from sp_runtime.families import FAMILIES, comfy_host
 
 log = logging.getLogger("ulysses_sp")
 
@@ -28,45 +28,21 @@ SAFETENSORS_DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 
-# (our family, variant) -> comfy.supported_models class name, as ComfyUI's own detection maps the same files;
-# variant "" matches any variant of the family
-FAMILY_CONFIGS = {
-    ("qwen_image", ""): "QwenImage",
-    ("flux", "schnell"): "FluxSchnell",
-    ("flux", "fill"): "FluxInpaint",
-    ("flux", ""): "Flux",
-    ("wan", "i2v"): "WAN21_I2V",
-    ("wan", "flf2v"): "WAN21_I2V",
-    ("wan", "ti2v"): "WAN22_T2V",
-    ("wan", ""): "WAN21_T2V",  # t2v, and i2v_concat (Wan 2.2 A14B I2V: image latent in extra input channels)
-}
-# unet_config entries ComfyUI's model classes read at run time (concat_cond, memory estimates), in ComfyUI's own
-# convention: Flux and Wan count latent channels, Qwen-Image counts packed 2x2 patch features
-FAMILY_UNET_KEYS = {
-    "Flux": lambda info: {"in_channels": info.in_channels, "out_channels": info.out_channels},
-    "FluxInpaint": lambda info: {"in_channels": info.in_channels, "out_channels": info.out_channels},
-    "FluxSchnell": lambda info: {"in_channels": info.in_channels, "out_channels": info.out_channels},
-    "QwenImage": lambda info: {"in_channels": info.in_channels * 4},
-    "WAN21_T2V": lambda info: {"in_dim": info.in_channels, "out_dim": info.out_channels},
-    "WAN21_I2V": lambda info: {"in_dim": info.in_channels, "out_dim": info.out_channels},
-    "WAN22_T2V": lambda info: {"in_dim": info.in_channels, "out_dim": info.out_channels},
-}
 HOST_MEMORY_FACTOR = 0.01  # read by some ComfyUI code paths; memory_required below is what the host needs
 HOST_LATENT_COPIES = 8  # x, noise, denoised, the sampler's state and the shared-memory copies, in float32
 
 
-def meta_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the file as a meta tensor of the right shape and dtype (no weight is read)."""
-    header = read_header(path)
+def meta_state_dict(header) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint header as a meta tensor of the right shape and dtype (no weight is read)."""
     state = {}
     for name, (dtype, shape) in header.tensors.items():
         state[name] = torch.empty(shape, dtype=SAFETENSORS_DTYPES.get(dtype, torch.float32), device="meta")
     return state
 
 
-def detect_with_comfy(path: str):
-    """ComfyUI's model config for the file, exactly as comfy.sd.load_diffusion_model_state_dict detects it, or None."""
-    state = meta_state_dict(path)
+def detect_with_comfy(header):
+    """ComfyUI's model config for the checkpoint, as comfy.sd.load_diffusion_model_state_dict detects it, or None."""
+    state = meta_state_dict(header)
     prefix = comfy.model_detection.unet_prefix_from_state_dict(state)
     stripped = comfy.utils.state_dict_prefix_replace(state, {prefix: ""}, filter_keys=True)
     if stripped:
@@ -78,38 +54,39 @@ def detect_with_comfy(path: str):
             if converted is not None:
                 config = comfy.model_detection.model_config_from_unet(converted, "")
     except Exception as error:  # detection of odd files may trip over shapes; our own detection decides then
-        log.debug("ulysses-sp: ComfyUI detection failed on %s: %s", path, error)
+        log.debug("ulysses-sp: ComfyUI detection failed on %s: %s", header.path, error)
         return None
     return config
 
 
 def config_from_info(info) -> "comfy.supported_models_base.BASE":
     """Model config from our ModelInfo (family, variant, channels) when ComfyUI's detection does not apply."""
-    family, variant = info.family, (info.variant or "")
-    name = FAMILY_CONFIGS.get((family, variant)) or FAMILY_CONFIGS.get((family, ""))
+    host = comfy_host(info.family)
+    name = host.model_class(info.variant) if host else None
     if name is None:
-        supported = sorted({f for f, _ in FAMILY_CONFIGS})
-        raise ValueError(f"model family {family!r} (variant {variant!r}) has no ComfyUI model class in ulysses-sp; "
-                         f"supported families: {', '.join(supported)}")
+        supported = sorted(family for family in FAMILIES if comfy_host(family))
+        raise ValueError(f"model family {info.family!r} (variant {info.variant or ''!r}) has no ComfyUI model class "
+                         f"in ulysses-sp; supported families: {', '.join(supported)}")
     config_cls = getattr(comfy.supported_models, name)
-    unet_config = {**config_cls.unet_config, **FAMILY_UNET_KEYS[name](info)}
+    unet_config = {**config_cls.unet_config, **host.unet_config(info)}
     return config_cls(unet_config)
 
 
-def comfy_model_config(path: str, info):
-    """ComfyUI's config for the checkpoint; ComfyUI's detection first, our ModelInfo when it finds nothing."""
-    config = detect_with_comfy(path)
+def comfy_model_config(header, info):
+    """ComfyUI's config for the checkpoint (its header, as the pool read it); ComfyUI's detection first, our
+    ModelInfo when it finds nothing."""
+    config = detect_with_comfy(header)
     if config is None:
         config = config_from_info(info)
-    elif info.family in {f for f, _ in FAMILY_CONFIGS} and not _same_family(config, info):
+    elif comfy_host(info.family) and not _same_family(config, info):
         log.warning("ulysses-sp: ComfyUI detects %s as %s but the workers load it as %s; using the workers' view",
-                    path, type(config).__name__, info.family)
+                    header.path, type(config).__name__, info.family)
         config = config_from_info(info)
     return config
 
 
 def _same_family(config, info) -> bool:
-    wanted = {name for (family, _), name in FAMILY_CONFIGS.items() if family == info.family}
+    wanted = set(comfy_host(info.family).model_classes.values())
     return any(isinstance(config, getattr(comfy.supported_models, name)) for name in wanted)
 
 

@@ -33,7 +33,7 @@ def load_sp_model(spec: ModelSpec):
     comfy.model_management.throw_exception_if_processing_interrupted()
     info = handle.info
     proxy = SPDiffusionModel(spec, info)
-    return build_sp_model(comfy_model_config(spec.path, info), proxy, proxy.dtype)
+    return build_sp_model(comfy_model_config(handle.request.header, info), proxy, proxy.dtype)
 
 
 class SPModelLoader(io.ComfyNode):

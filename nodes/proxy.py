@@ -3,19 +3,16 @@ to the worker pool, polls ComfyUI's Cancel flag while it waits, and turns pool f
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 import comfy.model_management
 import comfy.patcher_extension
 
-from sp_runtime.families.base import DTYPES, Cancelled
+from sp_runtime.families import comfy_host
+from sp_runtime.families.base import DTYPES, Cancelled, patch_size_2
 
 from .pool_owner import OWNER, ModelSpec
 
-COMFY_PATCH = 2
-WAN_PATCH = (1, 2, 2)
 HOST_ONLY_KEYS = ("transformer_options", "control")
 
 
@@ -25,7 +22,7 @@ class SPPoolError(RuntimeError):
 
 class SPDiffusionModel(torch.nn.Module):
     """Stands where ComfyUI's diffusion network would be. Attributes ComfyUI's model classes read are plain
-    attributes (dtype; Flux/Qwen patch_size; Wan patch_embedding.weight.shape), never parameters."""
+    attributes (dtype, channels, and what the family's ComfyHost lists), never parameters."""
 
     def __init__(self, spec: ModelSpec, info, owner=OWNER):
         super().__init__()
@@ -35,11 +32,9 @@ class SPDiffusionModel(torch.nn.Module):
         self.dtype = DTYPES.get(info.compute_dtype, torch.float32)
         self.in_channels = info.in_channels
         self.out_channels = info.out_channels
-        self.patch_size = COMFY_PATCH  # ComfyUI's Flux / Qwen-Image latent patch (diffusers' Flux config says 1)
-        if info.family == "wan":
-            dim = int(info.config.get("dim", info.config.get("inner_dim", 0)) or 0)
-            shape = torch.Size((dim, info.in_channels, *WAN_PATCH))
-            self.patch_embedding = SimpleNamespace(weight=SimpleNamespace(shape=shape))
+        host = comfy_host(info.family)
+        for name, value in (host.attributes if host else patch_size_2)(info).items():
+            setattr(self, name, value)
 
     def with_spec(self, spec: ModelSpec) -> "SPDiffusionModel":
         return SPDiffusionModel(spec, self.info, self.owner)

@@ -73,7 +73,7 @@ def test_bench_random_weights_drawn_on_the_workers_match_across_layouts(tmp_path
 
 
 def _disagreeing_ranks(rank, world_size):
-    from sp_runtime.cli.synthetic import agree_across_ranks, build_model
+    from sp_runtime.families.synthetic import agree_across_ranks, build_model
     from sp_runtime.config import SPConfig
     from sp_runtime.groups import build_groups
     from sp_runtime.testing.tiny_models import tiny_config

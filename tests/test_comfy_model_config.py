@@ -8,6 +8,7 @@ import json
 import pytest
 
 import comfy_support as cs
+from sp_runtime.families.header import read_checkpoint_header
 
 pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 
@@ -49,7 +50,7 @@ def test_comfy_model_class_from_header(comfy_model, tmp_path, family, options, v
     path = cs.write_tiny(family, str(tmp_path), **options)
     info = Info(family, variant, *CHANNELS.get((family, variant), (16, 16)))
     key, value = unet_entry
-    config = comfy_model.comfy_model_config(path, info)
+    config = comfy_model.comfy_model_config(read_checkpoint_header(path), info)
     assert type(config) is getattr(comfy.supported_models, expected)
     assert config.unet_config[key] == value
     # the same class and channels from our own detection alone (the path for files ComfyUI does not recognise)
@@ -60,7 +61,7 @@ def test_comfy_model_class_from_header(comfy_model, tmp_path, family, options, v
 def test_meta_state_dict_reads_no_weights(comfy_model, tmp_path):
     import torch
     path = cs.write_tiny("flux", str(tmp_path))
-    state = comfy_model.meta_state_dict(path)
+    state = comfy_model.meta_state_dict(read_checkpoint_header(path))
     assert state and all(tensor.device.type == "meta" for tensor in state.values())
     assert state["img_in.weight"].shape == (96, 64) and state["img_in.weight"].dtype == torch.float32
 
@@ -71,13 +72,13 @@ def test_model_without_comfy_class_is_a_clear_error(comfy_model, tmp_path):
     path = str(tmp_path / "toy.safetensors")
     save_file({"w": torch.zeros(2)}, path, metadata={"ulysses_sp.family": "toy", "ulysses_sp.config": json.dumps({})})
     with pytest.raises(ValueError, match="no ComfyUI model class.*supported families: flux, qwen_image, wan"):
-        comfy_model.comfy_model_config(path, Info("toy"))
+        comfy_model.comfy_model_config(read_checkpoint_header(path), Info("toy"))
 
 
 def test_sp_model_building_keeps_comfys_sampling_settings(comfy_model, tmp_path):
     import torch
     path = cs.write_tiny("flux", str(tmp_path), variant="schnell")
-    config = comfy_model.comfy_model_config(path, Info("flux", "schnell"))
+    config = comfy_model.comfy_model_config(read_checkpoint_header(path), Info("flux", "schnell"))
     proxy = torch.nn.Module()
     proxy.dtype = torch.bfloat16
     model = comfy_model.build_sp_model(config, proxy, torch.bfloat16)

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from sp_runtime.families import checkpoint
 from sp_runtime.families.detect import detect
+from sp_runtime.families.header import read_checkpoint_header
 from sp_runtime.families.joint_dit import TokenGrid, grid_ids, reference_placements, rope_axes
 from sp_runtime.testing.tiny_models import COMFY_PREFIX, tiny_config, write_tiny_checkpoint
 
@@ -89,11 +90,11 @@ def test_pipeline_folder_resolves_to_its_transformer(tmp_path):
 
 
 def test_fp8_file_keeps_fp8_storage_by_default(written):
-    header = checkpoint.read_checkpoint_header(written["qwen_fp8"])
+    header = read_checkpoint_header(written["qwen_fp8"])
     dtypes = checkpoint.choose_dtypes("default", header, COMFY_PREFIX)
     assert (dtypes.storage, dtypes.compute) == (torch.float8_e4m3fn, torch.bfloat16)
     assert checkpoint.choose_dtypes("bf16", header).storage == torch.bfloat16
-    fp32 = checkpoint.read_checkpoint_header(written["qwen_original"])
+    fp32 = read_checkpoint_header(written["qwen_original"])
     assert checkpoint.choose_dtypes("default", fp32) == checkpoint.WeightDtypes(torch.float32, torch.float32)
     assert checkpoint.choose_dtypes("float8_e5m2", fp32).layerwise
 

@@ -160,7 +160,7 @@ def test_mismatched_weights_are_named(files, tmp_path):
 def test_cancel_is_checked_between_blocks(files):
     from sp_runtime.groups import ParallelGroups, SeqParallel
     from sp_runtime.families.base import LoadRequest
-    from sp_runtime.families import load_worker_model
+    from sp_runtime.families.detect import load_worker_model
     groups = ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
     worker = load_worker_model(LoadRequest(files["original"]), torch.device("cpu"), groups, lambda *_: None)
     context = LocalContext(groups)

@@ -251,7 +251,7 @@ def _single_rank():
 
 
 def test_cancel_is_checked_between_blocks_and_bad_inputs_are_named(files):
-    from sp_runtime.families import load_worker_model
+    from sp_runtime.families.detect import load_worker_model
     from sp_runtime.families.base import LoadRequest
     groups = _single_rank()
     worker = load_worker_model(LoadRequest(files["original"]), torch.device("cpu"), groups, lambda *_: None)

@@ -240,12 +240,10 @@ class _Demo:
 
 def _reference_model(preset: Preset, family: str, path: str, device: torch.device, seed: int):
     """The model on one device in this process, and its family's single-process reference forward."""
-    import importlib
-
-    from ..families import FAMILY_MODULES
-    module = importlib.import_module(FAMILY_MODULES[family])
+    from ..families import family_module
+    module = family_module(family)
     if preset.synthetic:
-        from .synthetic import build_model
+        from ..families.synthetic import build_model
         model, _ = build_model(family, diffusers_config(preset), preset.dtype, device, seed)
     else:
         model = module.load_model(path, "default", device)[0]

@@ -100,7 +100,7 @@ def materialize(preset: Preset, cache_dir: str = CACHE_DIR, synthetic: Optional[
     os.makedirs(cache_dir, exist_ok=True)
     partial = path + f".{os.getpid()}.partial"
     if synthetic:
-        from .synthetic import write_spec
+        from ..families.synthetic import write_spec
         write_spec(partial, preset.family, config, seed=seed, dtype=preset.dtype)
     else:
         from ..testing.tiny_models import write_tiny_checkpoint
@@ -138,7 +138,7 @@ def parameter_count(preset: Preset) -> int:
     """Parameters of the preset's transformer, counted on an empty (meta) model."""
     from accelerate import init_empty_weights
 
-    from .synthetic import TUPLE_KEYS, model_class
+    from ..families.synthetic import TUPLE_KEYS, model_class
     config = {key: tuple(value) if key in TUPLE_KEYS and isinstance(value, list) else value
               for key, value in diffusers_config(preset).items()}
     with init_empty_weights():

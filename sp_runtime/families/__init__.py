@@ -1,28 +1,46 @@
-"""Model families: header-only detection and the worker-side loaders, looked up by family name."""
+"""Model families, found by name through FAMILIES: adding a family is adding its module and one line below.
+
+A family module (or sub-package) provides, at module level:
+    FAMILY = "name"                  its key in FAMILIES (and ModelInfo.family)
+    DESCRIPTION = "..."              named in "supported: ..." errors ("" for internal families: toy, synthetic)
+    detect(header) -> Detection | None
+        From a header.Header alone (no weights read, no diffusers import: this runs in the ComfyUI process);
+        None when the file is another family; ValueError naming the file for a variant it cannot run.
+    load(request, detection, device, groups, progress) -> WorkerModel
+        Worker side: build the model on `device` (diffusers imported here), read the weights (checkpoint.py:
+        choose_dtypes, build_empty_model, load_weights with the family's key plan) and return a WorkerModel whose
+        forward(x, timestep, inputs, out, ctx) is the family's sequence-parallel forward (base.py).
+    COMFY = ComfyHost(...)           ComfyUI's model classes and the attributes its host side reads from
+                                     `diffusion_model` (base.ComfyHost); leave it out when ComfyUI cannot use it.
+Optional, each used where present: weight_plan(detection, keys) and original_plan(keys, model_config) (LoRAs by
+original / ComfyUI key names), load_model(path, dtype, device) and reference_forward(...) (single-device runs of
+the CLI demo and the tests). The detectors are tried in the order of FAMILIES.
+"""
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
+from typing import Optional
 
-import torch
+from .base import ComfyHost
 
-from ..groups import ParallelGroups
-from .base import (Cancelled, CallContext, LoadRequest, ModelInfo, ProgressFn, WorkerModel,  # noqa: F401
-                   dtype_name)
-
-# family name -> module that defines `load(request, detection, device, groups, progress) -> WorkerModel`
-FAMILY_MODULES = {
-    "toy": "sp_runtime.families.toy",
+FAMILIES = {
     "qwen_image": "sp_runtime.families.qwen_image",
     "flux": "sp_runtime.families.flux",
     "wan": "sp_runtime.families.wan",
-    "synthetic": "sp_runtime.cli.synthetic",  # random weights drawn on the workers (benchmark presets)
+    "toy": "sp_runtime.families.toy",              # the pool's test model
+    "synthetic": "sp_runtime.families.synthetic",  # random weights drawn on the workers (benchmark presets)
 }
 
 
-def load_worker_model(request: LoadRequest, device: torch.device, groups: ParallelGroups,
-                      progress: ProgressFn) -> WorkerModel:
-    """Detect the checkpoint's family from its header and load it on this worker's device."""
-    from .detect import detect
-    detection = detect(request.path)
-    module = importlib.import_module(FAMILY_MODULES[detection.family])
-    return module.load(request, detection, device, groups, progress)
+def family_module(family: str) -> ModuleType:
+    """The module of a registered family; ValueError naming the known ones otherwise."""
+    if family not in FAMILIES:
+        raise ValueError(f"model family {family!r} is not known to this version of ulysses-sp (known: "
+                         f"{', '.join(FAMILIES)})")
+    return importlib.import_module(FAMILIES[family])
+
+
+def comfy_host(family: str) -> Optional[ComfyHost]:
+    """The family's ComfyUI host-side description, or None when ComfyUI has no model class for it."""
+    return getattr(family_module(family), "COMFY", None)

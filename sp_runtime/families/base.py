@@ -1,16 +1,17 @@
 """The contract between the worker pool and a model family: what a loaded model exposes and what one call gets.
 
 The pool is generic: it only knows LoadRequest -> WorkerModel and WorkerModel.forward(...). Families (Qwen-Image,
-Flux, Wan, the test toy) live in their own modules and register in sp_runtime.families.
+Flux, Wan, the test toy) live in their own modules and register in sp_runtime.families (see its docstring).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
 from ..groups import ParallelGroups
+from .header import Header
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -38,17 +39,68 @@ class Cancelled(Exception):
 
 @dataclass(frozen=True)
 class LoadRequest:
-    """What to load: a file or folder, a weight dtype name (see dtype_name) and family-specific options."""
+    """What to load: a file or folder, a weight dtype name (see dtype_name) and family-specific options.
+
+    header: the checkpoint's header as the host read it (once per load); workers read it themselves when None.
+    """
 
     path: str
     dtype: str = "default"
     options: dict = field(default_factory=dict)
+    header: Optional[Header] = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> str:
         """Cache key of a loaded model inside a worker."""
         import json
         return json.dumps([self.path, self.dtype, self.options], sort_keys=True)
+
+    def to_message(self) -> dict:
+        """JSON-ready form sent to the workers."""
+        return {"path": self.path, "dtype": self.dtype, "options": self.options,
+                "header": None if self.header is None else self.header.to_dict()}
+
+    @classmethod
+    def from_message(cls, message: dict) -> "LoadRequest":
+        header = message.get("header")
+        return cls(message["path"], message["dtype"], message["options"],
+                   None if header is None else Header.from_dict(header))
+
+
+@dataclass
+class Detection:
+    """What a family's detect(header) found: family, variant, key layout, key prefix, model config, weight files."""
+
+    family: str
+    variant: str = ""
+    layout: str = ""       # "original" (ComfyUI / reference keys) or "diffusers"
+    prefix: str = ""       # stripped from every key, e.g. "model.diffusion_model."
+    config: dict = field(default_factory=dict)
+    files: tuple[str, ...] = ()
+
+
+def patch_size_2(info: "ModelInfo") -> dict:
+    """ComfyUI's Flux / Qwen-Image latent patch (diffusers' Flux config says 1), read from diffusion_model."""
+    return {"patch_size": 2}
+
+
+@dataclass(frozen=True)
+class ComfyHost:
+    """What ComfyUI's host side needs of a family (nodes/comfy_model.py, nodes/proxy.py); plain data, no ComfyUI.
+
+    model_classes: variant -> comfy.supported_models class name, as ComfyUI's own detection maps the same files;
+        variant "" matches any variant of the family.
+    unet_config: ModelInfo -> the unet_config entries ComfyUI's model class reads at run time (concat_cond,
+        memory estimates), in ComfyUI's own convention.
+    attributes: ModelInfo -> plain attributes ComfyUI's model class reads from `diffusion_model`.
+    """
+
+    model_classes: Mapping[str, str]
+    unet_config: Callable[["ModelInfo"], dict]
+    attributes: Callable[["ModelInfo"], dict] = patch_size_2
+
+    def model_class(self, variant: str) -> Optional[str]:
+        return self.model_classes.get(variant or "") or self.model_classes.get("")
 
 
 @dataclass
@@ -106,4 +158,3 @@ class WorkerModel(Protocol):
 
 
 ProgressFn = Callable[[float, str], None]
-LoaderFn = Callable[[LoadRequest, torch.device, ParallelGroups, ProgressFn], WorkerModel]

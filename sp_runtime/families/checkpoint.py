@@ -1,14 +1,12 @@
 """Checkpoint loading shared by every model family: files and key prefixes, dtype policy, and weights read once.
 
-Flow in a worker: `source = resolve_checkpoint(path)` -> `dtypes = choose_dtypes(request.dtype, header)` ->
+Flow in a worker: `source = header.source` -> `dtypes = choose_dtypes(request.dtype, header)` ->
 `model = build_empty_model(cls, config, dtypes)` -> `load_weights(model, source, prefix=..., plan=..., ...)`.
 Each tensor is read once with safetensors (mmap) straight onto the worker's device and cast to its final dtype as
 soon as it is read, so loading never holds more than the final model plus one source tensor.
 """
 from __future__ import annotations
 
-import glob
-import json
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence
@@ -16,12 +14,11 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from .base import DTYPES, ProgressFn, dtype_name
-from .detect import Header, read_header
+from .header import CheckpointSource, Header
 
 # Prefixes under which real checkpoints keep the diffusion model, most specific first. ComfyUI's full checkpoints use
 # "model.diffusion_model."; some exporters write "diffusion_model." or "model."; diffusers pipelines "transformer.".
 KNOWN_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.", "transformer.", "")
-CONFIG_METADATA_KEY = "diffusers.config"  # a folder's config.json, carried in the merged Header's metadata
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -34,86 +31,6 @@ FP8_COMPUTE_DTYPE = torch.bfloat16
 Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
 # source key (prefix stripped) -> the model keys made from it; lets one source tensor feed several parameters
 KeyPlan = Mapping[str, Sequence[tuple[str, Transform]]]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Files and headers
-
-@dataclass(frozen=True)
-class CheckpointSource:
-    """A checkpoint on disk: one .safetensors file, or a diffusers folder (config.json + one file or shards)."""
-
-    path: str
-    files: tuple[str, ...]
-    config: Optional[dict] = None  # the folder's config.json; None for a single file
-
-
-def resolve_checkpoint(path: str) -> CheckpointSource:
-    """Files of a checkpoint path; a pipeline folder with a transformer/ subfolder resolves to that subfolder."""
-    path = os.path.abspath(os.path.expanduser(str(path)))
-    if os.path.isfile(path):
-        _refuse_other_formats(path)
-        return CheckpointSource(path, (path,))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist: give a .safetensors file or a diffusers "
-                                f"model folder (config.json + .safetensors)")
-    if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(os.path.join(path, "transformer")):
-        return resolve_checkpoint(os.path.join(path, "transformer"))
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"folder {path!r} has no config.json: a diffusers model folder holds config.json and "
-                         f".safetensors weights; or give the .safetensors file itself")
-    with open(config_path, encoding="utf-8") as handle:
-        config = json.load(handle)
-    return CheckpointSource(path, _folder_weight_files(path), config)
-
-
-def _folder_weight_files(folder: str) -> tuple[str, ...]:
-    indexes = sorted(glob.glob(os.path.join(folder, "*.safetensors.index.json")))
-    if indexes:
-        with open(indexes[0], encoding="utf-8") as handle:
-            weight_map = json.load(handle).get("weight_map", {})
-        files = sorted({os.path.join(folder, name) for name in weight_map.values()})
-        missing = [f for f in files if not os.path.isfile(f)]
-        if missing:
-            raise FileNotFoundError(f"{indexes[0]!r} lists shards that are missing: {missing[:3]}; copy the whole "
-                                    f"folder again")
-        return tuple(files)
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise ValueError(f"folder {folder!r} has config.json but no .safetensors weights (only .safetensors loads)")
-    return tuple(files)
-
-
-def _refuse_other_formats(path: str) -> None:
-    """Clear errors for the other weight formats people keep next to .safetensors files."""
-    with open(path, "rb") as handle:
-        magic = handle.read(9)
-    if magic[8:9] == b"{":  # a safetensors header (its 8-byte length may well start with 0x80 or "PK")
-        return
-    if magic[:4] == b"GGUF":
-        raise ValueError(f"{path!r} is a GGUF (quantized) file: it is not supported; use a .safetensors file "
-                         f"(bf16, fp16, fp32 or fp8)")
-    if magic[:2] == b"PK" or magic[:1] == b"\x80":  # zip (torch.save) or a raw pickle
-        raise ValueError(f"{path!r} is a pickled (.ckpt/.pt/.bin) checkpoint: only .safetensors files load "
-                         f"(pickles can run code); convert it to .safetensors first")
-
-
-def read_checkpoint_header(path: str) -> Header:
-    """Header of a file, or of a diffusers folder (shards merged; config.json under CONFIG_METADATA_KEY)."""
-    source = resolve_checkpoint(path)
-    if source.config is None:
-        return read_header(source.files[0])
-    tensors: dict = {}
-    for file in source.files:
-        tensors.update(read_header(file).tensors)
-    return Header(source.path, tensors, {CONFIG_METADATA_KEY: json.dumps(source.config)})
-
-
-def header_config(header: Header) -> Optional[dict]:
-    """The diffusers config.json of a folder header, or None for a single file."""
-    text = header.metadata.get(CONFIG_METADATA_KEY)
-    return json.loads(text) if text else None
 
 
 # ---------------------------------------------------------------------------------------------------------------

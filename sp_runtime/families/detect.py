@@ -1,73 +1,14 @@
-"""Detection of a checkpoint's family, variant, key layout and architecture from its safetensors header alone."""
+"""Which family a checkpoint is, from its header alone: the registered families' detectors tried in turn, and a
+clear description of anything none of them recognises."""
 from __future__ import annotations
 
-import importlib
-import json
-import os
-import struct
-from dataclasses import dataclass, field
+from typing import Union
 
-FAMILY_METADATA_KEY = "ulysses_sp.family"  # set only by this project's own test / demo checkpoints
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+from . import FAMILIES, family_module
+from .base import Detection
+from .header import FAMILY_METADATA_KEY, Header, read_checkpoint_header
 
-
-@dataclass
-class Header:
-    """Tensor names, shapes and dtypes of a safetensors file, read without touching the weights."""
-
-    path: str
-    tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape)
-    metadata: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Detection:
-    family: str
-    variant: str = ""
-    layout: str = ""       # "original" (ComfyUI / reference keys) or "diffusers"
-    prefix: str = ""       # stripped from every key, e.g. "model.diffusion_model."
-    config: dict = field(default_factory=dict)
-    files: tuple[str, ...] = ()
-
-
-def read_header(path: str) -> Header:
-    """Parse one .safetensors header; raise ValueError naming the file when it is not one."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-    size = os.path.getsize(path)
-    with open(path, "rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise ValueError(f"{path!r} is not a safetensors checkpoint: the file has only {size} bytes")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"{path!r} is not a safetensors checkpoint (header length {length} does not fit "
-                             f"in a {size}-byte file): give a .safetensors file")
-        try:
-            raw = json.loads(handle.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{path!r} is not a safetensors checkpoint: its header is not JSON ({error})") from None
-    metadata = raw.pop("__metadata__", None) or {}
-    tensors = {}
-    for name, entry in raw.items():
-        begin, end = entry["data_offsets"]
-        if end > size - 8 - length:
-            raise ValueError(f"{path!r} is truncated: tensor {name!r} ends at byte {end} of the data but the file "
-                             f"holds {size - 8 - length}; download or copy it again")
-        tensors[name] = (entry["dtype"], tuple(entry["shape"]))
-    return Header(path, tensors, metadata)
-
-
-# Each family module has `detect(header) -> Detection | None` and imports diffusers only inside its loader,
-# so detection stays cheap in the ComfyUI process.
-DETECTORS = [
-    "sp_runtime.families.qwen_image",
-    "sp_runtime.families.flux",
-    "sp_runtime.families.wan",
-]
-
-
-# Signature keys of model families (and non-model files) that no detector above handles, for the error message.
+# Signature keys of model families (and non-model files) that no registered family handles, for the error message.
 OTHER_KINDS = {
     "Flux.2": ("double_stream_modulation_img.lin.weight", "single_stream_modulation.lin.weight"),
     "Chroma": ("distilled_guidance_layer.in_proj.weight", "distilled_guidance_layer.in_proj.bias"),
@@ -86,28 +27,34 @@ OTHER_KINDS = {
 }
 
 
-def detect(path: str) -> Detection:
-    """Family of a checkpoint file or diffusers folder; the model families' own detectors are tried in turn."""
-    from .checkpoint import read_checkpoint_header
-    header = read_checkpoint_header(path)
-    family = header.metadata.get(FAMILY_METADATA_KEY)
-    if family:
-        return Detection(family=family, config=json.loads(header.metadata.get("ulysses_sp.config", "{}")),
-                         files=(path,))
+def detect(checkpoint: Union[str, Header]) -> Detection:
+    """Family of a checkpoint (a path, or its header already read); ValueError saying what the file is otherwise."""
+    header = checkpoint if isinstance(checkpoint, Header) else read_checkpoint_header(checkpoint)
+    named = header.metadata.get(FAMILY_METADATA_KEY)
+    if named:
+        return _detect_named(header, named)
     supported = []
-    for module_name in DETECTORS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name != module_name:
-                raise
-            continue
-        supported.append(getattr(module, "DESCRIPTION", module_name.rsplit(".", 1)[-1]))
+    for family in FAMILIES:
+        module = family_module(family)
+        if module.DESCRIPTION:
+            supported.append(module.DESCRIPTION)
         detection = module.detect(header)
         if detection is not None:
             return detection
-    raise ValueError(f"{path!r}: no supported model family recognised. {describe_unknown(header)} "
+    raise ValueError(f"{header.path!r}: no supported model family recognised. {describe_unknown(header)} "
                      f"Supported: {'; '.join(supported)}")
+
+
+def _detect_named(header: Header, family: str) -> Detection:
+    """Our own checkpoints (toy, synthetic specs) name their family in the metadata."""
+    if family not in FAMILIES:
+        raise ValueError(f"{header.path!r} names the model family {family!r} in its metadata "
+                         f"({FAMILY_METADATA_KEY}), which this version of ulysses-sp does not know (known: "
+                         f"{', '.join(FAMILIES)}); write the file again with a known family")
+    detection = family_module(family).detect(header)
+    if detection is None:
+        raise ValueError(f"{header.path!r} names the model family {family!r} but is not a valid {family} file")
+    return detection
 
 
 def describe_unknown(header: Header) -> str:
@@ -124,3 +71,10 @@ def describe_unknown(header: Header) -> str:
         groups[stem] = groups.get(stem, 0) + 1
     top = ", ".join(f"{stem} ({count})" for stem, count in sorted(groups.items(), key=lambda g: -g[1])[:8])
     return f"It holds {len(header.tensors)} tensors, grouped as: {top}; e.g. {sorted(header.tensors)[:3]}."
+
+
+def load_worker_model(request, device, groups, progress):
+    """Worker side: detect the family from the header the host sent (or read here) and run its loader."""
+    header = request.header or read_checkpoint_header(request.path)
+    detection = detect(header)
+    return family_module(detection.family).load(request, detection, device, groups, progress)

@@ -14,16 +14,23 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .base import LoadRequest, ModelInfo, ProgressFn, config_entries
+from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, Transform, WeightDtypes, build_empty_model, choose_dtypes, count_blocks,
-                         find_prefix, header_config, layout_keys, load_weights, read_checkpoint_header,
-                         reject_quantized, resolve_checkpoint, shape_of, strip_prefix)
-from .detect import Detection, Header
+                         find_prefix, layout_keys, load_weights, reject_quantized, shape_of, strip_prefix)
+from .header import Header, header_config, read_checkpoint_header
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rope_axes, rotary)
 
 FAMILY = "flux"
 DESCRIPTION = "Flux.1 (dev, schnell, Kontext, Fill, Depth/Canny)"
+
+
+def _comfy_unet_config(info: ModelInfo) -> dict:
+    return {"in_channels": info.in_channels, "out_channels": info.out_channels}  # latent channels, as ComfyUI's
+
+
+COMFY = ComfyHost(model_classes={"schnell": "FluxSchnell", "fill": "FluxInpaint", "": "Flux"},
+                  unet_config=_comfy_unet_config)
 PATCH = 2
 MLP_RATIO = 4  # diffusers' Flux blocks hardcode it
 ORIGINAL_ANCHORS = ("double_blocks.0.img_attn.norm.key_norm.scale", "img_in.weight", "txt_in.weight",
@@ -59,7 +66,7 @@ def detect(header: Header) -> Optional[Detection]:
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
     reject_quantized(header, prefix)
     return Detection(family=FAMILY, variant=variant_of(config), layout=layout, prefix=prefix, config=config,
-                     files=resolve_checkpoint(header.path).files)
+                     files=header.source.files)
 
 
 def variant_of(config: dict) -> str:
@@ -220,11 +227,12 @@ def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
 
 def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
                detection: Optional[Detection] = None, options: Optional[dict] = None,
-               progress: Optional[ProgressFn] = None) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
+               progress: Optional[ProgressFn] = None, header: Optional[Header] = None
+               ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
     """A diffusers FluxTransformer2DModel with the checkpoint's weights (stock attention processors)."""
     from diffusers import FluxTransformer2DModel
 
-    header = read_checkpoint_header(path)
+    header = header or read_checkpoint_header(path)
     detection = detection or detect(header)
     if detection is None:
         raise ValueError(f"{path!r} is not a Flux.1 checkpoint")
@@ -234,7 +242,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     dtypes = choose_dtypes(dtype, header, detection.prefix)
     model = build_empty_model(FluxTransformer2DModel, config, dtypes)
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-    load_weights(model, resolve_checkpoint(path), device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
+    load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
                  progress=progress)
     return model, detection, dtypes
 
@@ -242,7 +250,8 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
          ) -> "FluxWorker":
     """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress)
+    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
+                                          request.header)
     return worker_from_model(model, detection, dtypes, request.options)
 
 

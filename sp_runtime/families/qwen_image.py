@@ -13,16 +13,22 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .base import LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (CheckpointSource, KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, count_blocks,
-                         find_prefix, header_config, identity_plan, load_weights, read_checkpoint_header,
-                         reject_quantized, resolve_checkpoint, shape_of, strip_prefix)
-from .detect import Detection, Header
+from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
+from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, count_blocks, find_prefix,
+                         identity_plan, load_weights, reject_quantized, shape_of, strip_prefix)
+from .header import Header, header_config, read_checkpoint_header
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rope_axes, rotary, text_key_mask)
 
 FAMILY = "qwen_image"
 DESCRIPTION = "Qwen-Image / Qwen-Image-Edit (2509, 2511)"
+
+
+def _comfy_unet_config(info: ModelInfo) -> dict:
+    return {"in_channels": info.in_channels * 4}  # ComfyUI counts packed 2x2 patch features
+
+
+COMFY = ComfyHost(model_classes={"": "QwenImage"}, unet_config=_comfy_unet_config)
 PATCH = 2
 ANCHORS = ("txt_norm.weight", "img_in.weight", "txt_in.weight", "transformer_blocks.0.attn.norm_q.weight",
            "proj_out.weight")
@@ -56,7 +62,7 @@ def detect(header: Header) -> Optional[Detection]:
         config["zero_cond_t"] = True
     variant = VARIANT_EDIT_2511 if config.get("zero_cond_t") else VARIANT_IMAGE
     return Detection(family=FAMILY, variant=variant, layout="diffusers", prefix=prefix, config=config,
-                     files=resolve_checkpoint(header.path).files)
+                     files=header.source.files)
 
 
 def architecture(keys: dict) -> dict:
@@ -103,20 +109,20 @@ def original_plan(keys: Iterable[str], config) -> KeyPlan:
 
 def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
                detection: Optional[Detection] = None, options: Optional[dict] = None,
-               progress: Optional[ProgressFn] = None) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
+               progress: Optional[ProgressFn] = None, header: Optional[Header] = None
+               ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
     """A diffusers QwenImageTransformer2DModel with the checkpoint's weights (stock attention processors)."""
     from diffusers import QwenImageTransformer2DModel
 
-    header = read_checkpoint_header(path)
+    header = header or read_checkpoint_header(path)
     detection = detection or detect(header)
     if detection is None:
         raise ValueError(f"{path!r} is not a Qwen-Image checkpoint")
     detection = _with_options(detection, options or {})
     dtypes = choose_dtypes(dtype, header, detection.prefix)
     model = build_empty_model(QwenImageTransformer2DModel, detection.config, dtypes)
-    source: CheckpointSource = resolve_checkpoint(path)
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-    load_weights(model, source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
+    load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
                  ignore=(EDIT_2511_MARKER,), progress=progress)
     return model, detection, dtypes
 
@@ -136,7 +142,8 @@ def _with_options(detection: Detection, options: dict) -> Detection:
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
          ) -> "QwenImageWorker":
     """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress)
+    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
+                                          request.header)
     return worker_from_model(model, detection, dtypes, request.options)
 
 

@@ -18,9 +18,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .base import DTYPES, LoadRequest, ModelInfo, dtype_name
-from .detect import FAMILY_METADATA_KEY, Detection, Header
+from .base import DTYPES, Detection, LoadRequest, ModelInfo, dtype_name
+from .header import FAMILY_METADATA_KEY, Header, read_header
 
+FAMILY = "toy"
+DESCRIPTION = ""  # a test model: not listed among the supported families
 DEFAULT_CONFIG = {"in_channels": 4, "out_channels": None, "hidden": 32, "heads": 3, "depth": 2,
                   "context_dim": 16, "y_dim": 0, "patch_size": 2, "x_ndim": 4, "mlp_ratio": 2,
                   "passthrough": False}
@@ -303,7 +305,6 @@ class ToyReference:
     def __init__(self, path: str, dtype: str = "default"):
         from safetensors.torch import load_file
         weights = load_file(os.fspath(path))
-        from .detect import read_header
         self.config = full_config(**json.loads(read_header(os.fspath(path)).metadata["ulysses_sp.config"]))
         weight_dtype, compute = _dtypes(dtype_name(dtype), weights["scale"].dtype)
         if weight_dtype is not None:

@@ -13,6 +13,7 @@ runs self-attention through sp_attention and cross-attention locally against the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Iterable, Optional
 
 import torch
@@ -20,16 +21,32 @@ import torch.nn.functional as F
 
 from ..attention import SeqShards, local_attention, sp_attention
 from ..groups import SeqParallel
-from .base import LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, header_config, load_weights,
-                         read_checkpoint_header, resolve_checkpoint)
-from .detect import Detection
+from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries, patch_size_2
+from .checkpoint import KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, load_weights
+from .header import Header, header_config, read_checkpoint_header
 from .video_tokens import VideoGrid, pad_to_patch_3d
 from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY,
                              folder_overrides, wan_key_plan)
-from .wan_checkpoint import detect  # noqa: F401 - the family's detector (detect.DETECTORS looks it up here)
+from .wan_checkpoint import detect  # noqa: F401 - the family's detector (found here through FAMILIES)
 
 DESCRIPTION = "Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B)"
+COMFY_PATCH = (1, 2, 2)
+
+
+def _comfy_unet_config(info: ModelInfo) -> dict:
+    return {"in_dim": info.in_channels, "out_dim": info.out_channels}
+
+
+def _comfy_attributes(info: ModelInfo) -> dict:
+    """ComfyUI's Wan classes read diffusion_model.patch_embedding.weight.shape (a plain object here, no weights)."""
+    dim = int(info.config.get("dim", info.config.get("inner_dim", 0)) or 0)
+    shape = torch.Size((dim, info.in_channels, *COMFY_PATCH))
+    return {**patch_size_2(info), "patch_embedding": SimpleNamespace(weight=SimpleNamespace(shape=shape))}
+
+
+# t2v, and i2v_concat (Wan 2.2 A14B I2V: image latent in extra input channels), map to WAN21_T2V
+COMFY = ComfyHost(model_classes={"i2v": "WAN21_I2V", "flf2v": "WAN21_I2V", "ti2v": "WAN22_T2V", "": "WAN21_T2V"},
+                  unet_config=_comfy_unet_config, attributes=_comfy_attributes)
 INFO_KEYS = ("patch_size", "num_layers", "text_dim", "ffn_dim", "freq_dim", "image_dim", "pos_embed_seq_len")
 # inputs of Wan variants whose extra modules we do not load; ComfyUI would use them, so never ignore them silently
 UNSUPPORTED_INPUTS = ("vace_context", "camera_conditions", "audio_embed", "reference_motion", "control_video",
@@ -74,11 +91,12 @@ def model_config(detection: Detection, options: Optional[dict] = None) -> dict:
 
 def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
                detection: Optional[Detection] = None, options: Optional[dict] = None,
-               progress: Optional[ProgressFn] = None) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
+               progress: Optional[ProgressFn] = None, header: Optional[Header] = None
+               ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
     """WanTransformer3DModel with the checkpoint's weights on `device`, stock attention processors."""
     from diffusers import WanTransformer3DModel
 
-    header = read_checkpoint_header(path)
+    header = header or read_checkpoint_header(path)
     detection = detection or detect(header)
     if detection is None or detection.family != FAMILY:
         raise ValueError(f"{path!r} is not a Wan checkpoint")
@@ -88,7 +106,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     keys = [key[len(detection.prefix):] for key in header.tensors if key.startswith(detection.prefix)]
     plan = weight_plan(detection, keys)
     ignore = [key for key in keys if key.endswith(DIFFUSERS_IGNORED_SUFFIX)] if plan is None else []
-    load_weights(model, resolve_checkpoint(path), device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
+    load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
                  ignore=ignore, progress=progress)
     return model, detection, dtypes
 
@@ -96,7 +114,8 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
          ) -> "WanWorker":
     """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress)
+    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
+                                          request.header)
     return worker_from_model(model, detection, dtypes, request.options)
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from .checkpoint import (count_blocks, find_prefix, header_config, layout_keys, reject_quantized, resolve_checkpoint,
-                         shape_of, strip_prefix)
-from .detect import Detection, Header
+from .base import Detection
+from .checkpoint import count_blocks, find_prefix, layout_keys, reject_quantized, shape_of, strip_prefix
+from .header import Header, header_config
 
 FAMILY = "wan"
 DEFAULT_HEAD_DIM = 128  # every released Wan model; q/k norms span all heads, so no checkpoint shows it
@@ -124,10 +124,8 @@ def detect(header: Header) -> Optional[Detection]:
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    folder = header_config(header) is not None
-    files = resolve_checkpoint(header.path).files if folder else (header.path,)
     return Detection(family=FAMILY, variant=variant_of(config), layout=layout, prefix=prefix, config=config,
-                     files=files)
+                     files=header.source.files)
 
 
 def variant_of(config: dict) -> str:

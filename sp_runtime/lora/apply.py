@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..families.header import Header
 from .base import BaseWeights
 from .files import Adapter, LoraFile, adapter_delta, file_identity, read_lora_file
 from .keys import KeyResolver, Target, family_plans
@@ -36,7 +37,7 @@ class _Use:
 class LoraState:
     """LoRA bookkeeping for one loaded model (a diffusers module) in one worker."""
 
-    def __init__(self, model: torch.nn.Module, family: str, checkpoint: str, device: torch.device):
+    def __init__(self, model: torch.nn.Module, family: str, checkpoint: "str | Header", device: torch.device):
         self.model = model
         self.family = family
         self.checkpoint = checkpoint
@@ -165,7 +166,7 @@ def _check_shape(lora: LoraFile, adapter: Adapter, target: Target, parameter: to
                          f"{target.parameter} of shape {list(parameter.shape)}: a LoRA for another size of model")
 
 
-def lora_state(worker_model, checkpoint: str, device: torch.device) -> LoraState:
+def lora_state(worker_model, checkpoint: "str | Header", device: torch.device) -> LoraState:
     """A LoraState for a family's loaded WorkerModel (its diffusers module is `worker_model.model`)."""
     module = getattr(worker_model, "model", None)
     family = worker_model.info.family

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Union
 
 import torch
 
-from ..families.checkpoint import Transform, identity_plan, read_checkpoint_header, resolve_checkpoint, strip_prefix
-from ..families.detect import detect, read_header
+from ..families.checkpoint import Transform, identity_plan, strip_prefix
+from ..families.detect import detect
+from ..families.header import Header, read_checkpoint_header, read_header
 from .keys import WeightPlanFn
 
 Reader = Callable[[str, torch.dtype], torch.Tensor]
@@ -27,15 +28,16 @@ class Source:
 
 
 class BaseWeights:
-    """Parameter name -> Source for a model loaded from `path`, through the family's `weight_plan` (the one its
-    loader uses; None: the keys are the model's own)."""
+    """Parameter name -> Source for a model loaded from a checkpoint (its path, or the header it was loaded with),
+    through the family's `weight_plan` (the one its loader uses; None: the keys are the model's own)."""
 
-    def __init__(self, path: str, parameters: set[str], weight_plan: WeightPlanFn):
-        detection = detect(path)
-        keys = strip_prefix(read_checkpoint_header(path).tensors, detection.prefix)
+    def __init__(self, checkpoint: Union[str, Header], parameters: set[str], weight_plan: WeightPlanFn):
+        header = checkpoint if isinstance(checkpoint, Header) else read_checkpoint_header(checkpoint)
+        detection = detect(header)
+        keys = strip_prefix(header.tensors, detection.prefix)
         key_plan = weight_plan(detection, keys)
         key_plan = identity_plan(keys) if key_plan is None else key_plan
-        file_of = _files_of_keys(resolve_checkpoint(path).files)
+        file_of = _files_of_keys(header.source.files)
         self.sources: dict[str, Source] = {}
         for key, targets in key_plan.items():
             for parameter, transform in targets:

@@ -10,16 +10,15 @@ underscored kohya names after `lora_unet_`, `lora_transformer_` or `lycoris_`; W
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
 
-from ..families import FAMILY_MODULES
+from ..families import FAMILIES, family_module
+from ..families.base import Detection
 from ..families.checkpoint import KeyPlan, Transform
-from ..families.detect import Detection
 
 DOTTED_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.transformer.",
                    "base_model.model.", "transformer.", "unet.")
@@ -42,7 +41,7 @@ class Target:
 def family_plans(family: str, model: torch.nn.Module) -> tuple[PlanFn, WeightPlanFn]:
     """The family module's plans: from original (ComfyUI / reference release) key names to `model`'s parameters,
     and the weight_plan its loader reads checkpoints with."""
-    module = importlib.import_module(FAMILY_MODULES[family]) if family in FAMILY_MODULES else None
+    module = family_module(family) if family in FAMILIES else None
     if not hasattr(module, "weight_plan"):
         raise ValueError(f"LoRA is not supported for {family!r} models (supported: Qwen-Image, Flux, Wan)")
     return (lambda keys: module.original_plan(keys, model.config)), module.weight_plan

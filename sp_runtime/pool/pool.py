@@ -311,8 +311,7 @@ class WorkerPool:
     # ---- requests -------------------------------------------------------------------------------------------
     def _make_resident(self, request: LoadRequest, progress: Optional[ProgressFn]) -> ModelInfo:
         if request.key not in self._resident:
-            replies = self._request({"op": "load", "request": {"path": request.path, "dtype": request.dtype,
-                                                               "options": request.options}},
+            replies = self._request({"op": "load", "request": request.to_message()},
                                     on_progress=self._progress_relay(request, progress))
             infos = [reply["info"] for reply in replies]
             if any(info != infos[0] for info in infos):
@@ -497,16 +496,18 @@ class WorkerPool:
 
 
 def _load_request(path, dtype, options: dict) -> LoadRequest:
+    """The request with the checkpoint's header, read once here: a file that is not a checkpoint of a known family
+    fails now, before any worker reads it, and the workers do not read the header again."""
     from ..families.detect import detect
+    from ..families.header import read_checkpoint_header
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-    detect(path)  # headers only: a file that is not a checkpoint fails here, before any worker reads it
+    header = read_checkpoint_header(path)
+    detect(header)
     try:
         json.dumps(options)
     except TypeError as error:
         raise ValueError(f"load options must be JSON values (numbers, strings, lists, dicts): {error}") from None
-    return LoadRequest(path, dtype_name(dtype), dict(options))
+    return LoadRequest(path, dtype_name(dtype), dict(options), header)
 
 
 def _model_entry(request: LoadRequest, info: ModelInfo, resident: bool,

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from ..cfg_parallel import run_forward
 from ..config import SPConfig
-from ..families import LoadRequest, load_worker_model
+from ..families.base import LoadRequest
+from ..families.detect import load_worker_model
 from ..groups import build_groups
 from .context import DeviceCache, WorkerCallContext, view_key
 from .control import ControlBlock
@@ -164,7 +165,7 @@ class Worker:
                 "peak": torch.cuda.max_memory_allocated(self.device)}
 
     def op_load(self, message: dict) -> dict:
-        request = LoadRequest(**message["request"])
+        request = LoadRequest.from_message(message["request"])
         if request.key not in self.models:
             self.models[request.key] = load_worker_model(request, self.device, self.groups,
                                                          self._progress_fn(message["id"]))
@@ -200,7 +201,8 @@ class Worker:
             raise KeyError(f"model {key} is not loaded in worker rank {self.rank}")
         if key not in self.lora_states:
             from ..lora.apply import lora_state
-            self.lora_states[key] = lora_state(self.models[key], self.requests[key].path, self.device)
+            request = self.requests[key]
+            self.lora_states[key] = lora_state(self.models[key], request.header or request.path, self.device)
         return self.lora_states[key].set(message["loras"], self._progress_fn(message["id"]))
 
     def op_call(self, message: dict) -> dict:

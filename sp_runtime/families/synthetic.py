@@ -14,10 +14,11 @@ from typing import Optional
 
 import torch
 
-from ..families.base import LoadRequest, ProgressFn
-from ..families.detect import FAMILY_METADATA_KEY, Detection
+from .base import Detection, LoadRequest, ProgressFn
+from .header import FAMILY_METADATA_KEY, Header
 
 FAMILY = "synthetic"
+DESCRIPTION = ""  # benchmark specs: not listed among the supported families
 TUPLE_KEYS = ("axes_dims_rope", "patch_size")
 
 
@@ -27,6 +28,14 @@ def write_spec(path: str, family: str, config: dict, seed: int = 0, dtype: str =
     spec = {"family": family, "config": config, "seed": seed, "dtype": dtype}
     save_file({}, path, metadata={FAMILY_METADATA_KEY: FAMILY, "ulysses_sp.config": json.dumps(spec, default=list)})
     return path
+
+
+def detect(header: Header) -> Optional[Detection]:
+    """A spec file written by write_spec: its metadata holds the real family, config, seed and dtype."""
+    if header.metadata.get(FAMILY_METADATA_KEY) != FAMILY:
+        return None
+    return Detection(family=FAMILY, config=json.loads(header.metadata.get("ulysses_sp.config", "{}")),
+                     files=(header.path,))
 
 
 def model_class(family: str):
@@ -41,14 +50,14 @@ def model_class(family: str):
 def _family_worker(family: str, model, config: dict, dtypes):
     """The family's worker around a built model, made by the family's own worker_from_model (as its load() does)."""
     if family == "qwen_image":
-        from ..families import qwen_image as module
+        from . import qwen_image as module
         variant = module.VARIANT_IMAGE
     elif family == "flux":
-        from ..families import flux as module
+        from . import flux as module
         variant = module.variant_of(config)
     else:
-        from ..families import wan as module
-        from ..families.wan_checkpoint import variant_of
+        from . import wan as module
+        from .wan_checkpoint import variant_of
         variant = variant_of(config)
     detection = Detection(family=family, variant=variant, layout="diffusers", config=config)
     return module.worker_from_model(model, detection, dtypes, {})
@@ -57,7 +66,7 @@ def _family_worker(family: str, model, config: dict, dtypes):
 def build_model(family: str, config: dict, dtype: str, device: torch.device, seed: int = 0,
                 progress: Optional[ProgressFn] = None):
     """An eval-mode diffusers model of the family with seeded random weights on `device`; returns (model, dtypes)."""
-    from ..families.checkpoint import build_empty_model, choose_dtypes, target_dtypes
+    from .checkpoint import build_empty_model, choose_dtypes, target_dtypes
     config = {key: tuple(value) if key in TUPLE_KEYS and isinstance(value, list) else value
               for key, value in config.items()}
     dtypes = choose_dtypes(dtype)
@@ -105,7 +114,7 @@ def agree_across_ranks(model: torch.nn.Module, groups) -> bool:
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn):
-    """The pool's entry point (registered as family "synthetic" in sp_runtime.families.FAMILY_MODULES)."""
+    """The pool's entry point (registered as family "synthetic" in sp_runtime.families.FAMILIES)."""
     spec = detection.config
     family, config = spec["family"], dict(spec["config"])
     dtype = spec.get("dtype", "bfloat16") if request.dtype == "default" else request.dtype
