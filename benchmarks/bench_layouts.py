@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_common import machine, median_time, write_result  # noqa: E402
-from sp_runtime.testing.spawn import run_distributed  # noqa: E402
+from sp_runtime.local_ranks import run_distributed  # noqa: E402
 
 HEADS = 24
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

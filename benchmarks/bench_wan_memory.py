@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 from bench_common import write_result  # noqa: E402
 from sp_runtime.config import SPConfig  # noqa: E402
 from sp_runtime.pool import WorkerPool  # noqa: E402
-from sp_runtime.testing.tiny_models import write_tiny_checkpoint  # noqa: E402
+from sp_runtime.tiny_models import write_tiny_checkpoint  # noqa: E402
 
 MODEL = dict(num_attention_heads=4, attention_head_dim=128, ffn_dim=2048, num_layers=2, text_dim=4096)
 TEXT_TOKENS = 512

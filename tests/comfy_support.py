@@ -54,7 +54,7 @@ def import_comfy() -> str:
 # ----- tiny checkpoints and ComfyUI's own model of the same weights -----
 TEXT_DIM, TEXT_TOKENS, POOLED_DIM = 32, 7, 24  # the tiny models' text width, a prompt length, Flux's pooled width
 
-# ComfyUI's unet_config for sp_runtime.testing.tiny_models' sizes (ComfyUI's detection hardcodes real sizes, so the
+# ComfyUI's unet_config for sp_runtime.tiny_models' sizes (ComfyUI's detection hardcodes real sizes, so the
 # reference model is built from these by hand)
 COMFY_TINY_UNET = {
     "qwen_image": dict(image_model="qwen_image", patch_size=2, in_channels=64, out_channels=16, num_layers=2,
@@ -71,7 +71,7 @@ COMFY_CONFIG_CLASS = {"qwen_image": "QwenImage", "flux": "Flux", "wan": "WAN21_T
 
 
 def write_tiny(family: str, folder: str, **kwargs) -> str:
-    from sp_runtime.testing.tiny_models import write_tiny_checkpoint
+    from sp_runtime.tiny_models import write_tiny_checkpoint
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"tiny_{family}{'_' + kwargs['variant'] if kwargs.get('variant') else ''}"
                                 f"{'_' + kwargs['layout'] if kwargs.get('layout') else ''}.safetensors")
@@ -146,7 +146,7 @@ class ComfyServer:
     def __init__(self, base: str, families=("qwen_image",)):
         import subprocess
         self.base = base
-        from sp_runtime.testing.spawn import free_port
+        from sp_runtime.local_ranks import free_port
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         os.makedirs(os.path.join(base, "custom_nodes"), exist_ok=True)

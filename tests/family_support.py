@@ -34,7 +34,7 @@ def assert_parity(got: torch.Tensor, reference: torch.Tensor, dtype: str, what: 
 
 
 class LocalContext:
-    """CallContext stand-in for sequence-parallel runs under sp_runtime.testing.spawn (no pool)."""
+    """CallContext stand-in for sequence-parallel runs under sp_runtime.local_ranks (no pool)."""
 
     def __init__(self, groups, device: str = "cpu"):
         self.device = torch.device(device)

@@ -7,7 +7,7 @@ from sp_runtime.attention import SeqShards, sp_attention
 from sp_runtime.cfg_parallel import run_forward
 from sp_runtime.config import SPConfig
 from sp_runtime.groups import ParallelGroups, SeqParallel
-from sp_runtime.testing.spawn import run_distributed
+from sp_runtime.local_ranks import run_distributed
 
 CHANNELS, HEADS, HEAD_DIM, TEXT = 8, 3, 4, 5
 TOKENS = 23  # not divisible by 2, 3 or 4

@@ -76,7 +76,7 @@ def _disagreeing_ranks(rank, world_size):
     from sp_runtime.families.synthetic import agree_across_ranks, build_model
     from sp_runtime.config import SPConfig
     from sp_runtime.groups import build_groups
-    from sp_runtime.testing.tiny_models import tiny_config
+    from sp_runtime.tiny_models import tiny_config
     groups = build_groups(SPConfig(["cpu"] * world_size))
     model, _ = build_model("qwen_image", tiny_config("qwen_image"), "float32", torch.device("cpu"), seed=rank)
     agreed = agree_across_ranks(model, groups)
@@ -84,7 +84,7 @@ def _disagreeing_ranks(rank, world_size):
 
 
 def test_random_weights_fall_back_to_rank_0_when_ranks_disagree():
-    from sp_runtime.testing.spawn import run_distributed
+    from sp_runtime.local_ranks import run_distributed
     (agreed0, weights0), (agreed1, weights1) = run_distributed(_disagreeing_ranks, 2)
     assert not agreed0 and not agreed1
     assert torch.equal(weights0, weights1)
@@ -122,7 +122,7 @@ def test_diffusers_side_by_side_inputs_fit_the_stock_forward(family, channels):
     """The GPU-only comparison calls diffusers' stock forward; its arguments are checked here on one CPU process."""
     from sp_runtime.cli.diffusers_cp import native_inputs, skip_reason
     from sp_runtime.cli.sampling import make_workload
-    from sp_runtime.testing.tiny_models import build_tiny_model
+    from sp_runtime.tiny_models import build_tiny_model
     model = build_tiny_model(family)
     workload = make_workload(family, dict(model.config), channels, 80, 48, frames=5, text_tokens=7)
     with torch.no_grad():

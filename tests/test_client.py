@@ -1,4 +1,4 @@
-"""The API client (sp_runtime/client.py) against a fake ComfyUI on 127.0.0.1: queueing, progress from /ws, errors,
+"""The API client (sp_runtime/cli/client.py) against a fake ComfyUI on 127.0.0.1: queueing, progress from /ws, errors,
 interrupts, rejected workflows and saved outputs. No ComfyUI needed."""
 import base64
 import hashlib
@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from sp_runtime import client
+from sp_runtime.cli import client
 
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 WORKFLOW = {"3": {"class_type": "KSampler", "inputs": {"seed": 1}},

@@ -10,7 +10,7 @@ from family_support import assert_parity
 from sp_runtime.config import SPConfig
 from sp_runtime.families import flux, qwen_image, wan
 from sp_runtime.pool import WorkerPool
-from sp_runtime.testing.tiny_models import build_tiny_model, write_tiny_checkpoint
+from sp_runtime.tiny_models import build_tiny_model, write_tiny_checkpoint
 
 SEED = 5
 FAMILIES = {"qwen_image": qwen_image, "flux": flux, "wan": wan}

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from sp_runtime.attention.lse import LseMerger, attention_with_lse, key_padding_bias, math_attention_with_lse
-from sp_runtime.testing.spawn import run_distributed
+from sp_runtime.local_ranks import run_distributed
 
 HEAD_DIM = 16
 # (ulysses_degree, ring_degree): pure ring at 2, 3, 4 ranks, the hybrid, and Ulysses alone through the dispatch

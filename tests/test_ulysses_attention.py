@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sp_runtime.testing.spawn import run_distributed
+from sp_runtime.local_ranks import run_distributed
 
 SEQ_LENS = (63, 64, 189)
 HEADS = (3, 6, 24)

@@ -1,1 +1,1 @@
-"""Command-line tools: demo, bench, doctor."""
+"""Command-line tools: demo, bench, doctor, client."""

@@ -19,7 +19,7 @@ def run_ranks(fn: Callable, devices: Sequence[str], *args: Any, timeout: float =
     fn must be a module-level function returning picklable values. Raises RuntimeError with the failing rank's
     traceback, or TimeoutError; every child is ended either way.
     """
-    from ..testing.spawn import spawn_ranks
+    from ..local_ranks import spawn_ranks
     threads = max(1, (os.cpu_count() or 1) // len(devices))
     return spawn_ranks(_child, len(devices), (list(devices), threads, fn, args), timeout, "link probe")
 

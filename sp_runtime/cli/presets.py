@@ -27,7 +27,7 @@ WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=
 class Preset:
     """A model shape and its default workload.
 
-    size: for written presets, the overrides of sp_runtime.testing.tiny_models' tiny config; for synthetic ones,
+    size: for written presets, the overrides of sp_runtime.tiny_models' tiny config; for synthetic ones,
     the full diffusers config. synthetic: weights are drawn on each worker's device (nothing is written but a
     small spec file), so shapes far larger than this machine's memory can be benchmarked on big GPUs.
     """
@@ -79,7 +79,7 @@ def diffusers_config(preset: Preset) -> dict:
     """The full diffusers config of a preset's transformer."""
     if preset.synthetic:
         return dict(preset.size)
-    from ..testing.tiny_models import tiny_config
+    from ..tiny_models import tiny_config
     return tiny_config(preset.family, **preset.size)
 
 
@@ -103,7 +103,7 @@ def materialize(preset: Preset, cache_dir: str = CACHE_DIR, synthetic: Optional[
         from ..families.synthetic import write_spec
         write_spec(partial, preset.family, config, seed=seed, dtype=preset.dtype)
     else:
-        from ..testing.tiny_models import write_tiny_checkpoint
+        from ..tiny_models import write_tiny_checkpoint
         write_tiny_checkpoint(preset.family, partial, layout="original", dtype=preset.dtype, seed=seed,
                               **preset.size)
     os.replace(partial, path)  # concurrent runs never see a half-written file

@@ -7,15 +7,19 @@ writer is the inverse of the loader's key conversion, written separately so that
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional
 
 import torch
 
-FAMILIES = ("qwen_image", "flux", "wan")  # wan: see tiny_wan.py
+from . import wan as tiny_wan
+from .weights import COMFY_PREFIX, cast_like_release, randomize_, save_folder
+
+__all__ = ["COMFY_PREFIX", "FAMILIES", "LAYOUTS", "build_tiny_model", "original_state_dict", "randomize_",
+           "tiny_config", "write_tiny_checkpoint"]
+
+FAMILIES = ("qwen_image", "flux", "wan")  # wan: see wan.py
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
-COMFY_PREFIX = "model.diffusion_model."
 
 QWEN_TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
                  num_attention_heads=6, joint_attention_dim=32, axes_dims_rope=(4, 6, 6), zero_cond_t=False)
@@ -29,8 +33,7 @@ def tiny_config(family: str, **size) -> dict:
     """diffusers config of a tiny model; `size` overrides (e.g. guidance_embeds=False for Flux schnell)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; tiny models exist for {FAMILIES}")
-    if family == "wan":  # Wan's tiny models live in tiny_wan.py (size may hold variant=...)
-        from . import tiny_wan
+    if family == "wan":  # Wan's tiny models live in wan.py (size may hold variant=...)
         return tiny_wan.tiny_config(**size)
     config = dict(QWEN_TINY if family == "qwen_image" else FLUX_TINY)
     unknown = set(size) - set(config)
@@ -46,7 +49,6 @@ def tiny_config(family: str, **size) -> dict:
 def build_tiny_model(family: str, seed: int = 0, **size) -> torch.nn.Module:
     """A float32 diffusers model of the family with seeded random weights (stock attention processors)."""
     if family == "wan":
-        from . import tiny_wan
         return tiny_wan.build_tiny_model(seed, **size)
     from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel
     cls = QwenImageTransformer2DModel if family == "qwen_image" else FluxTransformer2DModel
@@ -55,30 +57,12 @@ def build_tiny_model(family: str, seed: int = 0, **size) -> torch.nn.Module:
     return model.eval().requires_grad_(False)
 
 
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Replace every weight with seeded random values of a sane scale.
-
-    Nothing stays at its default (zeros, ones): a zero output layer or a unit norm would hide a wrong wiring.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            if parameter.dim() >= 2:
-                parameter.copy_(noise / math.sqrt(parameter.shape[1]))
-            elif "norm" in name:
-                parameter.copy_(1 + 0.1 * noise)
-            else:
-                parameter.copy_(0.1 * noise)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Key layouts
 
 def original_state_dict(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under ComfyUI's / the original release's key names."""
     if family == "wan":
-        from . import tiny_wan
         return tiny_wan.original_state_dict(model)
     state = {key: value.detach() for key, value in model.state_dict().items()}
     if family == "qwen_image":
@@ -143,15 +127,6 @@ def _flux_to_original(state: dict, double: int, single: int) -> dict[str, torch.
 # ---------------------------------------------------------------------------------------------------------------
 # Writers
 
-def cast_like_release(state: dict, dtype: str) -> dict[str, torch.Tensor]:
-    """Cast as released files are: fp8 files keep matrices in fp8 and vectors (biases, norms) in bf16."""
-    from ..families.base import DTYPES
-    target = DTYPES[dtype]
-    if target in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return {k: v.to(target if v.dim() >= 2 else torch.bfloat16).contiguous() for k, v in state.items()}
-    return {k: v.to(target).contiguous() for k, v in state.items()}
-
-
 def write_tiny_checkpoint(family: str, path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
                           prefix: str = "", variant: str = "", max_shard_size: Optional[str] = None,
                           **size) -> str:
@@ -168,12 +143,11 @@ def write_tiny_checkpoint(family: str, path: str, layout: str = "original", dtyp
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     if family == "wan":
-        from . import tiny_wan
         return tiny_wan.write_tiny_checkpoint(path, layout, dtype, seed, prefix, variant, max_shard_size, **size)
     size = {**_variant_size(family, variant, layout), **size}
     model = build_tiny_model(family, seed, **size)
     if layout == "diffusers_folder":
-        _save_folder(model, path, dtype, max_shard_size)
+        save_folder(model, path, dtype, max_shard_size)
         return path
     state = original_state_dict(family, model) if layout == "original" else model.state_dict()
     state = cast_like_release(state, dtype)
@@ -194,12 +168,3 @@ def _variant_size(family: str, variant: str, layout: str) -> dict:
     if family == "flux" and variant == "fill":
         return {"in_channels": 384, "out_channels": 64}
     raise ValueError(f"unknown variant {variant!r} for {family}")
-
-
-def _save_folder(model: torch.nn.Module, path: str, dtype: str, max_shard_size: Optional[str]) -> None:
-    from ..families.base import DTYPES
-    target = DTYPES[dtype]
-    if target in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise ValueError("diffusers folders are written in float dtypes only (fp8 files are single files)")
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.to(target).save_pretrained(path, safe_serialization=True, **kwargs)

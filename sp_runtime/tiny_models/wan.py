@@ -1,5 +1,5 @@
 """Tiny random-weight Wan models (diffusers' WanTransformer3DModel, small widths) and their checkpoint files in the
-original / ComfyUI key layout, as diffusers single files and as diffusers folders. tiny_models dispatches here.
+original / ComfyUI key layout, as diffusers single files and as diffusers folders. The package's API dispatches here.
 
 Variants: t2v (16 -> 16 channels), i2v (36 input channels and a CLIP image embedder of ComfyUI's fixed width 1280),
 flf2v (i2v plus first-last-frame positions), i2v_concat (36 input channels, no CLIP: Wan 2.2 A14B I2V style) and
@@ -15,6 +15,8 @@ import os
 from typing import Optional
 
 import torch
+
+from .weights import cast_like_release, randomize_, save_folder
 
 WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=16, in_channels=16, out_channels=16,
                 text_dim=32, freq_dim=256, ffn_dim=128, num_layers=2, cross_attn_norm=True,
@@ -51,7 +53,6 @@ def build_tiny_model(seed: int = 0, variant: str = "t2v", **size) -> torch.nn.Mo
     """A float32 WanTransformer3DModel with seeded random weights (stock attention processors)."""
     from diffusers import WanTransformer3DModel
 
-    from .tiny_models import randomize_
     model = WanTransformer3DModel.from_config(tiny_config(variant, **size))
     randomize_(model, seed)
     return model.eval().requires_grad_(False)
@@ -101,14 +102,13 @@ def _original_name(key: str) -> str:
 def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
                           prefix: str = "", variant: str = "", max_shard_size: Optional[str] = None,
                           head_dim_metadata: bool = True, **size) -> str:
-    """Build a tiny Wan and save it (see tiny_models.write_tiny_checkpoint); variant defaults to t2v."""
+    """Build a tiny Wan and save it (see sp_runtime.tiny_models.write_tiny_checkpoint); variant defaults to t2v."""
     from safetensors.torch import save_file
 
     from ..families.wan_checkpoint import HEAD_DIM_METADATA_KEY
-    from .tiny_models import _save_folder, cast_like_release
     model = build_tiny_model(seed, variant or "t2v", **size)
     if layout == "diffusers_folder":
-        _save_folder(model, path, dtype, max_shard_size)
+        save_folder(model, path, dtype, max_shard_size)
         return path
     state = original_state_dict(model) if layout == "original" else model.state_dict()
     state = cast_like_release(state, dtype)

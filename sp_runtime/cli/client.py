@@ -1,7 +1,7 @@
 """Run a ComfyUI API-format workflow from the command line: queue it, stream progress from /ws, report errors and
 save the outputs.
 
-    python -m sp_runtime.client WORKFLOW_API.json --server 127.0.0.1:8188 --out outputs/
+    python -m sp_runtime client WORKFLOW_API.json --server 127.0.0.1:8188 --out outputs/
 
 Uses only JSON over HTTP and the websocket (binary preview frames are skipped); never imports ComfyUI.
 """
@@ -250,8 +250,7 @@ def describe_error(error: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sp_runtime.client", description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("workflow", help="API-format workflow JSON (Workflow > Export (API) in ComfyUI)")
     parser.add_argument("--server", default="127.0.0.1:8188", help="ComfyUI address (default 127.0.0.1:8188)")
     parser.add_argument("--out", default="comfy_outputs", help="folder for the outputs (default comfy_outputs)")
@@ -259,7 +258,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="override an input, e.g. --set 3.seed=42 (repeatable)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the run (default 3600)")
     parser.add_argument("--quiet", action="store_true", help="print only errors and saved files")
-    args = parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m sp_runtime.cli.client ...`, the same as `python -m sp_runtime client ...`."""
+    parser = argparse.ArgumentParser(prog="python -m sp_runtime client", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args) -> int:
     log = (lambda text: None) if args.quiet else (lambda text: print(text, flush=True))
     try:
         workflow = apply_overrides(load_workflow(args.workflow), args.set)
