@@ -1,5 +1,5 @@
 """A real ComfyUI server with this package in custom_nodes: an API workflow (SP loader + stock KSampler + SaveLatent)
-runs to execution_success through sp_runtime.client, the saved latent equals ComfyUI's own model of the same
+runs to execution_success through sp_runtime.cli.client, the saved latent equals ComfyUI's own model of the same
 weights, a cancel mid-run gives execution_interrupted and the next prompt succeeds, a bad input is a node error,
 the status route answers, the example API workflows validate, and stopping ComfyUI leaves no worker process or
 shared-memory segment behind.
@@ -45,7 +45,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client():
-    from sp_runtime.client import ComfyClient
+    from sp_runtime.cli.client import ComfyClient
     return ComfyClient
 
 
