@@ -7,8 +7,9 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 
+from sp_runtime.config import config_from_inputs
+
 from .comfy_model import build_sp_model, comfy_model_config
-from .devices import config_from_inputs
 from .pool_owner import OWNER, ModelSpec
 from .proxy import SPDiffusionModel
 

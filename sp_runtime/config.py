@@ -6,23 +6,12 @@ rank = (cfg_index * ring_degree + ring_index) * ulysses_degree + ulysses_index.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
-_CUDA_DEVICE = re.compile(r"^cuda:(\d+)$")
+from .devices import parse_device, parse_devices
+
 MAX_CFG_DEGREE = 2  # a CFG batch holds at most two halves: cond and uncond
-
-
-def parse_device(device: str) -> str:
-    """Normalise one device string to 'cpu' or 'cuda:N'; raise ValueError naming the bad string."""
-    text = str(device).strip().lower()
-    if text == "cpu" or _CUDA_DEVICE.match(text):
-        return text
-    if text.isdigit():
-        return f"cuda:{text}"
-    raise ValueError(
-        f"device {device!r} is not understood: use 'cpu' or 'cuda:N' (N = a GPU index such as 0), "
-        f"one entry per worker")
 
 
 def valid_layouts(world_size: int) -> list[tuple[int, int, int]]:
@@ -63,7 +52,6 @@ class SPConfig:
     ulysses_degree: int = 0
     ring_degree: int = 1
     cfg_degree: int = 1
-    master_addr: str = field(default="127.0.0.1", repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.devices, str):
@@ -156,3 +144,21 @@ class SPConfig:
         ulysses, ring, cfg = (int(g) if g else 1 for g in match.groups())
         return cls(devices=list(devices)[: ulysses * ring * cfg], ulysses_degree=ulysses,
                    ring_degree=ring, cfg_degree=cfg)
+
+
+def build_config(devices: Sequence[str], ulysses_degree: int = 0, ring_degree: int = 1,
+                 cfg_parallel: bool = False) -> SPConfig:
+    """SPConfig for the loader node's inputs; ulysses_degree 0 = as many as devices / (ring x cfg)."""
+    cfg_degree = 2 if cfg_parallel else 1
+    if cfg_parallel and len(devices) % 2:
+        raise ValueError(f"cfg_parallel needs an even number of devices (cond and uncond each get half), but there "
+                         f"are {len(devices)} {list(devices)}; turn cfg_parallel off or use {len(devices) + 1} devices")
+    return SPConfig(devices=list(devices), ulysses_degree=int(ulysses_degree), ring_degree=int(ring_degree),
+                    cfg_degree=cfg_degree)
+
+
+def config_from_inputs(devices: str, ulysses_degree: int = 0, ring_degree: int = 1, cfg_parallel: bool = False,
+                       cuda_count: Optional[int] = None) -> SPConfig:
+    """The loader node's inputs (devices text in the grammar of sp_runtime.devices) parsed in one go; ValueError
+    with the fix in the message."""
+    return build_config(parse_devices(devices, cuda_count), ulysses_degree, ring_degree, cfg_parallel)

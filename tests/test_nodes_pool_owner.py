@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from comfy_support import import_node_module
+from sp_runtime.config import config_from_inputs
 
 owner_module = import_node_module("pool_owner")
-devices = import_node_module("devices")
 
 
 class FakeHandle:
@@ -72,7 +72,7 @@ def owner():
 
 
 def spec_for(text, path="/models/a.safetensors", cuda=4, **degrees):
-    return owner_module.ModelSpec.create(devices.config_from_inputs(text, cuda_count=cuda, **degrees), path)
+    return owner_module.ModelSpec.create(config_from_inputs(text, cuda_count=cuda, **degrees), path)
 
 
 def test_one_pool_per_device_set_reused_across_models_and_prompts(owner):

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts", default=None,
                         help="comma-separated layouts, e.g. 1,u2,u4,r2,u2r2,u2cfg2 (default: 1 and u2, u4, u8 up "
                              "to the device count); 1 is always measured, as the baseline")
-    parser.add_argument("--devices", default=None, help="e.g. cuda:0,cuda:1,cuda:2,cuda:3 or cpu*2 (default: every "
+    parser.add_argument("--devices", default=None, help="e.g. 0,1,2,3, 0-3 or cpu:2 (default: every "
                                                         "GPU, else 2 CPU workers)")
     parser.add_argument("--cpu-workers", type=int, default=DEFAULT_CPU_WORKERS)
     parser.add_argument("--width", type=int, default=None, help="image width in pixels (default: the preset's)")

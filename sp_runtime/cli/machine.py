@@ -11,29 +11,14 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import devices
+
 DEFAULT_CPU_WORKERS = 2
 
 
-def local_devices(cpu_workers: int = DEFAULT_CPU_WORKERS) -> list[str]:
-    """Every CUDA GPU when there is one, otherwise `cpu_workers` CPU workers."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return [f"cuda:{index}" for index in range(torch.cuda.device_count())]
-    return ["cpu"] * cpu_workers
-
-
 def parse_devices(text: Optional[str], cpu_workers: int = DEFAULT_CPU_WORKERS) -> list[str]:
-    """--devices: 'cuda:0,cuda:1', '0,1', 'cpu,cpu' or 'cpu*4'; None = local_devices()."""
-    if not text:
-        return local_devices(cpu_workers)
-    devices = []
-    for part in text.split(","):
-        part = part.strip()
-        name, _, count = part.partition("*")
-        if count and not count.isdigit():
-            raise ValueError(f"--devices entry {part!r} is not understood: use e.g. cpu*4 or cuda:0,cuda:1")
-        devices += [name] * (int(count) if count else 1)
-    from ..config import parse_device
-    return [parse_device(device) for device in devices]
+    """--devices in the grammar of sp_runtime.devices; none given = every GPU, else `cpu_workers` CPU workers."""
+    return devices.parse_devices(text or "auto", auto_cpu_workers=cpu_workers)
 
 
 def load_average() -> Optional[list[float]]:

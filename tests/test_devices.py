@@ -1,9 +1,8 @@
-"""The loader node's devices text and degree inputs (nodes/devices.py; no ComfyUI needed)."""
+"""The device grammar (sp_runtime/devices.py) and the loader node's degree inputs (sp_runtime/config.py)."""
 import pytest
 
-from comfy_support import import_node_module
-
-devices = import_node_module("devices")
+from sp_runtime import config as config_module
+from sp_runtime import devices
 
 
 @pytest.mark.parametrize("text, count, expected", [
@@ -15,6 +14,8 @@ devices = import_node_module("devices")
     ("0,1,2,3", 4, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]),
     ("2, 0", 4, ["cuda:2", "cuda:0"]),
     ("cuda:1,cuda:3", 4, ["cuda:1", "cuda:3"]),
+    ("cpu*2", 0, ["cpu", "cpu"]),
+    ("cpu,cpu", 0, ["cpu", "cpu"]),
     ("0-3", 8, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]),
     ("0-1,4", 8, ["cuda:0", "cuda:1", "cuda:4"]),
 ])
@@ -28,8 +29,8 @@ def test_parse_devices(text, count, expected):
     ("0,4", 2, ["GPU [4]", "only 2 GPU"]),
     ("0,0", 2, ["more than once"]),
     ("3-1", 4, ["backwards", "1-3"]),
-    ("gpu0", 4, ["'gpu0' is not a GPU index", "cpu:2"]),
-    ("cpu,0", 4, ["not a GPU index", "cannot be mixed"]),
+    ("gpu0", 4, ["'gpu0' is not understood", "not a GPU index", "cpu:2"]),
+    ("cpu,0", 4, ["mix CPU and CUDA", "cannot be mixed"]),
     ("cpu:0", 4, ["1..64"]),
     ("", 4, ["empty"]),
 ])
@@ -47,6 +48,11 @@ def test_auto_counts_gpus_only_when_needed():
     assert devices.parse_devices("auto", count_gpus=lambda: 2) == ["cuda:0", "cuda:1"]
 
 
+def test_auto_falls_back_to_cpu_workers_only_when_asked():
+    assert devices.parse_devices("auto", cuda_count=0, auto_cpu_workers=3) == ["cpu"] * 3
+    assert devices.parse_devices("auto", cuda_count=2, auto_cpu_workers=3) == ["cuda:0", "cuda:1"]
+
+
 @pytest.mark.parametrize("n, ulysses, ring, cfg, expected", [
     (4, 0, 1, False, (4, 1, 1)),
     (4, 0, 2, False, (2, 2, 1)),
@@ -56,7 +62,7 @@ def test_auto_counts_gpus_only_when_needed():
     (1, 0, 1, False, (1, 1, 1)),
 ])
 def test_degree_choice(n, ulysses, ring, cfg, expected):
-    config = devices.build_config(["cpu"] * n, ulysses, ring, cfg)
+    config = config_module.build_config(["cpu"] * n, ulysses, ring, cfg)
     assert (config.ulysses_degree, config.ring_degree, config.cfg_degree) == expected
     assert config.world_size == n
 
@@ -68,12 +74,12 @@ def test_degree_choice(n, ulysses, ring, cfg, expected):
 ])
 def test_bad_degrees_suggest_valid_layouts(n, ulysses, ring, cfg, words):
     with pytest.raises(ValueError) as error:
-        devices.build_config(["cpu"] * n, ulysses, ring, cfg)
+        config_module.build_config(["cpu"] * n, ulysses, ring, cfg)
     for word in words:
         assert word in str(error.value)
 
 
 def test_config_from_inputs_end_to_end():
-    config = devices.config_from_inputs("0-3", 0, 1, True, cuda_count=4)
+    config = config_module.config_from_inputs("0-3", 0, 1, True, cuda_count=4)
     assert config.devices == ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
     assert config.layout_name == "u2cfg2" and config.backend == "nccl"

@@ -1,0 +1,108 @@
+"""The one device grammar of ulysses-sp, used by the loader node, the CLI and SPConfig.
+
+A devices text is "auto" (every visible CUDA GPU), GPU indices "0,1,2,3" / "cuda:0,cuda:1", ranges "0-3" (mixable:
+"0-1,4"), or CPU workers: "cpu:N" (also "cpu*N", or "cpu" repeated: "cpu,cpu"); one worker per entry.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional
+
+_CPU = re.compile(r"^cpu(?:[:*](\d+))?$")
+_RANGE = re.compile(r"^(\d+)-(\d+)$")
+_GPU = re.compile(r"^(?:cuda:)?(\d+)$")
+MAX_CPU_WORKERS = 64
+DEVICE_HELP = ("use 'auto' (every visible GPU), GPU indices such as '0,1,2,3' or '0-3', or 'cpu:2' for two "
+               "CPU workers")
+
+
+def visible_cuda_count() -> int:
+    """GPUs this process can see (CUDA_VISIBLE_DEVICES applies); 0 without CUDA."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def parse_device(device: str) -> str:
+    """Normalise one device entry to 'cpu' or 'cuda:N'; raise ValueError naming the bad entry."""
+    text = str(device).strip().lower()
+    gpu = _GPU.match(text)
+    if text == "cpu":
+        return text
+    if gpu:
+        return f"cuda:{gpu.group(1)}"
+    raise ValueError(
+        f"device {device!r} is not understood: use 'cpu' or 'cuda:N' (N = a GPU index such as 0), "
+        f"one entry per worker")
+
+
+def parse_devices(text: str, cuda_count: Optional[int] = None, count_gpus: Callable[[], int] = visible_cuda_count,
+                  auto_cpu_workers: Optional[int] = None) -> list[str]:
+    """Device list for one pool, e.g. 'cpu:2' -> ['cpu', 'cpu'], '0,1' -> ['cuda:0', 'cuda:1'].
+
+    cuda_count: visible GPUs (None: ask count_gpus, only when GPUs are asked for). auto_cpu_workers: what 'auto'
+    means on a machine without GPUs (None: an error).
+    """
+    spec = str(text).strip().lower().replace(" ", "")
+    if not spec:
+        raise ValueError(f"devices is empty: {DEVICE_HELP}")
+    parts = spec.split(",")
+    cpu_parts = [part for part in parts if _CPU.match(part)]
+    if cpu_parts and len(cpu_parts) < len(parts):
+        raise ValueError(f"devices={spec!r} mix CPU and CUDA: CPU and GPU workers cannot be mixed in one pool; "
+                         f"{DEVICE_HELP}")
+    if cpu_parts:
+        return [device for part in cpu_parts for device in _cpu_devices(spec, part)]
+    count = count_gpus() if cuda_count is None else cuda_count
+    if spec == "auto":
+        return _auto(count, auto_cpu_workers)
+    indices = _gpu_indices(spec, parts)
+    _check_indices(spec, indices, count)
+    return [f"cuda:{index}" for index in indices]
+
+
+def _auto(count: int, cpu_workers: Optional[int]) -> list[str]:
+    if count:
+        return [f"cuda:{index}" for index in range(count)]
+    if cpu_workers:
+        return ["cpu"] * cpu_workers
+    raise ValueError("devices='auto' found no CUDA GPU in this process (torch.cuda.device_count() is 0; "
+                     "check the driver and CUDA_VISIBLE_DEVICES); to run on the CPU use 'cpu:2'")
+
+
+def _cpu_devices(spec: str, part: str) -> list[str]:
+    workers = int(_CPU.match(part).group(1) or 1)
+    if not 1 <= workers <= MAX_CPU_WORKERS:
+        raise ValueError(f"devices={spec!r}: the number of CPU workers must be 1..{MAX_CPU_WORKERS}, e.g. 'cpu:2'")
+    return ["cpu"] * workers
+
+
+def _gpu_indices(spec: str, parts: list[str]) -> list[int]:
+    indices: list[int] = []
+    for part in parts:
+        span = _RANGE.match(part)
+        single = _GPU.match(part)
+        if span:
+            first, last = int(span.group(1)), int(span.group(2))
+            if last < first:
+                raise ValueError(f"devices={spec!r}: the range {part!r} runs backwards; write it as "
+                                 f"'{last}-{first}'")
+            indices.extend(range(first, last + 1))
+        elif single:
+            indices.append(int(single.group(1)))
+        else:
+            raise ValueError(f"devices={spec!r}: {part!r} is not understood (not a GPU index, a range or "
+                             f"cpu:N); {DEVICE_HELP}")
+    return indices
+
+
+def _check_indices(spec: str, indices: list[int], count: int) -> None:
+    repeated = sorted({index for index in indices if indices.count(index) > 1})
+    if repeated:
+        raise ValueError(f"devices={spec!r} lists GPU {repeated} more than once: each GPU runs one worker")
+    if count == 0:
+        raise ValueError(f"devices={spec!r} asks for CUDA GPUs but this process sees none (check the driver and "
+                         f"CUDA_VISIBLE_DEVICES); to run on the CPU use 'cpu:{len(indices)}'")
+    missing = [index for index in indices if index >= count]
+    if missing:
+        raise ValueError(f"devices={spec!r} asks for GPU {missing}, but only {count} GPU(s) are visible "
+                         f"(0..{count - 1}); use 'auto' or indices below {count}")
