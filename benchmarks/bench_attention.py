@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_common import machine, median_time, write_result  # noqa: E402
+from sp_runtime.cli.machine import hardware_label, median_time, write_json  # noqa: E402
 from sp_runtime.local_ranks import run_distributed  # noqa: E402
 
 HEADS = 24
@@ -73,10 +73,11 @@ def main() -> None:
                        "all_to_all_ms": round(exchange * 1e3, 1), "all_to_all_share": round(exchange / ulysses, 3)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    write_result(args.out, {
-        "benchmark": "attention", "machine": machine(), "torch": torch.__version__, "repeats": args.repeats,
+    write_json(args.out, {
+        "benchmark": "attention", "machine": hardware_label(["cpu"]), "torch": torch.__version__,
+        "repeats": args.repeats,
         "note": "single = one process with 2 threads; ulysses_w2 = 2 gloo processes with 1 thread each",
-        "rows": rows})
+        "rows": rows}, say=True)
 
 
 if __name__ == "__main__":

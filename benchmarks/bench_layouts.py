@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_common import machine, median_time, write_result  # noqa: E402
+from sp_runtime.cli.machine import hardware_label, median_time, write_json  # noqa: E402
 from sp_runtime.local_ranks import run_distributed  # noqa: E402
 
 HEADS = 24
@@ -128,7 +128,7 @@ def main() -> None:
                 seconds = max(t for t, _ in per_rank)
                 rows.append(_row(name, world_size, tokens, args.head_dim, dtype, batch, seconds,
                                  max(c for _, c in per_rank), single[batch]))
-    result = {"benchmark": "attention layouts", "machine": machine(), "torch": torch.__version__,
+    result = {"benchmark": "attention layouts", "machine": hardware_label(["cpu"]), "torch": torch.__version__,
               "repeats": args.repeats,
               "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
               "note": "layout 1 = one process with 2 threads; others = gloo processes with 1 thread each "
@@ -136,7 +136,7 @@ def main() -> None:
                       "the rest a batch of 1; speedup = layout 1 at the same batch / this layout; "
                       "communication_ms = the exchanges alone (not overlapped)",
               "rows": rows}
-    write_result(args.out, result)
+    write_json(args.out, result, say=True)
 
 
 def _row(layout, world_size, tokens, head_dim, dtype, batch, seconds, communication, single) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_common import timings, write_result  # noqa: E402
+from sp_runtime.cli.machine import describe_machine, timings, write_json  # noqa: E402
 from sp_runtime import SPConfig  # noqa: E402
 from sp_runtime.families.toy import ToyReference, save_toy_checkpoint  # noqa: E402
 from sp_runtime.pool import WorkerPool  # noqa: E402
@@ -113,14 +112,13 @@ def main() -> None:
     result = {"benchmark": "pool_overhead", "world_size": 1, "device": "cpu",
               "target": f"overhead <= {TARGET_FIXED_MS} ms + bytes moved at {TARGET_GBPS} GB/s; 0 conditioning "
                         f"bytes on repeat calls",
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                          "torch": torch.__version__, "memcpy_gbps_20mb": memcpy_gbps(20 * 2 ** 20)},
+              "machine": {**describe_machine(), "memcpy_gbps_20mb": memcpy_gbps(20 * 2 ** 20)},
               "note": "measured on a shared 2-core machine while other jobs were running (load average "
                       f"{os.getloadavg()[0]:.1f}): re-measure on a quiet machine before quoting absolute numbers; "
                       "best_* fields (fastest of the repeats) are the least disturbed figures",
               "context_shape": list(CONTEXT_SHAPE), "repeats": args.repeats, "torch_threads": args.threads,
               "cases": rows}
-    write_result(args.out, result)
+    write_json(args.out, result, say=True)
 
 
 if __name__ == "__main__":

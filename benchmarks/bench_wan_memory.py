@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench_common import write_result  # noqa: E402
+from sp_runtime.cli.machine import describe_machine, write_json  # noqa: E402
 from sp_runtime.config import SPConfig  # noqa: E402
 from sp_runtime.pool import WorkerPool  # noqa: E402
 from sp_runtime.tiny_models import write_tiny_checkpoint  # noqa: E402
@@ -114,11 +113,10 @@ def main() -> None:
                   "dtype": "float32"},
         "latent": {"batch": 1, "frames": args.shape[0], "height": args.shape[1], "width": args.shape[2],
                    "video_tokens": tokens, "text_tokens": TEXT_TOKENS},
-        "device": args.device, "torch": torch.__version__, "machine": platform.machine(),
-        "cpu_count": os.cpu_count(), "results": results,
+        "device": args.device, "machine": describe_machine(), "results": results,
         "note": "call_s was measured on a shared machine; re-measure timings on a quiet one",
     }
-    write_result(output, report)
+    write_json(output, report, say=True)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ run over the same links; they are timed alone, so a time share built from them a
 from __future__ import annotations
 
 import os
-import statistics
-import time
 import traceback
 from typing import Any, Callable, Sequence
+
+from .machine import device_sync, median_time
 
 
 def run_ranks(fn: Callable, devices: Sequence[str], *args: Any, timeout: float = 300.0) -> list[Any]:
@@ -50,24 +50,8 @@ def _child(rank: int, port: int, results, devices: list[str], threads: int, fn: 
 # ---- timing inside the ranks -------------------------------------------------------------------------------------
 def _timed(fn: Callable[[], None], device, repeats: int, group=None) -> float:
     """Median seconds of fn() after one warm-up; ranks start each repeat together (barrier)."""
-    import torch
     import torch.distributed as dist
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        sync()
-        started = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return median_time(fn, repeats, lambda: dist.barrier(group=group), sync=device_sync(device))
 
 
 def all_to_all_sweep(rank: int, devices: list[str], sizes: Sequence[int], repeats: int) -> list[dict]:

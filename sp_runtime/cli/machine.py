@@ -1,4 +1,5 @@
-"""What the CLI reports about the machine and its runs: devices, versions, load average, timing summaries, JSON."""
+"""What the CLI commands and benchmarks/ report about the machine and their runs: devices, versions, load average,
+timings of repeated calls and their summaries, and the result JSON (one helper for both)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -128,6 +129,39 @@ def hardware_label(devices: Sequence[str]) -> str:
     return f"{platform.machine()}, {os.cpu_count()} CPU cores"
 
 
+def timings(fn: Callable[[], object], repeats: int, barrier: Optional[Callable[[], object]] = None,
+            warmups: int = 1, sync: Optional[Callable[[], object]] = None) -> list[float]:
+    """Seconds of each of `repeats` calls of fn after `warmups` untimed ones. barrier(), when given, runs before
+    each timed call (so that distributed ranks start each repeat together); sync(), when given, waits for the
+    device's queued work before the clock starts and before it stops (see device_sync)."""
+    sync = sync or (lambda: None)
+    for _ in range(warmups):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        if barrier:
+            barrier()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median_time(fn: Callable[[], object], repeats: int, barrier: Optional[Callable[[], object]] = None,
+                sync: Optional[Callable[[], object]] = None) -> float:
+    """Median seconds of fn() over `repeats` calls after one warm-up (see timings)."""
+    return statistics.median(timings(fn, repeats, barrier, sync=sync))
+
+
+def device_sync(device) -> Optional[Callable[[], None]]:
+    """The sync() of timings for a torch device: torch.cuda.synchronize on a GPU, None on the CPU."""
+    device = torch.device(device)
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+
+
 def time_summary(seconds: Sequence[float]) -> dict:
     """Median and spread of step times, in milliseconds."""
     values = sorted(seconds)
@@ -139,11 +173,14 @@ def time_summary(seconds: Sequence[float]) -> dict:
             "iqr_ms": round(quartiles[2] - quartiles[0], 3), "samples": len(ms)}
 
 
-def write_json(path: str, data: dict) -> str:
+def write_json(path: str, data: dict, say: bool = False) -> str:
+    """Write indented JSON (creating its folder); say=True prints where (the benchmarks' result files)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=2, default=_jsonable)
         handle.write("\n")
+    if say:
+        print(f"wrote {path}")
     return path
 
 

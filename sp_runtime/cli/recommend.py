@@ -9,8 +9,6 @@ estimate for choosing a degree; `python -m sp_runtime bench` measures the real t
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -18,6 +16,7 @@ import torch
 
 from ..config import SPConfig
 from .comm import DTYPE_BYTES, AttentionShape, step_exchanges
+from .machine import device_sync, median_time
 from .presets import diffusers_config, get_preset, latent_shape, parameter_count, token_count
 
 MODELS = {"qwen-image": "qwen-image-20b", "flux": "flux-12b", "wan": "wan-14b"}
@@ -49,19 +48,8 @@ def measure_throughput(device: str, heads: int, head_dim: int, repeats: int = 3)
 
 
 def _median_seconds(fn, device: torch.device, repeats: int) -> float:
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
     with torch.inference_mode():
-        fn()
-        sync()
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        return median_time(fn, repeats, sync=device_sync(device))
 
 
 def transfer_seconds(message_bytes: float, sweep: Sequence[dict]) -> float:
