@@ -18,15 +18,10 @@ import comfy.supported_models
 import comfy.utils
 
 from sp_runtime.families import FAMILIES, comfy_host
+from sp_runtime.families.checkpoint import SAFETENSORS_DTYPES
 
 log = logging.getLogger("ulysses_sp")
 
-# safetensors header dtype -> torch dtype, for meta tensors
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 
 HOST_MEMORY_FACTOR = 0.01  # read by some ComfyUI code paths; memory_required below is what the host needs
 HOST_LATENT_COPIES = 8  # x, noise, denoised, the sampler's state and the shared-memory copies, in float32

@@ -20,9 +20,11 @@ from .header import CheckpointSource, Header
 # "model.diffusion_model."; some exporters write "diffusion_model." or "model."; diffusers pipelines "transformer.".
 KNOWN_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.", "transformer.", "")
 
-SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {  # safetensors header dtype -> torch dtype
     "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_COMPUTE_DTYPE = torch.bfloat16
@@ -131,7 +133,7 @@ def dominant_dtype(header: Header, prefix: str = "") -> torch.dtype:
     """The float dtype holding most parameters under `prefix` (the checkpoint's own precision)."""
     totals: dict[str, int] = {}
     for dtype, shape in strip_prefix(header.tensors, prefix).values():
-        if dtype in SAFETENSORS_DTYPES:
+        if dtype in SAFETENSORS_DTYPES and SAFETENSORS_DTYPES[dtype].is_floating_point:
             numel = 1
             for size in shape:
                 numel *= size

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import DTYPES, Detection, LoadRequest, ModelInfo, dtype_name
+from .checkpoint import SAFETENSORS_DTYPES
 from .header import FAMILY_METADATA_KEY, Header, read_header
 
 FAMILY = "toy"
@@ -273,29 +274,20 @@ def _dtypes(request_dtype: str, stored: torch.dtype) -> tuple[Optional[torch.dty
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress) -> ToyWorkerModel:
     config = full_config(**detection.config)
-    with _safe_header(request.path) as handle:
-        stored = handle.get_slice("scale").get_dtype()
-    weight_dtype, compute = _dtypes(request.dtype, _safetensors_dtype(stored))
+    header = request.header or read_header(request.path)
+    if "scale" not in header.tensors:
+        raise ValueError(f"{request.path!r} is not a complete toy checkpoint: missing ['scale']")
+    stored = SAFETENSORS_DTYPES[header.tensors["scale"][0]]
+    weight_dtype, compute = _dtypes(request.dtype, stored)
     weights = _read_weights(request.path, device, weight_dtype, progress)
     missing = sorted(set(weight_shapes(config)) - set(weights))
     if missing:
         raise ValueError(f"{request.path!r} is not a complete toy checkpoint: missing {missing[:5]}")
     info = ModelInfo(family="toy", variant="passthrough" if config["passthrough"] else "", x_ndim=config["x_ndim"],
                      in_channels=config["in_channels"], out_channels=config["out_channels"], config=config,
-                     weight_dtype=dtype_name(weight_dtype or _safetensors_dtype(stored)),
+                     weight_dtype=dtype_name(weight_dtype or stored),
                      compute_dtype=dtype_name(compute))
     return ToyWorkerModel(ToyTransformer(weights, config, compute), info)
-
-
-def _safe_header(path: str):
-    from safetensors import safe_open
-    return safe_open(path, "pt", device="cpu")
-
-
-def _safetensors_dtype(name: str) -> torch.dtype:
-    table = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
-             "F8_E5M2": torch.float8_e5m2}
-    return table[name]
 
 
 # ---- in-process reference (no SP, no pool) ---------------------------------------------------------------------
