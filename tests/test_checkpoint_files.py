@@ -100,3 +100,26 @@ def test_broken_symlink_says_so(tmp_path):
 def test_missing_file_still_says_it_does_not_exist(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         detect(str(tmp_path / "absent.safetensors"))
+
+
+def test_header_is_read_once_per_load_and_travels_to_the_workers(tmp_path, monkeypatch):
+    from sp_runtime.families import header as header_module
+    from sp_runtime.families import toy
+    from sp_runtime.families.base import LoadRequest
+    from sp_runtime.families.detect import load_worker_model
+
+    path = str(tmp_path / "toy.safetensors")
+    toy.save_toy_checkpoint(path, hidden=24, heads=3)
+    reads, real = [], header_module.read_header
+    monkeypatch.setattr(header_module, "read_header", lambda file: reads.append(file) or real(file))
+    request = _load_request(path, "default", {})
+    assert reads == [path]  # the host: once, for detection and for the workers
+
+    def no_read(file):
+        raise AssertionError(f"a worker read the header of {file} again")
+    monkeypatch.setattr(header_module, "read_header", no_read)
+    monkeypatch.setattr(toy, "read_header", no_read)
+    received = LoadRequest.from_message(json.loads(json.dumps(request.to_message())))
+    assert received == request and received.header == request.header
+    worker = load_worker_model(received, torch.device("cpu"), None, lambda *_: None)
+    assert worker.info.family == "toy"
