@@ -123,3 +123,12 @@ def test_header_is_read_once_per_load_and_travels_to_the_workers(tmp_path, monke
     assert received == request and received.header == request.header
     worker = load_worker_model(received, torch.device("cpu"), None, lambda *_: None)
     assert worker.info.family == "toy"
+
+
+def test_lora_fifo_is_not_reported_missing(tmp_path):
+    from sp_runtime.lora.files import read_lora_file
+    path = tmp_path / "lora.safetensors"
+    os.mkfifo(path)
+    with pytest.raises(ValueError, match="FIFO") as error:
+        read_lora_file(str(path))
+    assert str(path) in str(error.value) and "does not exist" not in str(error.value)

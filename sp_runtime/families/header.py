@@ -59,7 +59,7 @@ class CheckpointSource:
 def resolve_checkpoint(path: str) -> CheckpointSource:
     """Files of a checkpoint path; a pipeline folder with a transformer/ subfolder resolves to that subfolder."""
     path = os.path.abspath(os.path.expanduser(str(path)))
-    kind = _file_kind(path)
+    kind = file_kind(path)
     if kind == "file":
         _refuse_other_formats(path)
         return CheckpointSource(path, (path,))
@@ -80,7 +80,7 @@ def resolve_checkpoint(path: str) -> CheckpointSource:
     return CheckpointSource(path, _folder_weight_files(path), config)
 
 
-def _file_kind(path: str) -> str:
+def file_kind(path: str) -> str:
     """'file', 'folder', 'missing', or what else the path is, worded for an error ('is a FIFO', ...)."""
     try:
         mode = os.stat(path).st_mode
@@ -97,6 +97,16 @@ def _file_kind(path: str) -> str:
         if test(mode):
             return f"is {name}, not a regular file"
     return "is not a regular file"
+
+
+def require_regular_file(path: str, what: str = "checkpoint") -> None:
+    """FileNotFoundError when nothing is there; ValueError saying what else the path is (never opened: a FIFO
+    would block)."""
+    kind = file_kind(path)
+    if kind == "missing":
+        raise FileNotFoundError(f"{what} {path!r} does not exist")
+    if kind != "file":
+        raise ValueError(f"{what} {path!r} {'is a folder' if kind == 'folder' else kind}: give a .safetensors file")
 
 
 def read_json(path: str, what: str):
@@ -145,12 +155,7 @@ def _refuse_other_formats(path: str) -> None:
 
 def read_header(path: str) -> Header:
     """Parse one .safetensors file's header; ValueError naming the file and what is wrong when it is not one."""
-    kind = _file_kind(path)
-    if kind == "missing":
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-    if kind != "file":
-        raise ValueError(f"checkpoint {path!r} {'is a folder' if kind == 'folder' else kind}: give a "
-                         f".safetensors file")
+    require_regular_file(path)
     size = os.path.getsize(path)
     with open(path, "rb") as handle:
         prefix = handle.read(8)

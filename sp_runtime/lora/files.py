@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..families.header import read_header
+from ..families.header import read_header, require_regular_file
 
 # (suffix of the up / B tensor, suffix of the down / A tensor), as comfy/weight_adapter/lora.py lists them
 LOW_RANK_SUFFIXES = (
@@ -69,8 +69,7 @@ class LoraFile:
 
 def file_identity(path: str) -> tuple:
     """(real path, size, mtime): a rewritten file is a different LoRA."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"LoRA file {path!r} does not exist")
+    require_regular_file(path, "LoRA file")
     stat = os.stat(path)
     return os.path.realpath(path), stat.st_size, stat.st_mtime_ns
 
