@@ -9,6 +9,7 @@ from .base import Detection
 from .header import FAMILY_METADATA_KEY, Header, read_checkpoint_header
 
 # Signature keys of model families (and non-model files) that no registered family handles, for the error message.
+# Consulted only when no registered family recognised the file: a newly registered family needs no change here.
 OTHER_KINDS = {
     "Flux.2": ("double_stream_modulation_img.lin.weight", "single_stream_modulation.lin.weight"),
     "Chroma": ("distilled_guidance_layer.in_proj.weight", "distilled_guidance_layer.in_proj.bias"),
