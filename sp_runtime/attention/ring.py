@@ -122,10 +122,29 @@ class _RingShift:
         ranks, rank, degree = seq.ring_global_ranks, seq.ring_rank, seq.ring_degree
         self.next, self.previous = ranks[(rank + 1) % degree], ranks[(rank - 1) % degree]
         self.group = seq.ring_group
+        self.host_staged = dist.get_backend(self.group) == "gloo"
 
     def start(self, send: torch.Tensor, receive: torch.Tensor) -> list:
+        if self.host_staged and send.device.type != "cpu":
+            return [_HostStagedShift(self, send, receive)]
         return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group),
                                        dist.P2POp(dist.irecv, receive, self.previous, self.group)])
+
+
+class _HostStagedShift:
+    """A ring step over gloo with device tensors: gloo's send / recv take host memory only (its all-to-all stages
+    device tensors itself, its point-to-point does not), so the block goes through host copies."""
+
+    def __init__(self, shift: _RingShift, send: torch.Tensor, receive: torch.Tensor):
+        self.receive, self.host_receive = receive, torch.empty(receive.shape, dtype=receive.dtype)
+        self.host_send = send.cpu()
+        self.works = dist.batch_isend_irecv([dist.P2POp(dist.isend, self.host_send, shift.next, shift.group),
+                                             dist.P2POp(dist.irecv, self.host_receive, shift.previous, shift.group)])
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.receive.copy_(self.host_receive)
 
 
 def _gather_rows(rows: torch.Tensor, text_rows: SeqShards, group) -> torch.Tensor:
