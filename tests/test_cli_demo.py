@@ -1,13 +1,17 @@
-"""`python -m sp_runtime demo` end to end on 2 CPU workers with the tiny preset: its printed and JSON results, its
-picture, its parity check (which must fail when the pool's result differs), and its errors for impossible layouts."""
+"""`python -m sp_runtime demo` end to end on 2 CPU workers: its printed and JSON results and its picture with the
+tiny random-weight preset, the trained shapes preset (with a few training steps), its parity check (which must fail
+when the pool's result differs), and its errors for impossible layouts."""
 import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
+import torch
 
 from sp_runtime.__main__ import main
+from sp_runtime.cli.plotting import PANEL_GAP, TITLE_HEIGHT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
@@ -42,14 +46,54 @@ def test_demo_command_runs_and_passes_its_parity_check(tmp_path, cache_dir):
     assert all(host >= worker for host, worker in zip(summary["step_ms"]["pool"],
                                                       summary["step_ms"]["pool_slowest_worker"]))
     assert summary["model"]["family"] == "qwen_image"
-    latent = summary["workload"]["latent_shape"]  # [1, 16, 1, H, W]
-    with Image.open(out / "demo.png") as picture:
+    assert summary["workload"]["latent_shape"][0] == 1 and "training" not in summary
+    assert "random weights" in summary["shows"]
+    _check_picture(out / "demo.png", summary)
+
+
+def _check_picture(path, summary):
+    """Three panels (pool, one device, difference) in a row; the first two show the same pictures."""
+    from PIL import Image
+    with Image.open(path) as picture:
         picture.verify()
-    with Image.open(out / "demo.png") as picture:
-        assert picture.mode == "RGB" and picture.size == (latent[4] * 8, latent[3] * 8)
+    with Image.open(path) as picture:
+        assert picture.mode == "RGB" and picture.width > 2.5 * picture.height
+        pixels = torch.tensor(list(picture.getdata()), dtype=torch.float32).view(picture.height, picture.width, 3)
+    panel = (picture.width - 4 * PANEL_GAP) // 3
+    below_titles = pixels[TITLE_HEIGHT:]
+    pool = below_titles[:, PANEL_GAP:PANEL_GAP + panel]
+    one_device = below_titles[:, 2 * PANEL_GAP + panel:2 * PANEL_GAP + 2 * panel]
+    assert pool.std() > 10  # not a blank panel
+    assert (pool - one_device).abs().mean() < 1
+    gain = summary["difference_gain"]
+    assert gain >= 1 and (summary["max_abs_difference"] == 0 or 0.1 <= summary["max_abs_difference"] * gain < 1)
+    assert f"{gain:.0e}" in summary["difference_title"]
 
 
-def test_demo_fails_when_the_pool_result_differs(tmp_path, cache_dir, monkeypatch, capsys):
+@pytest.fixture
+def few_training_steps(monkeypatch):
+    """The shapes preset trained for 3 steps instead of a minute (its own recipe hash, so its own cache file)."""
+    from sp_runtime.cli import demo_training
+    real = demo_training.recipe_of
+    monkeypatch.setattr(demo_training, "recipe_of", lambda preset: replace(real(preset), steps=3, batch=4))
+
+
+def test_demo_trains_its_model_on_first_run_and_draws_every_shape(tmp_path, cache_dir, few_training_steps, capsys):
+    code = main(["demo", "--steps", "2", "--devices", "cpu*2", "--out", str(tmp_path), "--cache-dir", cache_dir])
+    output = capsys.readouterr().out
+    assert code == 0, output
+    assert "training the demo model, 3 steps" in output and "PASS" in output
+    summary = json.loads((tmp_path / "demo.json").read_text())
+    assert summary["preset"] == "shapes" and summary["passed"] is True
+    assert "-trained-" in summary["checkpoint"]["path"]
+    training = summary["training"]
+    assert training["this_run"] is True and training["loss"]["steps"] == 3 and training["seconds"] > 0
+    assert len(summary["samples"]) == summary["workload"]["batch"] == 12 and summary["samples"][0] == "red circle"
+    assert summary["workload"]["latent_shape"] == [12, 16, 1, 16, 16]
+    _check_picture(tmp_path / "demo.png", summary)
+
+
+def test_demo_fails_when_the_pool_result_differs(tmp_path, cache_dir, few_training_steps, monkeypatch, capsys):
     from sp_runtime.cli import demo
     real = demo._reference_model
 
@@ -57,12 +101,12 @@ def test_demo_fails_when_the_pool_result_differs(tmp_path, cache_dir, monkeypatc
         model, forward = real(*args)
         return model, lambda *a, **k: forward(*a, **k) + 1e-3
     monkeypatch.setattr(demo, "_reference_model", perturbed)
-    code = main(["demo", "--preset", "tiny", "--steps", "2", "--devices", "cpu*2", "--out", str(tmp_path),
-                 "--cache-dir", cache_dir])
+    code = main(["demo", "--steps", "2", "--devices", "cpu*2", "--out", str(tmp_path), "--cache-dir", cache_dir])
     assert code == 1
     assert "FAIL" in capsys.readouterr().out
     summary = json.loads((tmp_path / "demo.json").read_text())
     assert summary["passed"] is False and summary["max_abs_difference"] > summary["tolerance_abs"]
+    assert 0.1 <= summary["max_abs_difference"] * summary["difference_gain"] < 1
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -1,10 +1,12 @@
 """`python -m sp_runtime demo`: a short generation through the worker pool, checked against one device.
 
-It writes a small random-weight Qwen-Image-architecture model as a ComfyUI-layout checkpoint (once, in a cache
-folder; nothing is downloaded), starts the pool on the local devices (every CUDA GPU, else 2 CPU workers with
-gloo), runs a few Euler steps of a flow-matching schedule through it, runs the same steps in this process with
-diffusers' own forward on one device, and prints the per-step times (the pool's own per-call stats), the speed-up
-and the max difference. Exit status 1 when the difference is above the tolerance. Writes a PNG and a JSON summary.
+On first run it trains a small Qwen-Image-architecture model to draw coloured shapes (about a minute on 2 CPU
+cores, demo_training.py) and keeps it as a ComfyUI-layout checkpoint in a cache folder; nothing is downloaded.
+Other presets write random-weight models instead. It starts the pool on the local devices (every CUDA GPU, else 2
+CPU workers with gloo), runs a few Euler steps of a flow-matching schedule through it, runs the same steps in this
+process with diffusers' own forward on one device, and prints the per-step times (the pool's own per-call stats),
+the speed-up and the max difference. Exit status 1 when the difference is above the tolerance. Writes a PNG (both
+results side by side with their difference) and a JSON summary.
 """
 from __future__ import annotations
 
@@ -18,13 +20,15 @@ from ..config import SPConfig
 from .comm import AttentionShape
 from .machine import (DEFAULT_CPU_WORKERS, LoadMonitor, command_line, describe_machine, hardware_label,
                       parse_devices, time_summary, tolerance_for, write_json)
-from .presets import CACHE_DIR, PRESETS, Preset, diffusers_config, get_preset, materialize
+from .presets import CACHE_DIR, PRESETS, Preset, diffusers_config, get_preset, latent_shape, materialize
 from .sampling import Workload, euler_loop, flow_sigmas, make_workload
+
+DEFAULT_PRESET = "shapes"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None,
-                        help=f"model size (default: demo on CPUs, demo-gpu on GPUs); one of {', '.join(PRESETS)}")
+                        help=f"model (default: shapes, trained on first run); one of {', '.join(PRESETS)}")
     parser.add_argument("--devices", default=None,
                         help="workers' devices, e.g. cuda:0,cuda:1 or cpu*2 (default: every GPU, else 2 CPU workers)")
     parser.add_argument("--cpu-workers", type=int, default=DEFAULT_CPU_WORKERS,
@@ -75,9 +79,7 @@ def _plan(args) -> tuple[SPConfig, Preset]:
     if config.world_size < len(devices):
         raise ValueError(f"layout {layout!r} uses {config.world_size} of the {len(devices)} devices {devices}; "
                          f"give --devices with exactly the devices to use")
-    gpu = devices[0].startswith("cuda")
-    preset = get_preset(args.preset or ("demo-gpu" if gpu else "demo"))
-    return config, preset
+    return config, get_preset(args.preset or DEFAULT_PRESET)
 
 
 class _Demo:
@@ -103,12 +105,21 @@ class _Demo:
     def _checkpoint(self) -> str:
         started = time.perf_counter()
         say("[1/4] checkpoint: ", end="")
-        path = materialize(self.preset, self.args.cache_dir, seed=self.args.seed)
+        path = materialize(self.preset, self.args.cache_dir, seed=self.args.seed,
+                           training_progress=_training_progress())
         elapsed = time.perf_counter() - started
         say(f"{os.path.relpath(path)} ({os.path.getsize(path) / 2**20:.1f} MiB"
-            f"{f', written in {elapsed:.1f} s' if elapsed > 0.05 else ', cached'})")
+            f"{f', made in {elapsed:.1f} s' if elapsed > 0.05 else ', cached'})")
         self.summary["checkpoint"] = {"path": os.path.relpath(path), "bytes": os.path.getsize(path),
                                       "seconds": round(elapsed, 3)}
+        if self.preset.trained:
+            from .demo_training import training_summary
+            training = training_summary(path)
+            loss = training["loss"]
+            say(f"      trained {loss['steps']} steps in {training['seconds']:.0f} s on {training['threads']} "
+                f"threads{'' if elapsed > 0.05 else ' (an earlier run)'}: loss {loss['first']:.3f} -> "
+                f"{loss['last']:.3f}")
+            self.summary["training"] = {**training, "this_run": elapsed > 0.05}
         return path
 
     def _through_pool(self, path: str):
@@ -189,12 +200,15 @@ class _Demo:
         return time.perf_counter() - started
 
     def _workload(self, family: str, info_config: dict, in_channels: int) -> Workload:
+        if self.preset.trained:
+            from . import shapes
+            latent = latent_shape(family, in_channels, self.width, self.height)
+            return shapes.workload(latent, info_config["joint_attention_dim"], self.args.seed)
         return make_workload(family, info_config, in_channels, self.width, self.height, self.frames, batch=1,
                              text_tokens=self.preset.text_tokens, seed=self.args.seed)
 
     # ---- result ---------------------------------------------------------------------------------------------
     def _report(self, sp_times, worker_times, sp_result, one_times, one_result, pool_info) -> int:
-        from .plotting import save_latent_png
         sp, one = time_summary(sp_times), time_summary(one_times)
         speedup = one["median_ms"] / sp["median_ms"]
         difference = float((sp_result - one_result).abs().max())
@@ -202,7 +216,7 @@ class _Demo:
         dtype = pool_info["compute_dtype"]
         tolerance = self.args.tolerance if self.args.tolerance is not None else tolerance_for(dtype)
         passed = difference <= tolerance * scale
-        image = save_latent_png(sp_result, os.path.join(self.args.out, "demo.png"))
+        image, picture = self._picture(sp_result, one_result)
         load = self.monitor.finish()
         world = self.config.world_size
         say("")
@@ -228,14 +242,36 @@ class _Demo:
                         "one_device": [round(t * 1e3, 3) for t in one_times]},
             "pool_step": sp, "one_device_step": one, "speedup": round(speedup, 4),
             "max_abs_difference": difference, "output_scale": scale, "tolerance": tolerance,
-            "tolerance_abs": tolerance * scale, "passed": passed, "image": os.path.relpath(image),
+            "tolerance_abs": tolerance * scale, "passed": passed, "image": os.path.relpath(image), **picture,
             "one_device": {"device": self.config.devices[0], "how": "diffusers' own forward, in this process"},
             "machine_load": load,
             "machine": describe_machine()})
         summary_path = write_json(os.path.join(self.args.out, "demo.json"), self.summary)
-        say(f"wrote {os.path.relpath(image)} (latent channels 1-3 as RGB) and {os.path.relpath(summary_path)}")
+        say(f"wrote {os.path.relpath(image)} ({picture['shows']}) and {os.path.relpath(summary_path)}")
         say(load["note"])
         return 0 if passed else 1
+
+
+    def _picture(self, sp_result: torch.Tensor, one_result: torch.Tensor) -> tuple[str, dict]:
+        """demo.png: the pool's and one device's pictures side by side, and their difference amplified."""
+        from .plotting import latent_pictures, save_comparison_png
+        if self.preset.trained:
+            from . import shapes
+
+            def pictures(latents):
+                return (shapes.decode(latents) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+            shown = {"shows": "a picture of every shape and colour, through the demo's pixel-unshuffle \"VAE\"",
+                     "samples": [f"{colour} {shape}" for shape, colour in shapes.classes()]}
+        else:
+            pictures = latent_pictures
+            shown = {"shows": "latent channels 1-3 as RGB (random weights)"}
+        difference = (sp_result - one_result).abs().amax(dim=1)
+        difference = difference[:, 0] if difference.dim() == 4 else difference  # first frame
+        path = os.path.join(self.args.out, "demo.png")
+        workers = f"{self.config.world_size} {'CPU workers' if self.config.backend == 'gloo' else 'GPUs'}"
+        titles = (f"through the pool ({self.config.layout_name}, {workers})", f"one device ({self.config.devices[0]})")
+        return path, {**shown, **save_comparison_png(pictures(sp_result), pictures(one_result), difference, path,
+                                                     titles, columns=4)}
 
 
 def _reference_model(preset: Preset, family: str, path: str, device: torch.device, seed: int):
@@ -248,6 +284,19 @@ def _reference_model(preset: Preset, family: str, path: str, device: torch.devic
     else:
         model = module.load_model(path, "default", device)[0]
     return model, module.reference_forward
+
+
+def _training_progress():
+    shown = [-1]
+
+    def progress(step: int, steps: int, loss: float) -> None:
+        if shown[0] < 0:
+            say(f"training the demo model, {steps} steps (first run only) ... ", end="")
+        percent = step * 100 // steps // 10 * 10
+        if percent > shown[0]:
+            shown[0] = percent
+            say(f"{percent}% ", end="" if step < steps else "\n      ")
+    return progress
 
 
 def _load_progress():

@@ -1,14 +1,18 @@
-"""PNG output of the CLI: a latent shown as an RGB picture (pillow), and the speed-up plot of the benchmark
-(matplotlib when installed, otherwise a plain pillow drawing).
+"""PNG output of the CLI: the demo's comparison of the pool's and one device's pictures with their difference
+(pillow), and the speed-up plot of the benchmark (matplotlib when installed, otherwise a plain pillow drawing).
 """
 from __future__ import annotations
 
+import math
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-MAX_SIDE = 1024
+PANEL_SIDE = 512  # width of each panel of the demo's picture
+TILE_GAP = 4
+PANEL_GAP = 16
+TITLE_HEIGHT = 28
 SERIES_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 
 
@@ -27,19 +31,65 @@ def latent_to_rgb(latent: torch.Tensor) -> torch.Tensor:
     return (scaled * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous()
 
 
-def save_latent_png(latent: torch.Tensor, path: str, upscale: int = 8) -> str:
-    """Write one latent (any of [B, C, H, W], [B, C, T, H, W]: first item, first frame) as a PNG, upscaled."""
-    from PIL import Image
-    image = latent[0] if latent.dim() >= 4 else latent
-    if image.dim() == 4:  # [C, T, H, W]
-        image = image[:, 0]
-    pixels = latent_to_rgb(image)
-    height, width = pixels.shape[:2]
-    upscale = max(1, min(upscale, MAX_SIDE // max(height, width)))
-    picture = Image.fromarray(pixels.numpy(), "RGB").resize((width * upscale, height * upscale), Image.NEAREST)
+def latent_pictures(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, (T,) H, W] latents (first frame) -> uint8 [B, H, W, 3] pictures through latent_to_rgb."""
+    latents = latents[:, :, 0] if latents.dim() == 5 else latents
+    return torch.stack([latent_to_rgb(latent) for latent in latents])
+
+
+def save_comparison_png(pool: torch.Tensor, one_device: torch.Tensor, difference: torch.Tensor, path: str,
+                        titles: Sequence[str], columns: int = 4) -> dict:
+    """Three panels side by side: the pool's pictures, one device's, and |difference| amplified by a power of ten.
+
+    pool, one_device: uint8 [B, H, W, 3]; difference: float [B, h, w] (max over channels, any resolution).
+    titles: of the two picture panels. Returns the gain and the difference panel's title.
+    """
+    from PIL import Image, ImageDraw
+    largest = float(difference.max()) if difference.numel() else 0.0
+    gain = 10.0 ** math.floor(math.log10(1 / largest)) if largest > 0 else 1.0
+    shown = (difference * gain * 255).clamp(0, 255).round().to(torch.uint8)[..., None].expand(-1, -1, -1, 3)
+    difference_title = (f"|pool - one device| x {gain:.0e} (max {largest:.1e})" if largest > 0
+                        else "|pool - one device|: identical")
+    panels = [_tiles(pool, columns), _tiles(one_device, columns), _tiles(shown, columns, pool.shape[1:3])]
+    font = _font(16)
+    width = sum(panel.width for panel in panels) + PANEL_GAP * (len(panels) + 1)
+    picture = Image.new("RGB", (width, max(panel.height for panel in panels) + TITLE_HEIGHT + PANEL_GAP), "white")
+    draw = ImageDraw.Draw(picture)
+    left = PANEL_GAP
+    for panel, title in zip(panels, [*titles, difference_title]):
+        draw.text((left, 6), title, fill="black", font=font)
+        picture.paste(panel, (left, TITLE_HEIGHT))
+        left += panel.width + PANEL_GAP
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     picture.save(path)
-    return path
+    return {"difference_gain": gain, "difference_title": difference_title}
+
+
+def _tiles(pictures: torch.Tensor, columns: int, tile_size: Optional[Sequence[int]] = None):
+    """uint8 [B, h, w, 3] -> one PIL picture: a grid of `columns` tiles per row, each scaled up to about
+    PANEL_SIDE / columns pixels wide (nearest neighbour: every latent pixel stays visible)."""
+    from PIL import Image
+    count, height, width = pictures.shape[:3]
+    height, width = tile_size or (height, width)
+    columns = min(columns, count)
+    rows = -(-count // columns)
+    scale = max(1, PANEL_SIDE // (columns * max(height, width)))
+    tile_w, tile_h = width * scale, height * scale
+    panel = Image.new("RGB", (columns * tile_w + (columns - 1) * TILE_GAP, rows * tile_h + (rows - 1) * TILE_GAP),
+                      "white")
+    for index, tile in enumerate(pictures):
+        row, column = divmod(index, columns)
+        image = Image.fromarray(tile.numpy(), "RGB").resize((tile_w, tile_h), Image.NEAREST)
+        panel.paste(image, (column * (tile_w + TILE_GAP), row * (tile_h + TILE_GAP)))
+    return panel
+
+
+def _font(size: int):
+    from PIL import ImageFont
+    try:
+        return ImageFont.load_default(size=size)
+    except (TypeError, OSError):  # Pillow without FreeType: the fixed bitmap font
+        return ImageFont.load_default()
 
 
 def save_speedup_plot(series: dict[str, Sequence[tuple[int, float]]], path: str, title: str) -> str:

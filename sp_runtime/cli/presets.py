@@ -1,5 +1,6 @@
-"""Model size presets of the demo and the benchmark: small random-weight models written as real checkpoints, and the
-full-size Qwen-Image 20B / Flux 12B / Wan 14B shapes, whose random weights are built on the worker devices.
+"""Model size presets of the demo and the benchmark: small random-weight models written as real checkpoints, the
+demo's small model trained on coloured shapes, and the full-size Qwen-Image 20B / Flux 12B / Wan 14B shapes, whose
+random weights are built on the worker devices.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class Preset:
 
     size: for written presets, the overrides of sp_runtime.tiny_models' tiny config; for synthetic ones,
     the full diffusers config. synthetic: weights are drawn on each worker's device (nothing is written but a
-    small spec file), so shapes far larger than this machine's memory can be benchmarked on big GPUs.
+    small spec file), so shapes far larger than this machine's memory can be benchmarked on big GPUs. trained: the
+    weights are learned on first use (demo_training.py) rather than drawn at random.
     """
 
     name: str
@@ -41,6 +43,7 @@ class Preset:
     text_tokens: int = 32
     dtype: str = "float32"
     synthetic: bool = False
+    trained: bool = False
     size: dict = field(default_factory=dict)
 
     @property
@@ -49,6 +52,9 @@ class Preset:
 
 
 PRESETS = {preset.name: preset for preset in [
+    Preset("shapes", "qwen_image", "Qwen-Image architecture, 4 blocks, 4 heads of 32, trained on coloured shapes "
+           "(12 pictures of 32x32 pixels, 64 tokens each)", 128, 128, text_tokens=2, trained=True,
+           size=dict(num_layers=4, num_attention_heads=4, attention_head_dim=32, joint_attention_dim=32)),
     Preset("tiny", "qwen_image", "Qwen-Image architecture, 2 blocks, 6 heads of 16 (tests)", 144, 176,
            text_tokens=7),
     Preset("tiny-flux", "flux", "Flux.1 architecture, 2+2 blocks, 6 heads of 16 (tests)", 144, 176, text_tokens=7),
@@ -83,13 +89,18 @@ def diffusers_config(preset: Preset) -> dict:
     return tiny_config(preset.family, **preset.size)
 
 
-def materialize(preset: Preset, cache_dir: str = CACHE_DIR, synthetic: Optional[bool] = None, seed: int = 0) -> str:
+def materialize(preset: Preset, cache_dir: str = CACHE_DIR, synthetic: Optional[bool] = None, seed: int = 0,
+                training_progress=None) -> str:
     """Path of a checkpoint for the preset, written once into cache_dir.
 
     Written presets become ComfyUI-layout .safetensors files (the real loader reads them); synthetic ones (or
-    synthetic=True) become a small spec file that makes each worker draw the weights on its own device.
+    synthetic=True) become a small spec file that makes each worker draw the weights on its own device; trained
+    ones are trained first (seed does not apply: the recipe has its own), reporting to training_progress.
     """
     synthetic = preset.synthetic if synthetic is None else synthetic
+    if preset.trained and not synthetic:
+        from .demo_training import recipe_of, trained_checkpoint
+        return trained_checkpoint(recipe_of(preset), cache_dir, preset.name, training_progress)
     config = diffusers_config(preset)
     digest = hashlib.sha256(json.dumps([preset.family, config, seed, preset.dtype, synthetic], sort_keys=True,
                                        default=list).encode()).hexdigest()[:12]
