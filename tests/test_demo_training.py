@@ -11,10 +11,10 @@ from sp_runtime.cli import demo_training, shapes
 from sp_runtime.cli.presets import get_preset
 from sp_runtime.families.qwen_image import reference_forward
 
-# a few seconds on 2 cores: 2 blocks of width 32, 16x16-pixel pictures (16 tokens)
-SMALL = demo_training.Recipe(size=dict(num_layers=2, num_attention_heads=2, attention_head_dim=16,
-                                       joint_attention_dim=16), image_size=16, steps=40, batch=16,
-                             learning_rate=3e-3, warmup_steps=5)
+# a few seconds on 2 cores: 2 blocks of width 64, 16x16-pixel pictures (16 tokens)
+SMALL = demo_training.Recipe(size=dict(num_layers=2, num_attention_heads=4, attention_head_dim=16,
+                                       joint_attention_dim=16), image_size=16, steps=60, batch=16,
+                             learning_rate=5e-3, warmup_steps=5)
 
 
 def test_each_shape_covers_its_own_area():
@@ -25,7 +25,8 @@ def test_each_shape_covers_its_own_area():
     pictures = shapes.draw(ids, torch.zeros(count, dtype=torch.long), 32, generator)  # red on grey
     red = (pictures[:, 0] - pictures[:, 1] > 1.0).float().mean(dim=(1, 2))  # share of strongly red pixels
     generator = torch.Generator().manual_seed(0)
-    radius = 32 * (0.22 + 0.1 * torch.rand(count, generator=generator)) / 32
+    smallest, largest = shapes.RADIUS
+    radius = smallest + (largest - smallest) * torch.rand(count, generator=generator)  # as a share of the side
     expected = torch.tensor([math.pi, 1.7 ** 2, 1.8])[ids] * radius ** 2
     assert torch.allclose(red, expected, rtol=0.15, atol=0.01), (red - expected).abs().max()
 
@@ -48,7 +49,7 @@ def test_the_context_tells_shapes_and_colours_apart():
 
 def test_the_training_forward_is_the_reference_call_the_demo_samples_with():
     from sp_runtime.testing.tiny_models import build_tiny_model
-    model = build_tiny_model("qwen_image", seed=3, **SMALL.size)
+    model = build_tiny_model("qwen_image", seed=3, **SMALL.size)  # random weights: every path of the forward counts
     generator = torch.Generator().manual_seed(2)
     latent = torch.randn(2, 16, 1, 8, 8, generator=generator)
     sigma = torch.tensor([0.3, 0.9])
@@ -68,7 +69,8 @@ def test_training_learns(trained):
     _, summary = trained
     loss = summary["loss"]
     assert loss["steps"] == SMALL.steps and len(loss["curve"]) == 10
-    assert loss["last"] < 0.5 * loss["first"], loss  # the velocity of pure noise alone would keep it near 1.3
+    # an untrained model stays near its first loss (about 1.5: noise plus picture variance)
+    assert loss["last"] < 0.6 * loss["first"], loss
     assert summary["threads"] >= 1 and summary["seconds"] > 0 and summary["digest"] == SMALL.digest()
 
 
@@ -98,4 +100,4 @@ def test_the_checkpoint_is_cached_by_recipe_and_loads(tmp_path, monkeypatch):
 
 def test_the_shapes_preset_trains_on_pictures_its_latent_shows():
     recipe = demo_training.recipe_of(get_preset("shapes"))
-    assert recipe.image_size == get_preset("shapes").height // 8 * shapes.PIXELS_PER_LATENT == 32
+    assert recipe.image_size == get_preset("shapes").height // 8 * shapes.PIXELS_PER_LATENT == 24

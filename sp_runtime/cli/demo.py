@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU workers when there is no GPU (default: 2)")
     parser.add_argument("--layout", default=None, help="parallel layout, e.g. u2, u2r2, r2 (default: Ulysses over "
                                                        "all devices)")
-    parser.add_argument("--steps", type=int, default=8, help="Euler steps (default: 8)")
+    parser.add_argument("--steps", type=int, default=16, help="Euler steps (default: 16)")
     parser.add_argument("--shift", type=float, default=3.0, help="flow-matching schedule shift (default: 3.0)")
     parser.add_argument("--width", type=int, default=None, help="image width in pixels (default: the preset's)")
     parser.add_argument("--height", type=int, default=None, help="image height in pixels (default: the preset's)")

@@ -53,7 +53,7 @@ class Preset:
 
 PRESETS = {preset.name: preset for preset in [
     Preset("shapes", "qwen_image", "Qwen-Image architecture, 4 blocks, 4 heads of 32, trained on coloured shapes "
-           "(12 pictures of 32x32 pixels, 64 tokens each)", 128, 128, text_tokens=2, trained=True,
+           "(12 pictures of 24x24 pixels, 36 tokens each)", 96, 96, text_tokens=2, trained=True,
            size=dict(num_layers=4, num_attention_heads=4, attention_head_dim=32, joint_attention_dim=32)),
     Preset("tiny", "qwen_image", "Qwen-Image architecture, 2 blocks, 6 heads of 16 (tests)", 144, 176,
            text_tokens=7),

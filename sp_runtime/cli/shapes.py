@@ -15,7 +15,10 @@ LATENT_CHANNELS = 16   # Qwen-Image's latent channels; the image fills 12 of the
 PIXELS_PER_LATENT = 2  # the "VAE" folds 2 x 2 pixels into one latent position
 SUPERSAMPLE = 4        # edges are drawn at 4x and averaged down (anti-aliasing)
 CONTEXT_SEED = 1234
-JITTER = 0.12          # the centre moves up to 12% of the side from the middle
+# Each picture's shape sits near the middle at nearly one size: the class then decides the picture, which a
+# minute of training can learn (a wide spread of places and sizes is learnt, but only as blobs, in that time).
+JITTER = 0.04          # the centre moves up to 4% of the side from the middle
+RADIUS = (0.28, 0.34)  # the shapes' size, as a share of the side
 
 
 def classes() -> list[tuple[str, str]]:
@@ -24,10 +27,11 @@ def classes() -> list[tuple[str, str]]:
 
 
 def draw(shape_ids: torch.Tensor, colour_ids: torch.Tensor, size: int, generator: torch.Generator) -> torch.Tensor:
-    """[B] shape and colour indices -> [B, 3, size, size] pictures in [-1, 1]: one shape of random size, near the
-    middle, on a plain light or dark grey background (a wider spread of places takes longer to learn)."""
+    """[B] shape and colour indices -> [B, 3, size, size] pictures in [-1, 1]: one shape near the middle, on a
+    plain light or dark grey background."""
     batch = shape_ids.shape[0]
-    radius = size * (0.22 + 0.1 * torch.rand(batch, generator=generator))
+    smallest, largest = RADIUS
+    radius = size * (smallest + (largest - smallest) * torch.rand(batch, generator=generator))
     centre = size * (0.5 + JITTER * (2 * torch.rand(batch, 2, generator=generator) - 1))
     grey = torch.where(torch.rand(batch, generator=generator) < 0.5, 0.1, 0.8)
     grey = grey + 0.1 * torch.rand(batch, generator=generator)
