@@ -108,8 +108,9 @@ class _Demo:
         path = materialize(self.preset, self.args.cache_dir, seed=self.args.seed,
                            training_progress=_training_progress())
         elapsed = time.perf_counter() - started
+        made = elapsed > 0.05  # else it was in the cache
         say(f"{os.path.relpath(path)} ({os.path.getsize(path) / 2**20:.1f} MiB"
-            f"{f', made in {elapsed:.1f} s' if elapsed > 0.05 else ', cached'})")
+            f"{f', made in {elapsed:.1f} s' if made else ', cached'})")
         self.summary["checkpoint"] = {"path": os.path.relpath(path), "bytes": os.path.getsize(path),
                                       "seconds": round(elapsed, 3)}
         if self.preset.trained:
@@ -117,9 +118,9 @@ class _Demo:
             training = training_summary(path)
             loss = training["loss"]
             say(f"      trained {loss['steps']} steps in {training['seconds']:.0f} s on {training['threads']} "
-                f"threads{'' if elapsed > 0.05 else ' (an earlier run)'}: loss {loss['first']:.3f} -> "
+                f"threads{'' if made else ' (an earlier run)'}: loss {loss['first']:.3f} -> "
                 f"{loss['last']:.3f}")
-            self.summary["training"] = {**training, "this_run": elapsed > 0.05}
+            self.summary["training"] = {**training, "this_run": made}
         return path
 
     def _through_pool(self, path: str):
@@ -251,15 +252,12 @@ class _Demo:
         say(load["note"])
         return 0 if passed else 1
 
-
     def _picture(self, sp_result: torch.Tensor, one_result: torch.Tensor) -> tuple[str, dict]:
         """demo.png: the pool's and one device's pictures side by side, and their difference amplified."""
         from .plotting import latent_pictures, save_comparison_png
         if self.preset.trained:
             from . import shapes
-
-            def pictures(latents):
-                return (shapes.decode(latents) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+            pictures = shapes.pictures
             shown = {"shows": "a picture of every shape and colour, through the demo's pixel-unshuffle \"VAE\"",
                      "samples": [f"{colour} {shape}" for shape, colour in shapes.classes()]}
         else:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import pathlib
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
@@ -41,10 +42,10 @@ class Recipe:
         return tiny_config("qwen_image", **self.size)
 
     def digest(self) -> str:
-        here = os.path.dirname(os.path.abspath(__file__))
-        sources = [open(os.path.join(here, name), "rb").read() for name in ("demo_training.py", "shapes.py")]
+        here = pathlib.Path(__file__).parent
+        sources = b"".join((here / name).read_bytes() for name in ("demo_training.py", "shapes.py"))
         recipe = json.dumps([asdict(self), self.config()], sort_keys=True, default=list).encode()
-        return hashlib.sha256(recipe + b"".join(sources)).hexdigest()[:12]
+        return hashlib.sha256(recipe + sources).hexdigest()[:12]
 
 
 def recipe_of(preset) -> Recipe:
@@ -83,7 +84,7 @@ def train(recipe: Recipe, progress: Optional[ProgressFn] = None) -> tuple[torch.
     from diffusers import QwenImageTransformer2DModel
     threads = torch.get_num_threads()
     torch.set_num_threads(available_cores())
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     losses = []
     try:
         with torch.random.fork_rng():  # diffusers initialises from the global generator
@@ -108,7 +109,8 @@ def train(recipe: Recipe, progress: Optional[ProgressFn] = None) -> tuple[torch.
                 progress(step + 1, recipe.steps, losses[-1])
         seconds = time.perf_counter() - started
         summary = {"recipe": asdict(recipe), "digest": recipe.digest(), "seconds": round(seconds, 2),
-                   "threads": torch.get_num_threads(), "loss": loss_curve_summary(losses)}
+                   "cpu_seconds": round(time.process_time() - cpu_started, 2), "threads": torch.get_num_threads(),
+                   "loss": loss_curve_summary(losses)}
     finally:
         torch.set_num_threads(threads)
     with torch.no_grad():

@@ -70,6 +70,11 @@ def decode(latents: torch.Tensor) -> torch.Tensor:
     return ((F.pixel_shuffle(latents[:, :used].float(), PIXELS_PER_LATENT) + 1) / 2).clamp(0, 1)
 
 
+def pictures(latents: torch.Tensor) -> torch.Tensor:
+    """[B, 16, 1, h, w] latents -> uint8 [B, 2h, 2w, 3] pictures, as a PNG shows them."""
+    return (decode(latents) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+
+
 def context(shape_ids: torch.Tensor, colour_ids: torch.Tensor, width: int) -> torch.Tensor:
     """[B, 2, width] "text encoder output": a fixed random vector for the shape, then one for the colour."""
     generator = torch.Generator().manual_seed(CONTEXT_SEED)
