@@ -201,10 +201,13 @@ class _Demo:
         return time.perf_counter() - started
 
     def _workload(self, family: str, info_config: dict, in_channels: int) -> Workload:
-        if self.preset.trained:
+        if self.preset.trained:  # one picture of every shape in every colour
             from . import shapes
-            latent = latent_shape(family, in_channels, self.width, self.height)
-            return shapes.workload(latent, info_config["joint_attention_dim"], self.args.seed)
+            shape_ids, colour_ids = shapes.class_ids()
+            latent = latent_shape(family, in_channels, self.width, self.height, batch=len(shape_ids))
+            noise = torch.randn(latent, generator=torch.Generator().manual_seed(self.args.seed))
+            context = shapes.context(shape_ids, colour_ids, info_config["joint_attention_dim"])
+            return Workload(family, noise, {"context": context}, context.shape[1])
         return make_workload(family, info_config, in_channels, self.width, self.height, self.frames, batch=1,
                              text_tokens=self.preset.text_tokens, seed=self.args.seed)
 

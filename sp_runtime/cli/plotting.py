@@ -46,7 +46,7 @@ def save_comparison_png(pool: torch.Tensor, one_device: torch.Tensor, difference
     """
     from PIL import Image, ImageDraw
     largest = float(difference.max()) if difference.numel() else 0.0
-    gain = 10.0 ** math.floor(math.log10(1 / largest)) if largest > 0 else 1.0
+    gain = _nice_gain(largest)
     shown = (difference * gain * 255).clamp(0, 255).round().to(torch.uint8)[..., None].expand(-1, -1, -1, 3)
     difference_title = (f"|pool - one device| x {gain:.0e} (max {largest:.1e})" if largest > 0
                         else "|pool - one device|: identical")
@@ -63,6 +63,14 @@ def save_comparison_png(pool: torch.Tensor, one_device: torch.Tensor, difference
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     picture.save(path)
     return {"difference_gain": gain, "difference_title": difference_title}
+
+
+def _nice_gain(largest: float) -> float:
+    """The largest of 1, 2, 5 x 10^k that keeps `largest` at most 1 (so it shows between 40% and 100% white)."""
+    if largest <= 0:
+        return 1.0
+    power = 10.0 ** math.floor(math.log10(1 / largest))
+    return max(step * power for step in (1, 2, 5) if step * power * largest <= 1)
 
 
 def _tiles(pictures: torch.Tensor, columns: int, tile_size: Optional[Sequence[int]] = None):

@@ -15,10 +15,9 @@ LATENT_CHANNELS = 16   # Qwen-Image's latent channels; the image fills 12 of the
 PIXELS_PER_LATENT = 2  # the "VAE" folds 2 x 2 pixels into one latent position
 SUPERSAMPLE = 4        # edges are drawn at 4x and averaged down (anti-aliasing)
 CONTEXT_SEED = 1234
-# Each picture's shape sits near the middle at nearly one size: the class then decides the picture, which a
-# minute of training can learn (a wide spread of places and sizes is learnt, but only as blobs, in that time).
-JITTER = 0.04          # the centre moves up to 4% of the side from the middle
-RADIUS = (0.28, 0.34)  # the shapes' size, as a share of the side
+# Each picture's shape sits in the middle at nearly one size: the class then decides the picture, which a minute
+# of training can learn (shapes spread over places and sizes come out as blobs after a minute).
+RADIUS = (0.29, 0.33)  # the shapes' size, as a share of the side
 
 
 def classes() -> list[tuple[str, str]]:
@@ -26,28 +25,34 @@ def classes() -> list[tuple[str, str]]:
     return [(shape, colour) for shape in SHAPES for colour in COLOURS]
 
 
+def class_ids() -> tuple[torch.Tensor, torch.Tensor]:
+    """The shape and colour indices of classes()."""
+    pairs = classes()
+    return (torch.tensor([SHAPES.index(shape) for shape, _ in pairs]),
+            torch.tensor([list(COLOURS).index(colour) for _, colour in pairs]))
+
+
 def draw(shape_ids: torch.Tensor, colour_ids: torch.Tensor, size: int, generator: torch.Generator) -> torch.Tensor:
-    """[B] shape and colour indices -> [B, 3, size, size] pictures in [-1, 1]: one shape near the middle, on a
-    plain light or dark grey background."""
+    """[B] shape and colour indices -> [B, 3, size, size] pictures in [-1, 1]: one shape in the middle, on a plain
+    light or dark grey background."""
     batch = shape_ids.shape[0]
     smallest, largest = RADIUS
     radius = size * (smallest + (largest - smallest) * torch.rand(batch, generator=generator))
-    centre = size * (0.5 + JITTER * (2 * torch.rand(batch, 2, generator=generator) - 1))
     grey = torch.where(torch.rand(batch, generator=generator) < 0.5, 0.1, 0.8)
     grey = grey + 0.1 * torch.rand(batch, generator=generator)
-    mask = _shape_mask(shape_ids, centre, radius, size)
+    mask = _shape_mask(shape_ids, radius, size)
     colour = torch.tensor(list(COLOURS.values()))[colour_ids]
     picture = grey[:, None, None, None] * (1 - mask) + colour[:, :, None, None] * mask
     return picture * 2 - 1
 
 
-def _shape_mask(shape_ids: torch.Tensor, centre: torch.Tensor, radius: torch.Tensor, size: int) -> torch.Tensor:
+def _shape_mask(shape_ids: torch.Tensor, radius: torch.Tensor, size: int) -> torch.Tensor:
     """[B, 1, size, size] coverage in [0, 1] of each sample's shape."""
     fine = size * SUPERSAMPLE
     axis = (torch.arange(fine, dtype=torch.float32) + 0.5) / SUPERSAMPLE
     y, x = axis[None, :, None], axis[None, None, :]
-    cx, cy, r = centre[:, 0, None, None], centre[:, 1, None, None], radius[:, None, None]
-    dx, dy = x - cx, y - cy
+    r = radius[:, None, None]
+    dx, dy = x - size / 2, y - size / 2
     circle = dx ** 2 + dy ** 2 <= r ** 2
     square = (dx.abs() <= 0.85 * r) & (dy.abs() <= 0.85 * r)
     # apex up at cy - r, base at cy + 0.8 r, as wide as 2 r at the base
@@ -81,12 +86,3 @@ def context(shape_ids: torch.Tensor, colour_ids: torch.Tensor, width: int) -> to
     table = torch.randn(len(SHAPES) + len(COLOURS), width, generator=generator)
     return torch.stack([table[shape_ids], table[len(SHAPES) + colour_ids]], dim=1)
 
-
-def workload(latent_shape: tuple[int, ...], context_width: int, seed: int):
-    """The demo's request: one picture of every (shape, colour) pair, from seeded noise of [B, 16, 1, h, w]."""
-    from .sampling import Workload
-    pairs = classes()
-    shape_ids = torch.tensor([SHAPES.index(shape) for shape, _ in pairs])
-    colour_ids = torch.tensor([list(COLOURS).index(colour) for _, colour in pairs])
-    noise = torch.randn((len(pairs), *latent_shape[1:]), generator=torch.Generator().manual_seed(seed))
-    return Workload("qwen_image", noise, {"context": context(shape_ids, colour_ids, context_width)}, 2)
