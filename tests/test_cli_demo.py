@@ -58,8 +58,8 @@ def _check_picture(path, summary):
     with Image.open(path) as picture:
         picture.verify()
     with Image.open(path) as picture:
-        assert picture.mode == "RGB" and picture.width > 2.5 * picture.height
-        pixels = torch.from_numpy(numpy.asarray(picture)).float()
+        assert picture.mode == "RGB" and (picture.width - 4 * PANEL_GAP) % 3 == 0  # three panels of one width
+        pixels = torch.from_numpy(numpy.array(picture)).float()
     panel = (picture.width - 4 * PANEL_GAP) // 3
     below_titles = pixels[TITLE_HEIGHT:]
     pool = below_titles[:, PANEL_GAP:PANEL_GAP + panel]
