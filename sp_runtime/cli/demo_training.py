@@ -38,7 +38,7 @@ class Recipe:
     seed: int = 0
 
     def config(self) -> dict:
-        from ..testing.tiny_models import tiny_config
+        from ..tiny_models import tiny_config
         return tiny_config("qwen_image", **self.size)
 
     def digest(self) -> str:
@@ -62,7 +62,7 @@ def trained_checkpoint(recipe: Recipe, cache_dir: str, name: str, progress: Opti
         return path
     from safetensors.torch import save_file
 
-    from ..testing.tiny_models import original_state_dict
+    from ..tiny_models import original_state_dict
     model, summary = train(recipe, progress)
     os.makedirs(cache_dir, exist_ok=True)
     partial = path + f".{os.getpid()}.partial"
