@@ -39,7 +39,7 @@ def latent_pictures(latents: torch.Tensor) -> torch.Tensor:
 
 def save_comparison_png(pool: torch.Tensor, one_device: torch.Tensor, difference: torch.Tensor, path: str,
                         titles: Sequence[str], columns: int = 4) -> dict:
-    """Three panels side by side: the pool's pictures, one device's, and |difference| amplified by a power of ten.
+    """Three panels side by side: the pool's pictures, one device's, and |difference| amplified (1, 2 or 5 x 10^k).
 
     pool, one_device: uint8 [B, H, W, 3]; difference: float [B, h, w] (max over channels, any resolution).
     titles: of the two picture panels. Returns the gain and the difference panel's title.
