@@ -57,16 +57,17 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path):
         child.wait()
         for pid in alive(workers):  # only if the test failed: never leave them running
             os.kill(pid, signal.SIGKILL)
-    stale = _fake_stale_segment(child.pid)
+    stale = _fake_stale_segment(report["segments"][0])
     assert stale in segments_of(child.pid)
     with open_pool(1):
         assert segments_of(child.pid) == []
         assert not os.path.exists(report["log_dir"])
 
 
-def _fake_stale_segment(dead_pid: int) -> str:
-    """A segment named for the dead parent that no resource tracker will clean (as after a killed tracker)."""
-    shm = SharedMemory(name=f"usp_{dead_pid}_stale", create=True, size=64)
+def _fake_stale_segment(sibling: str) -> str:
+    """A segment of the dead pool (its pid and token) that no resource tracker will clean (as after a killed
+    tracker)."""
+    shm = SharedMemory(name=sibling.rsplit("_", 1)[0] + "_stale", create=True, size=64)
     resource_tracker.unregister(shm._name, "shared_memory")
     shm.close()
     return shm.name

@@ -93,6 +93,16 @@ def test_fp32_parity_every_layout(family_pool, files, references):
                 assert_parity(out, references["float32"][name], "float32", f"{layout}/{name}")
 
 
+def test_bad_reference_latents_fail_on_the_host(family_pool, files):
+    """Wrong channels would fail only on the ranks whose tokens the reference reaches (then a restart)."""
+    handle = family_pool.load_model(files["original"])
+    x, t, inputs = make_cases()["edit_two_refs"]
+    calls = family_pool.stats["calls"]
+    with pytest.raises(ValueError, match=r"ref_latents\[1\] has shape \[2, 4, 1, 4, 8\]"):
+        handle(x, t, **{**inputs, "ref_latents": [inputs["ref_latents"][0], torch.zeros(2, 4, 1, 4, 8)]})
+    assert family_pool.stats["calls"] == calls and family_pool.state == "idle"
+
+
 def test_edit_2511_modulates_references_at_timestep_zero(family_pool, files, references):
     handle = family_pool.load_model(files["edit_2511"])
     assert handle.info.variant == "edit_2511"

@@ -42,29 +42,32 @@ class LoadRequest:
     """What to load: a file or folder, a weight dtype name (see dtype_name) and family-specific options.
 
     header: the checkpoint's header as the host read it (once per load); workers read it themselves when None.
+    stamp: [inode, size, mtime_ns] of each file read, as the host saw them (checkpoint.checkpoint_stamp): a file
+    replaced or rewritten on disk makes another model.
     """
 
     path: str
     dtype: str = "default"
     options: dict = field(default_factory=dict)
     header: Optional[Header] = field(default=None, compare=False, repr=False)
+    stamp: list = field(default_factory=list)
 
     @property
     def key(self) -> str:
         """Cache key of a loaded model inside a worker."""
         import json
-        return json.dumps([self.path, self.dtype, self.options], sort_keys=True)
+        return json.dumps([self.path, self.dtype, self.options, self.stamp], sort_keys=True)
 
     def to_message(self) -> dict:
         """JSON-ready form sent to the workers."""
         return {"path": self.path, "dtype": self.dtype, "options": self.options,
-                "header": None if self.header is None else self.header.to_dict()}
+                "header": None if self.header is None else self.header.to_dict(), "stamp": self.stamp}
 
     @classmethod
     def from_message(cls, message: dict) -> "LoadRequest":
         header = message.get("header")
         return cls(message["path"], message["dtype"], message["options"],
-                   None if header is None else Header.from_dict(header))
+                   None if header is None else Header.from_dict(header), message.get("stamp", []))
 
 
 @dataclass

@@ -158,6 +158,15 @@ def choose_dtypes(requested: str, header: Optional[Header] = None, prefix: str =
     return WeightDtypes(dtype, dtype)
 
 
+def resolved_dtype_name(requested: str, header: Header, prefix: str = "") -> str:
+    """The dtype name a request means for this checkpoint: "default" becomes the file's own precision (what
+    choose_dtypes makes of it), so "default" and that dtype named explicitly are one model. A file without weights
+    (the synthetic family's spec) keeps "default"."""
+    name = dtype_name(requested)
+    floats = [dtype for dtype, _ in strip_prefix(header.tensors, prefix).values() if dtype in SAFETENSORS_DTYPES]
+    return choose_dtypes(name, header, prefix).storage_name if name == "default" and floats else name
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Model construction and loading
 
@@ -225,7 +234,8 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
                     continue
                 tensor = handle.get_tensor(key)
                 for target, transform in outputs:
-                    state[target] = _cast(transform(tensor) if transform else tensor, targets[target])
+                    cast = _cast(transform(tensor) if transform else tensor, targets[target])
+                    state[target] = out_of_file(cast, tensor)
                 reporter.advance(tensor)
                 del tensor
     _check_keys(source, targets, state, unexpected)
@@ -240,6 +250,14 @@ def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     if dtype is None or tensor.dtype == dtype:
         return tensor.contiguous()
     return tensor.to(dtype).contiguous()
+
+
+def out_of_file(tensor: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied when it still views the file mapping `read` came from (safetensors maps files on the CPU):
+    a checkpoint rewritten or truncated on disk must not change a loaded model, nor kill its worker with SIGBUS."""
+    if tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() == read.untyped_storage().data_ptr():
+        return tensor.clone()
+    return tensor
 
 
 def _check_keys(source: CheckpointSource, targets: Mapping, state: Mapping, unexpected: list[str]) -> None:

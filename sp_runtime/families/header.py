@@ -216,3 +216,18 @@ def header_config(header: Header) -> Optional[dict]:
     """The diffusers config.json of a folder header, or None for a single file."""
     text = header.metadata.get(CONFIG_METADATA_KEY)
     return json.loads(text) if text else None
+
+
+def checkpoint_stamp(path: str) -> list[list[int]]:
+    """[inode, size, mtime_ns] of every file a load of `path` reads: another stamp means other weights."""
+    source = resolve_checkpoint(path)
+    config = (os.path.join(source.path, "config.json"),) if source.config is not None else ()
+    return [[info.st_ino, info.st_size, info.st_mtime_ns] for info in map(os.stat, source.files + config)]
+
+
+def check_unchanged(path: str, stamp: list) -> None:
+    """Refuse to read a checkpoint that changed on disk since the host chose it (its weights would not be the ones
+    asked for)."""
+    if checkpoint_stamp(path) != [list(entry) for entry in stamp]:
+        raise ValueError(f"{path!r} changed on disk after it was chosen for loading (replaced or rewritten): "
+                         f"load it again")

@@ -4,8 +4,8 @@ x [B, C, H, W] or [B, C, T, H, W] -> patch tokens -> blocks of (modulated joint 
 tokens from `context`, token-wise MLP) -> output patches. Conditioning: timestep, optional `y` [B, y_dim],
 `guidance`, `ref_latents` (list of latents, pooled into the conditioning vector) and `attention_mask` [B, L] over
 the text. Test hooks (call kwargs): `toy_sleep` seconds per block, `toy_fail_rank` (a rank that raises at the first
-block; -1: all ranks raise before any collective). Config `passthrough=True` makes the forward near-free
-(out = x[:, :out_channels] * scale) for overhead benchmarks.
+block; -1: all ranks raise before any collective), `toy_alloc` (bytes every rank allocates first). Config
+`passthrough=True` makes the forward near-free (out = x[:, :out_channels] * scale) for overhead benchmarks.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import DTYPES, Detection, LoadRequest, ModelInfo, dtype_name
-from .checkpoint import SAFETENSORS_DTYPES
+from .checkpoint import SAFETENSORS_DTYPES, out_of_file
 from .header import FAMILY_METADATA_KEY, Header, read_header
 
 FAMILY = "toy"
@@ -94,7 +94,7 @@ def _read_weights(path: str, device: torch.device, dtype: Optional[torch.dtype],
         names = list(handle.keys())
         for index, name in enumerate(names):
             tensor = handle.get_tensor(name)
-            weights[name] = tensor.to(dtype) if dtype is not None else tensor
+            weights[name] = out_of_file(tensor.to(dtype) if dtype is not None else tensor, tensor)
             progress((index + 1) / len(names), f"toy: {name}")
     return weights
 
@@ -223,6 +223,8 @@ def _test_hooks(inputs: dict, rank: int) -> Callable[[int], None]:
             time.sleep(sleep_s)
     if fail_rank == -1:
         raise ValueError("toy failure injected on every rank")
+    if inputs.get("toy_alloc"):
+        torch.empty(int(inputs["toy_alloc"]), dtype=torch.uint8)
     return hook
 
 

@@ -1,8 +1,8 @@
 """The persistent worker pool: WorkerPool, ModelHandle and the errors a call can raise."""
 from ..families.base import Cancelled
-from .errors import PoolClosedError, PoolStartError, RemoteError, WorkerError
+from .errors import PoolClosedError, PoolForkedError, PoolStartError, RemoteError, WorkerError
 from .handle import ModelHandle
 from .pool import WorkerPool
 
-__all__ = ["WorkerPool", "ModelHandle", "WorkerError", "PoolStartError", "PoolClosedError", "RemoteError",
-           "Cancelled"]
+__all__ = ["WorkerPool", "ModelHandle", "WorkerError", "PoolStartError", "PoolClosedError", "PoolForkedError",
+           "RemoteError", "Cancelled"]

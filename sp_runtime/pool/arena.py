@@ -63,8 +63,8 @@ class _Slot:
 class InputArena:
     """Call arguments in one shared segment; an argument equal to a resident copy is not copied again."""
 
-    def __init__(self, tag: str):
-        self._tag = tag
+    def __init__(self, token: str):
+        self._token = token
         self._generation = itertools.count()
         self._versions = itertools.count(1)
         self.segment: Optional[Segment] = None
@@ -160,7 +160,7 @@ class InputArena:
         return layout
 
     def _replace_segment(self, size: int) -> None:
-        old, self.segment = self.segment, Segment.create(f"{self._tag}i{next(self._generation)}", size)
+        old, self.segment = self.segment, Segment.create(self._token, f"i{next(self._generation)}", size)
         if old is not None:
             old.release()
 
@@ -173,8 +173,8 @@ class InputArena:
 class OutputArena:
     """One result at a time, at offset 0; grown geometrically when a larger result comes."""
 
-    def __init__(self, tag: str):
-        self._tag = tag
+    def __init__(self, token: str):
+        self._token = token
         self._generation = itertools.count()
         self.segment: Optional[Segment] = None
 
@@ -182,7 +182,7 @@ class OutputArena:
         needed = nbytes_of(dtype, shape)
         if self.segment is None or needed > self.segment.size:
             old = self.segment
-            self.segment = Segment.create(f"{self._tag}o{next(self._generation)}",
+            self.segment = Segment.create(self._token, f"o{next(self._generation)}",
                                           _grown(old.size if old else 0, needed))
             if old is not None:
                 old.release()

@@ -22,10 +22,10 @@ class ControlBlock:
         self._buf = segment.shm.buf
 
     @classmethod
-    def create(cls, tag: str, world_size: int) -> "ControlBlock":
+    def create(cls, token: str, world_size: int) -> "ControlBlock":
         if world_size > MAX_RANKS:
             raise ValueError(f"{world_size} workers is more than the {MAX_RANKS} the control block holds")
-        return cls(Segment.create(f"{tag}c", control_size(world_size)))
+        return cls(Segment.create(token, "c", control_size(world_size)))
 
     @classmethod
     def attach(cls, name: str) -> "ControlBlock":

@@ -4,6 +4,8 @@ from __future__ import annotations
 import signal
 from typing import Optional
 
+CPU_OUT_OF_MEMORY = "can't allocate memory"  # in torch's RuntimeError when a CPU allocation fails
+
 
 class WorkerError(RuntimeError):
     """A worker died, could not start, or failed a request; the message names the rank, device and cause."""
@@ -22,6 +24,10 @@ class PoolClosedError(WorkerError):
     """The pool was closed; create a new WorkerPool."""
 
 
+class PoolForkedError(WorkerError):
+    """The pool was created by another process (this one is a fork of it); create a new WorkerPool here."""
+
+
 class RemoteError(WorkerError):
     """An exception raised inside a worker, with its type, message and a short traceback."""
 
@@ -34,7 +40,9 @@ class RemoteError(WorkerError):
 
     @property
     def out_of_memory(self) -> bool:
-        return self.error_type == "OutOfMemoryError" or "out of memory" in self.remote_message.lower()
+        message = self.remote_message.lower()
+        return self.error_type in ("OutOfMemoryError", "MemoryError") or "out of memory" in message \
+            or CPU_OUT_OF_MEMORY in message
 
 
 def describe_exit(returncode: Optional[int]) -> str:

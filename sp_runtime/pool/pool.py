@@ -5,12 +5,10 @@ shutdown.
 from __future__ import annotations
 
 import atexit
-import datetime
 import itertools
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -20,20 +18,22 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..config import SPConfig
-from ..families.base import Cancelled, LoadRequest, ModelInfo, ProgressFn, dtype_name
+from ..families.base import Cancelled, LoadRequest, ModelInfo, ProgressFn
 from ..lora.spec import LoraList, normalize_loras
 from .arena import InputArena, OutputArena
 from .control import ControlBlock
-from .errors import PoolClosedError, PoolStartError, RemoteError, WorkerError
+from .errors import PoolClosedError, PoolForkedError, PoolStartError, RemoteError, WorkerError
 from .handle import ModelHandle
+from .ownership import new_token
 from .protocol import encode_tree, recv, send
-from .segments import clean_stale_segments, release_retired
-from .spawn import Rendezvous, WorkerProcess, clean_stale_run_dirs, launch_worker, new_run_dir, worker_env
+from .segments import claim_names, clean_stale_segments, release_retired
+from .spawn import RunFolder, Rendezvous, WorkerProcess, clean_stale_run_dirs, launch_worker, worker_env
 from .status import rank_memory
 
 log = logging.getLogger("ulysses_sp.pool")
 POLL_S = 0.05
-_pool_ids = itertools.count(1)
+CLOSE_WAIT_S = 10.0  # how long close() waits for a call in another thread before it stops the workers anyway
+_live_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 Listener = Callable[[dict], None]
 
 
@@ -53,25 +53,28 @@ class WorkerPool:
         self.error_grace_s = error_grace_s
         self.cancel_grace_s = cancel_grace_s
         self._env, self._threads = env, threads
-        self._tag = f"p{next(_pool_ids)}"
+        self._token = new_token()  # in every shared name: unique even where two processes share a PID
+        self._owner_pid = os.getpid()
         self._lock = threading.RLock()
         self._state = "starting"
         self._workers: list[WorkerProcess] = []
         self._rendezvous: Optional[Rendezvous] = None
         self._control: Optional[ControlBlock] = None
-        self._inputs = InputArena(self._tag)
-        self._outputs = OutputArena(self._tag)
+        self._names = claim_names(self._token)
+        self._inputs = InputArena(self._token)
+        self._outputs = OutputArena(self._token)
         self._models: dict[str, tuple[LoadRequest, ModelInfo]] = {}  # loaded by the user and not unloaded
         self._resident: set[str] = set()          # resident in the current workers
         self._applied_loras: dict[str, Optional[LoraList]] = {}  # in the current workers; None: unknown (failed)
         self._listeners: list[Listener] = []
         self._ids = itertools.count(1)
-        self._run_dir = new_run_dir()
+        self._run = RunFolder(self._token)
         self.restarts = 0
         self.stats = {"calls": 0, "last_call_s": None, "last_worker_s": None, "last_bytes_copied": 0,
                       "last_conditioning_bytes_copied": 0, "last_copied": {}, "bytes_copied_total": 0}
         self._ranks = [{"calls": 0, "last_call_s": None, "memory": {}} for _ in self.config.devices]
         atexit.register(_close_at_exit, weakref.ref(self))
+        _live_pools.add(self)
         try:
             self._start()
         except BaseException:
@@ -95,7 +98,7 @@ class WorkerPool:
 
     @property
     def log_dir(self) -> str:
-        return self._run_dir
+        return self._run.path
 
     def add_listener(self, listener: Listener) -> None:
         """listener(event: dict) is called (in the calling thread) on state changes, calls, loads and faults."""
@@ -126,6 +129,7 @@ class WorkerPool:
         wanted = normalize_loras(loras)
         with self._lock:
             self._ensure_running()
+            self._follow_file(handle)
             self._make_resident(handle.request, None)
             summary = self._apply_loras(handle, wanted, progress)
         handle.loras = wanted
@@ -159,6 +163,7 @@ class WorkerPool:
         """One forward of a loaded model (use the handle: it validates the arguments first)."""
         with self._lock:
             self._ensure_running()
+            self._follow_file(handle)
             self._make_resident(handle.request, None)
             if self._applied_loras.get(handle.key) != handle.loras:
                 self._apply_loras(handle, handle.loras, None)
@@ -182,7 +187,7 @@ class WorkerPool:
                           "blocks_done": self._control.counter(rank) if self._control and alive else None})
         return {"state": self._state, "config": self.config.to_dict(), "layout": self.config.layout_name,
                 "backend": self.config.backend, "world_size": self.config.world_size, "restarts": self.restarts,
-                "log_dir": self._run_dir, "models": [_model_entry(request, info, key in self._resident,
+                "log_dir": self._run.path, "models": [_model_entry(request, info, key in self._resident,
                                                                   self._applied_loras.get(key))
                                                      for key, (request, info) in self._models.items()],
                 "shared_memory": self.segment_names(), "ranks": ranks, **self.stats}
@@ -194,8 +199,10 @@ class WorkerPool:
 
     def close(self) -> None:
         """End and reap every worker and unlink every shared-memory segment. Idempotent."""
+        if self._owner_pid != os.getpid():
+            return  # a forked child: the workers, segments and folder are its parent's
         # A call stuck in another thread must not block shutdown (e.g. at interpreter exit): go on without the lock.
-        locked = self._lock.acquire(timeout=10.0)
+        locked = self._lock.acquire(timeout=CLOSE_WAIT_S)
         try:
             if self._state == "closed":
                 return
@@ -206,27 +213,39 @@ class WorkerPool:
                     part.release()
             self._control = None
             release_retired()
-            shutil.rmtree(self._run_dir, ignore_errors=True)
+            self._run.remove()
+            if self._names is not None:
+                self._names.release()
         finally:
             if locked:
                 self._lock.release()
+
+    def _after_fork_in_child(self) -> None:
+        """Let go of what the parent owns: its workers' pipes, owner files and lock (held maybe by a thread that
+        does not exist here); close() then does nothing here and every call raises PoolForkedError."""
+        self._lock = threading.RLock()
+        self._state = "forked"
+        for worker in self._workers:
+            worker.conn.close()
+        self._run.forget()
+        if self._names is not None:
+            self._names.forget()
 
     # ---- start, restart, stop -------------------------------------------------------------------------------
     def _start(self) -> None:
         self._set_state("starting")
         clean_stale_segments()
         clean_stale_run_dirs()
+        run_dir = self._run.ensure()
         if self._control is None:
-            self._control = ControlBlock.create(self._tag, self.config.world_size)
-        timeout = datetime.timedelta(seconds=self.start_timeout_s)
-        self._rendezvous = Rendezvous(timeout)
+            self._control = ControlBlock.create(self._token, self.config.world_size)
+        self._rendezvous = Rendezvous(run_dir)
         spec = {"config": self.config.to_dict(), "parent_pid": os.getpid(), "control": self._control.name,
-                "store_host": "127.0.0.1", "store_port": self._rendezvous.port,
-                "timeout_s": self.start_timeout_s, "threads": self._threads}
+                "store_path": self._rendezvous.path, "timeout_s": self.start_timeout_s, "threads": self._threads}
         env = worker_env(self._env)
         try:
             for rank, device in enumerate(self.config.devices):
-                self._workers.append(launch_worker(rank, device, spec, env, self._run_dir))
+                self._workers.append(launch_worker(rank, device, spec, env, run_dir))
             self._await_ready()
         except BaseException:
             self._stop_workers(graceful=False)
@@ -258,16 +277,20 @@ class WorkerPool:
             if waiting and time.monotonic() > deadline:
                 late = sorted(waiting.values(), key=lambda w: w.rank)
                 raise PoolStartError(
-                    f"workers {[(w.rank, w.device) for w in late]} did not start within {self.start_timeout_s:.0f} s "
-                    f"(raise start_timeout_s if the machine is slow; logs in {self._run_dir})\n"
-                    + _tail_of(late[0]), late[0].rank, late[0].device)
+                    f"workers {[(w.rank, w.device) for w in late]} did not start within {self.start_timeout_s:g} s "
+                    f"(raise start_timeout_s if the machine is slow)\n" + _tail_of(late[0], inline=True),
+                    late[0].rank, late[0].device)
 
     def _start_error(self, worker: WorkerProcess, cause: str, remote_traceback: str = "") -> PoolStartError:
-        detail = remote_traceback if remote_traceback else _tail_of(worker)
+        # inline: a pool that cannot start is closed, and its log folder with it
+        detail = remote_traceback if remote_traceback else _tail_of(worker, inline=True)
         return PoolStartError(f"worker rank {worker.rank} on {worker.device} could not start: {cause}"
                               + (f"\n{detail}" if detail else ""), worker.rank, worker.device)
 
     def _ensure_running(self) -> None:
+        if self._owner_pid != os.getpid():
+            raise PoolForkedError(f"this WorkerPool belongs to process {self._owner_pid}; a forked child (pid "
+                                  f"{os.getpid()}) cannot use its workers: create a new WorkerPool in the child")
         if self._state == "closed":
             raise PoolClosedError("the worker pool is closed: create a new WorkerPool")
         dead = [worker for worker in self._workers if not worker.alive()]
@@ -317,11 +340,27 @@ class WorkerPool:
             if any(info != infos[0] for info in infos):
                 self._break("ranks loaded different models")
                 raise WorkerError(f"the ranks disagree about {request.path}: {infos}")
+            self._drop_superseded(request)
             self._models[request.key] = (request, ModelInfo(**infos[0]))
             self._resident.add(request.key)
             self._applied_loras[request.key] = ()  # freshly loaded: base weights
             self._emit({"event": "loaded", "model": _model_entry(request, self._models[request.key][1], True)})
         return self._models[request.key][1]
+
+    def _drop_superseded(self, request: LoadRequest) -> None:
+        """Unload the copies of this model made from its file as it was before it changed on disk."""
+        for key, (other, _) in list(self._models.items()):
+            if key != request.key and (other.path, other.dtype, other.options) == \
+                    (request.path, request.dtype, request.options):
+                self.unload(key)
+
+    def _follow_file(self, handle: ModelHandle) -> None:
+        """A handle whose model must be loaded again loads its file as it is now (replaced on disk: new weights)."""
+        if handle.key not in self._resident:
+            current = _load_request(handle.path, handle.dtype, handle.request.options)
+            if current.key != handle.key:
+                log.warning("%s changed on disk since it was loaded: loading it as it is now", handle.path)
+                handle.request, handle.info = current, self._make_resident(current, None)
 
     def _apply_loras(self, handle: ModelHandle, loras: LoraList, progress: Optional[ProgressFn]) -> dict:
         key = handle.key
@@ -460,12 +499,16 @@ class WorkerPool:
         if reply.get("oom"):
             text += (f"\nout of memory on {device}: lower the resolution, frame count or batch, use more devices, "
                      f"or load the weights in a smaller dtype (bf16 / fp8)")
+            if device == "cpu":
+                text += "; every CPU worker holds its own copy of the weights: free RAM or use fewer CPU workers"
         if restarted:
             text += "\n(the other ranks could not finish, so the pool restarts on the next call)"
         text += f"\n--- worker traceback (rank {rank}) ---\n{reply.get('traceback', '')}"
         return RemoteError(text, rank, device, reply["error"], reply["message"], reply.get("traceback", ""))
 
     def _worker_died(self, worker: WorkerProcess, op: str) -> WorkerError:
+        if self._state == "closed":  # close() in another thread stopped it: not a crash, not the OOM killer
+            return PoolClosedError(f"the worker pool was closed during {op}")
         cause = worker.exit_cause(wait_s=2.0)
         tail = _tail_of(worker)
         self._emit({"event": "worker_died", "rank": worker.rank, "device": worker.device, "cause": cause})
@@ -497,17 +540,21 @@ class WorkerPool:
 
 def _load_request(path, dtype, options: dict) -> LoadRequest:
     """The request with the checkpoint's header, read once here: a file that is not a checkpoint of a known family
-    fails now, before any worker reads it, and the workers do not read the header again."""
+    fails now, before any worker reads it, and the workers do not read the header again. Its key is the model's
+    identity: the resolved path (one model through any symlink), the dtype "default" stands for, the options, and
+    the files' stamp (a file replaced on disk is another model)."""
+    from ..families.checkpoint import resolved_dtype_name
     from ..families.detect import detect
-    from ..families.header import read_checkpoint_header
-    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    from ..families.header import checkpoint_stamp, read_checkpoint_header
+    path = os.path.realpath(os.path.expanduser(os.fspath(path)))
     header = read_checkpoint_header(path)
-    detect(header)
+    detection = detect(header)
     try:
         json.dumps(options)
     except TypeError as error:
         raise ValueError(f"load options must be JSON values (numbers, strings, lists, dicts): {error}") from None
-    return LoadRequest(path, dtype_name(dtype), dict(options), header)
+    dtype = resolved_dtype_name(dtype, header, detection.prefix)
+    return LoadRequest(path, dtype, dict(options), header, checkpoint_stamp(path))
 
 
 def _model_entry(request: LoadRequest, info: ModelInfo, resident: bool,
@@ -533,12 +580,22 @@ def _quiet(progress: Optional[ProgressFn]) -> Optional[ProgressFn]:
     return relay
 
 
-def _tail_of(worker: WorkerProcess) -> str:
+def _tail_of(worker: WorkerProcess, inline: bool = False) -> str:
+    """The end of a worker's log; inline: named without its path (for errors raised after the folder is gone)."""
     tail = worker.log_tail()
-    return f"--- last lines of {worker.log_path} ---\n{tail}" if tail else ""
+    name = f"rank {worker.rank}'s log" if inline else worker.log_path
+    return f"--- last lines of {name} ---\n{tail}" if tail else ""
 
 
 def _close_at_exit(pool_ref) -> None:
     pool = pool_ref()
     if pool is not None:
         pool.close()
+
+
+def _forget_pools_in_child() -> None:
+    for pool in list(_live_pools):
+        pool._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_pools_in_child)

@@ -1,7 +1,9 @@
-"""Shared-memory segments of a pool: owner-only POSIX segments named usp_<parent pid>_..., mapped as uint8 tensors.
+"""Shared-memory segments of a pool: owner-only POSIX segments named usp_<pid>_<pool token>_<part>, mapped as uint8
+tensors.
 
-The host creates and unlinks every segment; workers only attach. Names carry the creating process's PID so a
-later start can unlink what a killed parent left behind.
+The host creates and unlinks every segment; workers only attach. Each pool holds an owner file
+usp_<pid>_<token>_lock beside its segments (see ownership.py), so a later start can unlink what a killed pool left
+behind, and only that.
 """
 from __future__ import annotations
 
@@ -16,18 +18,28 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .ownership import TOKEN_HEX, OwnerLock, owner_is_dead
+
 PREFIX = "usp_"
 SHM_DIR = "/dev/shm"  # where Linux shows POSIX shared memory; elsewhere stale segments are not listed
-_STALE_NAME = re.compile(rf"^{PREFIX}(\d+)_")
+_OWNED_NAME = re.compile(rf"^({PREFIX}\d+_[0-9a-f]{{{TOKEN_HEX}}}_)")  # group 1: the owner's prefix
+LOCK_PART = "lock"
 log = logging.getLogger("ulysses_sp.pool")
 
 # Mappings that could not be closed yet because tensors still view them; retried by release_retired().
 _retired: list[SharedMemory] = []
 
 
-def owned_name(tag: str) -> str:
-    """A segment name owned by this process (stays under macOS's 31-character limit for short tags)."""
-    return f"{PREFIX}{os.getpid()}_{tag}"
+def owned_name(token: str, part: str) -> str:
+    """The name of one part of a pool's segments (stays under macOS's 31-character limit for short parts)."""
+    return f"{PREFIX}{os.getpid()}_{token}_{part}"
+
+
+def claim_names(token: str) -> Optional[OwnerLock]:
+    """The owner file of a pool's segments, held until release; None where segments cannot be listed (no sweep)."""
+    if not os.path.isdir(SHM_DIR):
+        return None
+    return OwnerLock(os.path.join(SHM_DIR, owned_name(token, LOCK_PART)))
 
 
 def _as_tensor(shm: SharedMemory) -> torch.Tensor:
@@ -45,9 +57,9 @@ class Segment:
         self.base: Optional[torch.Tensor] = _as_tensor(shm)
 
     @classmethod
-    def create(cls, tag: str, size: int) -> "Segment":
+    def create(cls, token: str, part: str, size: int) -> "Segment":
         # SharedMemory creates the segment with mode 0600 (owner only).
-        return cls(SharedMemory(name=owned_name(tag), create=True, size=max(1, size)), owner=True)
+        return cls(SharedMemory(name=owned_name(token, part), create=True, size=max(1, size)), owner=True)
 
     @classmethod
     def attach(cls, name: str) -> "Segment":
@@ -120,35 +132,31 @@ def release_retired() -> None:
 
 
 def clean_stale_segments() -> list[str]:
-    """Unlink segments of ours whose creating process is gone (a killed parent). Returns the names removed."""
+    """Unlink the segments of pools whose owner file is unlocked (the pool died without closing); never those of a
+    live pool, whatever its PID namespace, nor names without an owner file. Returns the names removed."""
     if not os.path.isdir(SHM_DIR):
         return []
-    removed = []
+    owners: dict[str, list[str]] = {}
     for name in os.listdir(SHM_DIR):
-        match = _STALE_NAME.match(name)
-        if not match or pid_alive(int(match.group(1))):
+        match = _OWNED_NAME.match(name)
+        if match:
+            owners.setdefault(match.group(1), []).append(name)
+    removed = []
+    for owner, names in owners.items():
+        lock = owner + LOCK_PART
+        if lock not in names or not owner_is_dead(os.path.join(SHM_DIR, lock)):
             continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if os.stat(path).st_uid != os.getuid():
+        for name in sorted(names, key=lambda n: n == lock):  # the owner file last: it proves the rest stale
+            path = os.path.join(SHM_DIR, name)
+            try:
+                if os.stat(path).st_uid == os.getuid():
+                    os.unlink(path)
+                    removed.append(name)
+            except OSError:
                 continue
-            os.unlink(path)
-            removed.append(name)
-        except OSError:
-            continue
     if removed:
-        log.info("removed %d shared-memory segment(s) left by dead processes: %s", len(removed), removed)
+        log.info("removed %d shared-memory name(s) left by dead pools: %s", len(removed), removed)
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def our_segments(pid: Optional[int] = None) -> list[str]:

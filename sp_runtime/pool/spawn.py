@@ -1,5 +1,5 @@
-"""Starting workers: a fresh interpreter per worker with its control pipe, environment and log file, and the
-rendezvous store on 127.0.0.1 that the workers join.
+"""Starting workers: a fresh interpreter per worker with its control pipe, environment and log file, in the pool's
+private run folder, and the rendezvous store (a file in that folder) that the workers join.
 
 Workers are `python -m sp_runtime.pool.worker` started with subprocess, not multiprocessing's spawn: under ComfyUI
 the spawn start method re-imports the parent's __main__ (ComfyUI's main.py) in every worker.
@@ -11,8 +11,10 @@ import logging
 import os
 import queue
 import re
+import secrets
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -22,10 +24,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Optional
 
-import torch.distributed as dist
-
 from .errors import describe_exit
-from .segments import pid_alive
+from .ownership import TOKEN_HEX, OwnerLock, owner_is_dead
 
 log = logging.getLogger("ulysses_sp.pool")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,24 +62,62 @@ class _Spawner:
 
 
 _spawner = _Spawner()
+
+
+def _new_spawner_in_child() -> None:
+    """After os.fork: the serving thread (and any holder of its lock) stayed in the parent."""
+    global _spawner
+    _spawner = _Spawner()
+
+
+os.register_at_fork(after_in_child=_new_spawner_in_child)
 RUN_DIR_PREFIX = "usp_"
-_RUN_DIR = re.compile(rf"^{RUN_DIR_PREFIX}(\d+)_")
+_RUN_DIR = re.compile(rf"^{RUN_DIR_PREFIX}\d+_[0-9a-f]{{{TOKEN_HEX}}}_")
+OWNER_FILE = "owner.lock"
 
 
-def new_run_dir() -> str:
-    """A private (0700) folder for one pool's worker logs; also the workers' working directory."""
-    return tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}_")
+class RunFolder:
+    """A pool's private (0700) folder for worker logs and the rendezvous store, and the workers' working directory.
+
+    Named usp_<pid>_<pool token>_..., with an owner file locked while the pool lives (see ownership.py). A folder
+    that disappeared (a /tmp cleaner) is made again by ensure(), which every pool start calls.
+    """
+
+    def __init__(self, token: str):
+        self._token = token
+        self.path = ""
+        self._owner: Optional[OwnerLock] = None
+
+    def ensure(self) -> str:
+        if not self.path or not os.path.isdir(self.path):
+            self.forget()  # the owner file went with the folder
+            self.path = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}_{self._token}_")
+            self._owner = OwnerLock(os.path.join(self.path, OWNER_FILE))
+        return self.path
+
+    def remove(self) -> None:
+        if self.path:
+            shutil.rmtree(self.path, ignore_errors=True)
+        self.forget()
+
+    def forget(self) -> None:
+        """Let go of the owner file's descriptor and leave the folder as it is (also: in a forked child)."""
+        if self._owner is not None:
+            self._owner.forget()
+            self._owner = None
 
 
-def clean_stale_run_dirs() -> None:
-    """Remove run folders of pools whose process is gone (killed before it could close its pool)."""
+def clean_stale_run_dirs() -> list[str]:
+    """Remove the run folders of pools that died without closing (owner file unlocked); never a live pool's, nor a
+    folder without an owner file. Returns the paths removed."""
     root = tempfile.gettempdir()
+    removed = []
     for name in os.listdir(root):
-        match = _RUN_DIR.match(name)
         path = os.path.join(root, name)
-        if match and not pid_alive(int(match.group(1))) and os.path.isdir(path) and \
-                os.stat(path).st_uid == os.getuid():
+        if _RUN_DIR.match(name) and owner_is_dead(os.path.join(path, OWNER_FILE)):
             shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _loopback_interface() -> Optional[str]:
@@ -104,25 +142,21 @@ def worker_env(extra: Optional[dict] = None) -> dict:
 
 
 class Rendezvous:
-    """The torch.distributed TCPStore, served by the pool's process on a socket bound to 127.0.0.1 only."""
+    """The rendezvous store of one start: a torch.distributed FileStore in the pool's owner-only run folder.
 
-    def __init__(self, timeout):
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
-        self.port = listener.getsockname()[1]
-        try:  # the store takes the bound socket: no race for the port, and no wildcard bind
-            self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
-                                       timeout=timeout, master_listen_fd=listener.fileno(), use_libuv=True)
-            listener.detach()  # the store owns (and closes) the descriptor now
-        except (RuntimeError, TypeError, ValueError) as error:
-            listener.close()
-            log.warning("TCPStore could not adopt a 127.0.0.1 socket (%s); it binds the wildcard address", error)
-            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-            self.port = self.store.port
+    A file, not a TCPStore: TCPStore has no authentication (any local user could connect, read and write its keys
+    and hold connections open); a file in a 0700 folder is reachable by this user only, and nothing listens.
+    """
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, f"store-{secrets.token_hex(8)}")
+        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR))
 
     def close(self) -> None:
-        self.store = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
 @dataclass

@@ -24,10 +24,12 @@ import torch.distributed as dist
 from ..cfg_parallel import run_forward
 from ..config import SPConfig
 from ..families.base import LoadRequest
+from ..families.header import check_unchanged
 from ..families.detect import load_worker_model
 from ..groups import build_groups
 from .context import DeviceCache, WorkerCallContext, view_key
 from .control import ControlBlock
+from .errors import CPU_OUT_OF_MEMORY
 from .protocol import decode_tree, name_to_dtype, recv, send
 from .segments import Segment, release_retired
 
@@ -63,7 +65,13 @@ def error_reply(error: BaseException) -> dict:
               if os.path.abspath(frame.filename) != os.path.abspath(__file__)][-8:]  # the family's frames matter
     summary = "".join(traceback.format_list(frames)) + f"{type(error).__name__}: {error}"
     return {"ok": False, "error": type(error).__name__, "message": str(error), "traceback": summary[-6000:],
-            "oom": isinstance(error, torch.OutOfMemoryError)}
+            "oom": out_of_memory(error)}
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or a failed CPU allocation (torch raises a plain RuntimeError there)."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and CPU_OUT_OF_MEMORY in str(error))
 
 
 class StartError(Exception):
@@ -118,8 +126,8 @@ class Worker:
     def _join_process_group(self) -> None:
         timeout = datetime.timedelta(seconds=self.spec["timeout_s"])
         try:
-            store = dist.TCPStore(self.spec["store_host"], self.spec["store_port"], is_master=False,
-                                  timeout=timeout)
+            store = dist.FileStore(self.spec["store_path"], self.config.world_size)
+            store.set_timeout(timeout)
             options = dict(backend=self.config.backend, store=store, rank=self.rank,
                            world_size=self.config.world_size)
             if self.device.type == "cuda":
@@ -167,6 +175,7 @@ class Worker:
     def op_load(self, message: dict) -> dict:
         request = LoadRequest.from_message(message["request"])
         if request.key not in self.models:
+            check_unchanged(request.path, request.stamp)
             self.models[request.key] = load_worker_model(request, self.device, self.groups,
                                                          self._progress_fn(message["id"]))
             self.requests[request.key] = request
@@ -199,6 +208,7 @@ class Worker:
         key = message["key"]
         if key not in self.models:
             raise KeyError(f"model {key} is not loaded in worker rank {self.rank}")
+        check_unchanged(self.requests[key].path, self.requests[key].stamp)  # LoRAs re-read the base weights
         if key not in self.lora_states:
             from ..lora.apply import lora_state
             request = self.requests[key]
