@@ -366,15 +366,22 @@ def _bandwidth(suite: Suite) -> dict:
                        f"GB/s; the fp8 exchange takes {1 / largest['fp8_speedup']:.2f}x the bf16 time"}
 
 
+def _bench_args(argv: list[str]):
+    from . import bench
+    parser = argparse.ArgumentParser(prog="bench")
+    bench.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
 def _multi_gpu_parity(suite: Suite) -> dict:
-    from ..__main__ import main
+    from . import bench
     from .bench import default_layouts
     layouts = default_layouts(suite.gpus).split(",") + ["r2", "cfg2"] + (["u2r2", "u2cfg2"] if suite.gpus >= 4
                                                                           else [])
     out = os.path.join(suite.out, "bench_parity_tiny.json")
-    code = main(["bench", "--preset", "tiny", "--layouts", ",".join(dict.fromkeys(layouts)), "--steps", "2",
-                 "--warmup", "1", "--batch", "2", "--exchange-repeats", "0", "--out", out,
-                 "--cache-dir", os.path.join(suite.scratch, "cache")])
+    code = bench.run(_bench_args(["--preset", "tiny", "--layouts", ",".join(dict.fromkeys(layouts)), "--steps", "2",
+                                  "--warmup", "1", "--batch", "2", "--exchange-repeats", "0", "--out", out,
+                                  "--cache-dir", os.path.join(suite.scratch, "cache")]))
     return _bench_summary(out, code, "tiny Qwen-Image fp32, 99 tokens (uneven), batch 2, NCCL")
 
 
@@ -408,13 +415,10 @@ def _step_layouts(suite: Suite) -> list[str]:
 def _step_time(suite: Suite, preset_name: str, label: str) -> dict:
     from . import bench
     preset, note = _step_preset(suite, preset_name)
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
     out = os.path.join(suite.out, f"bench_{label}.json")
-    devices = ",".join(suite.devices)
-    args = parser.parse_args(["--devices", devices, "--steps", "3", "--warmup", "1", "--compare-diffusers",
-                              "--exchange-repeats", "3" if suite.gpus >= 2 else "0", "--out", out,
-                              "--cache-dir", os.path.join(suite.scratch, "cache")])
+    args = _bench_args(["--devices", ",".join(suite.devices), "--steps", "3", "--warmup", "1",
+                        "--compare-diffusers", "--exchange-repeats", "3" if suite.gpus >= 2 else "0", "--out", out,
+                        "--cache-dir", os.path.join(suite.scratch, "cache")])
     configs = [bench.layout_config(suite.devices, name) for name in _step_layouts(suite)]
     plan = bench._Plan(suite.devices, configs, preset, None, 1)
     code = bench._Bench(args, plan).run()
