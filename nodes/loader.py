@@ -14,6 +14,7 @@ from .pool_owner import OWNER, ModelSpec
 from .proxy import SPDiffusionModel
 
 WEIGHT_DTYPES = ["default", "fp32", "bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2"]
+ATTENTION_BACKENDS = ["sdpa", "auto", "flash", "flash2", "flash3", "sage"]  # what the workers accept (load option)
 CATEGORY = "Ulysses SP"
 
 
@@ -62,13 +63,26 @@ class SPModelLoader(io.ComfyNode):
                              tooltip="Ring-attention groups (for more devices than heads)."),
                 io.Boolean.Input("cfg_parallel", default=False,
                                  tooltip="Run cond and uncond on two halves of the devices (needs CFG > 1)."),
+                io.Combo.Input("attention", options=ATTENTION_BACKENDS, default="sdpa", optional=True,
+                               tooltip="Attention kernel in the workers: sdpa (torch, default); flash / flash2 / "
+                                       "flash3 (flash-attn, must be installed); sage (SageAttention, approximate); "
+                                       "auto = flash-attn if installed, else sdpa."),
+                io.Boolean.Input("fp8_exchange", default=False, optional=True,
+                                 tooltip="Send the Ulysses all-to-alls as fp8 with per-token scales: about half "
+                                         "the bytes (helps over PCIe), small error."),
+                io.Boolean.Input("compile", default=False, optional=True,
+                                 tooltip="torch.compile the transformer blocks in the workers (the first step "
+                                         "compiles, minutes)."),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, unet_name, weight_dtype, devices, ulysses_degree, ring_degree, cfg_parallel) -> io.NodeOutput:
+    def execute(cls, unet_name, weight_dtype, devices, ulysses_degree, ring_degree, cfg_parallel,
+                attention="sdpa", fp8_exchange=False, compile=False) -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         config = config_from_inputs(devices, ulysses_degree, ring_degree, cfg_parallel)
-        spec = ModelSpec.create(config, path, weight_dtype)
+        options = {"attention": attention, "fp8_exchange": fp8_exchange, "compile": compile}
+        defaults = {"attention": "sdpa", "fp8_exchange": False, "compile": False}
+        spec = ModelSpec.create(config, path, weight_dtype, {k: v for k, v in options.items() if v != defaults[k]})
         return io.NodeOutput(load_sp_model(spec))

@@ -1,4 +1,4 @@
-"""Command line: `python -m sp_runtime {demo,bench,doctor,client}`."""
+"""Command line: `python -m sp_runtime {demo,bench,doctor,gpu-suite,client}`."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ COMMANDS = {
     "demo": ("sp_runtime.cli.demo", "run a short generation through the pool and check it against one device"),
     "bench": ("sp_runtime.cli.bench", "measure step latency, speed-up and memory per layout"),
     "doctor": ("sp_runtime.cli.doctor", "check devices and links, and recommend degrees"),
+    "gpu-suite": ("sp_runtime.cli.gpu_suite", "measure everything on a CUDA machine within a time budget"),
     "client": ("sp_runtime.cli.client", "run a ComfyUI API-format workflow on a running ComfyUI server"),
 }
 

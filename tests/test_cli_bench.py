@@ -28,8 +28,7 @@ def test_bench_tiny_preset_reports_every_field(tmp_path, cache_dir, capsys):
     from PIL import Image
     out = tmp_path / "bench.json"
     code = main(["bench", "--preset", "tiny", "--layouts", "1,u2", "--devices", "cpu*2", "--steps", "2",
-                 "--warmup", "1", "--exchange-repeats", "2", "--compare-diffusers", "--out", str(out),
-                 "--cache-dir", cache_dir])
+                 "--warmup", "1", "--exchange-repeats", "2", "--out", str(out), "--cache-dir", cache_dir])
     printed = capsys.readouterr().out
     assert code == 0, printed
     report = json.loads(out.read_text())
@@ -51,7 +50,7 @@ def test_bench_tiny_preset_reports_every_field(tmp_path, cache_dir, capsys):
         99, workload["text_tokens"], config["num_attention_heads"], config["attention_head_dim"],
         config["num_layers"], 2)
     assert 0 < ulysses["comm_ms_per_step"] and 0 < ulysses["comm_share"] < 1
-    assert "accelerator" in report["diffusers_context_parallel"]["skipped"]
+    assert "not requested" in report["diffusers_context_parallel"]["skipped"]
     assert "u2" in printed and "speed-up" in printed
     with Image.open(tmp_path / "bench.png") as plot:
         plot.verify()
@@ -130,7 +129,25 @@ def test_diffusers_side_by_side_inputs_fit_the_stock_forward(family, channels):
                     return_dict=False)[0]
     expected = workload.noise.shape if family == "wan" else (1, workload.tokens, 64)
     assert tuple(out.shape) == tuple(expected)
-    assert "accelerator" in skip_reason(["cpu", "cpu"])
+    assert skip_reason(["cpu", "cpu"]) is None  # diffusers' context parallel runs on CPU ranks too
+
+
+def test_compare_diffusers_runs_diffusers_context_parallel_on_cpu_ranks(tmp_path, cache_dir):
+    """diffusers' Ulysses over gloo (its device count patched in its own ranks), on the same weights and tokens:
+    256 image and 8 text tokens, divisible by 2 as diffusers needs; one run gives both times and their ratio."""
+    out = tmp_path / "side.json"
+    code = main(["bench", "--preset", "tiny", "--width", "128", "--height", "128", "--text-tokens", "8",
+                 "--layouts", "u2", "--devices", "cpu*2", "--steps", "1", "--warmup", "1", "--exchange-repeats", "0",
+                 "--compare-diffusers", "--out", str(out), "--cache-dir", cache_dir])
+    report = json.loads(out.read_text())
+    assert code == 0, report
+    side = report["diffusers_context_parallel"]
+    assert "patched" in side["how"]
+    assert [entry["layout"] for entry in side["layouts"]] == ["1", "u2"]
+    for entry, ours in zip(side["layouts"], report["layouts"]):
+        assert "error" not in entry, entry
+        assert entry["median_ms"] > 0 and entry["ours_median_ms"] == ours["step"]["median_ms"]
+        assert entry["ours_vs_diffusers"] == pytest.approx(entry["median_ms"] / ours["step"]["median_ms"], rel=1e-3)
 
 
 def test_speedup_plot_without_matplotlib_is_drawn_with_pillow(tmp_path, monkeypatch):

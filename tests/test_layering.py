@@ -14,7 +14,8 @@ LAYERS = [
     ("devices", "local_ranks"),
     ("config",),
     ("groups",),
-    ("attention",),
+    ("attention", "compile"),
+    ("model_options",),
     ("families",),
     ("cfg_parallel", "lora", "tiny_models"),
     ("pool",),
@@ -87,7 +88,8 @@ def test_attention_core_depends_on_torch_and_groups_only():
     assert _offenders("sp_runtime/attention", lambda name: name.startswith("sp_runtime.")
                       and not name.startswith(("sp_runtime.attention", "sp_runtime.groups"))
                       or not name.startswith("sp_runtime") and name.split(".")[0] not in (
-                          "torch", "typing", "__future__", "dataclasses", "math", "functools")) == []
+                          "torch", "typing", "__future__", "dataclasses", "math", "functools", "contextlib",
+                          "importlib", "logging", "collections")) == []
 
 
 def test_every_runtime_component_has_a_layer():

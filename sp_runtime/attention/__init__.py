@@ -32,10 +32,15 @@ def sp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
     if query.shape[1] != shards.sizes[seq.rank]:
         raise ValueError(f"sequence rank {seq.rank} got {query.shape[1]} tokens but its shard has "
                          f"{shards.sizes[seq.rank]} (shards {shards.sizes}): pass tokens shards.range(seq.rank)")
+    if seq.degree == 1:
+        return joint_local_attention(query, key, value, text, text_mask, text_first, scale)
+    return _distributed_attention(query, key, value, seq, shards, text, text_mask, text_first, scale)
+
+
+@torch.compiler.disable  # compiled blocks (sp_runtime.compile) leave the exchanges to eager mode
+def _distributed_attention(query, key, value, seq, shards, text, text_mask, text_first, scale):
     if seq.ring_degree > 1:
         core = ring_attention if seq.ulysses_degree == 1 else hybrid_attention
         return core(query, key, value, seq, shards, text, text_mask, text_first, scale)
-    if seq.ulysses_degree == 1:
-        return joint_local_attention(query, key, value, text, text_mask, text_first, scale)
     return ulysses_attention(query, key, value, seq.ulysses_group, seq.ulysses_rank, shards, text, text_mask,
                              text_first, scale)

@@ -1,10 +1,12 @@
-"""Plain single-device attention in diffusers' [batch, sequence, heads, head_dim] layout."""
+"""Plain single-device attention in diffusers' [batch, sequence, heads, head_dim] layout, through the selected
+backend (SDPA by default)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
+
+from .backends import attend
 
 
 def local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -12,8 +14,7 @@ def local_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """SDPA over [B, S, H, D] tensors; mask is a bool key mask [B, S_kv] (True = attend) or an SDPA mask."""
     if mask is not None and mask.dim() == 2:
         mask = mask[:, None, None, :]
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=mask, scale=scale)
+    out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask, scale)
     return out.transpose(1, 2)
 
 

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from .backends import backend_with_lse
+
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # torch >= 2.3
 _CUDA_FAILED: set[tuple] = set()  # CUDA kernel choices that raised once (arch / dtype / shape): not tried again
 _BIAS_ALIGNMENT = 16  # the memory-efficient kernel wants the bias rows 16-element aligned (as F.sdpa pads them)
@@ -39,6 +41,9 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         raise ValueError(f"attention_with_lse needs queries and keys, got {query.shape[2]} queries and "
                          f"{key.shape[2]} keys")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    result = backend_with_lse(query, key, value, bias, scale)  # flash-attn, when selected and it applies
+    if result is not None:
+        return result
     if query.device.type == "cpu" and _CPU_FLASH is not None:
         out, lse = _CPU_FLASH(query, key, value, attn_mask=None if bias is None else bias.to(query.dtype),
                               scale=scale)

@@ -5,17 +5,21 @@ before attention) and any head count (heads are zero-padded to a multiple of the
 ceil(H / P) * P / H - 1 more attention and exchange work, e.g. 33% for 3 heads on 4 ranks, and are dropped).
 Joint text tokens are replicated: each rank cuts its heads out locally and the return exchange carries the text
 output so every rank ends with all heads of the text.
-The two exchanges are public (exchange_to_heads, exchange_to_tokens) for the Ulysses x Ring hybrid.
+The two exchanges are public (exchange_to_heads, exchange_to_tokens) for the Ulysses x Ring hybrid. With the
+model's overlap option, the return exchange goes in two head halves, the first in flight while the second attends;
+with fp8_exchange both exchanges carry fp8 bytes (sp_runtime.attention.fp8_exchange).
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from .backends import attend
+from .fp8_exchange import AllToAll
 from .local import _joint_mask
+from .options import current
 from .shards import SeqShards
 
 
@@ -31,10 +35,16 @@ def _pad(x: torch.Tensor, tokens: int, heads: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad_heads, 0, pad_tokens))
 
 
-def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv
+def _all_to_all(send: torch.Tensor, group, async_op: bool = False) -> AllToAll:
+    return AllToAll(send, group, fp8=current().fp8_exchange, async_op=async_op)
+
+
+def _head_parts(heads: int) -> list[slice]:
+    """This rank's heads in two halves when overlap is on (the first half's output travels while the second half
+    attends), else all at once."""
+    if not current().overlap or heads < 2:
+        return [slice(0, heads)]
+    return [slice(0, heads // 2), slice(heads // 2, heads)]
 
 
 def _gather_sequence(recv: torch.Tensor, sizes: Sequence[int], text: Optional[torch.Tensor],
@@ -71,14 +81,18 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     mask = None
     if text_mask is not None:
         mask = _joint_mask(text_mask, shards.total, text_first)[:, None, None, :]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, h, L + N, D]
-
     text_len = 0 if text is None else text[0].shape[1]
     image_start = text_len if text_first else 0
     text_start = 0 if text_first else shards.total
-    image = out[:, :, image_start:image_start + shards.total]
-    text_out = out[:, :, text_start:text_start + text_len] if text is not None else None
-    return exchange_to_tokens(image, text_out, group, shards, query.shape[1], heads)
+    exchanges = []
+    for part in _head_parts(q.shape[1]):
+        out = attend(q[:, part], k[:, part], v[:, part], mask, scale)  # [B, h, L + N, D]
+        image = out[:, :, image_start:image_start + shards.total]
+        text_out = out[:, :, text_start:text_start + text_len] if text is not None else None
+        exchanges.append(_all_to_all(_scatter_sequence(image, text_out, shards), group, async_op=True))
+    parts = [exchange.result() for exchange in exchanges]
+    received = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    return _split_received(received, shards, query.shape[1], heads, text is not None)
 
 
 def exchange_to_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group,
@@ -95,7 +109,7 @@ def exchange_to_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     # [P (destination's heads), 3, B, h, chunk, D]: one contiguous send buffer for q, k and v together.
     per_destination = [_pad(x, chunk, padded_heads).view(batch, chunk, degree, heads_here, head_dim)
                        .permute(2, 0, 3, 1, 4) for x in (query, key, value)]
-    return _all_to_all(torch.stack(per_destination, dim=1), group)
+    return _all_to_all(torch.stack(per_destination, dim=1), group).result()
 
 
 def gather_sequence(recv: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
@@ -110,10 +124,15 @@ def exchange_to_tokens(image: torch.Tensor, text: Optional[torch.Tensor], group,
     image: [B, h, S, D] output of this rank's heads for the whole sequence; text: [B, h, L, D] or None (sent to
     every rank, so each ends with all heads of the text). Returns ([B, local_tokens, H, D], [B, L, H, D] or None).
     """
-    back = _scatter_sequence(image, text, shards)
-    recv_back = _all_to_all(back, group)  # [P (source's heads), B, h, chunk + L, D]
-    image_out = _merge_heads(recv_back[:, :, :, :local_tokens], heads)
-    text_out = _merge_heads(recv_back[:, :, :, shards.chunk:], heads) if text is not None else None
+    received = _all_to_all(_scatter_sequence(image, text, shards), group).result()
+    return _split_received(received, shards, local_tokens, heads, text is not None)
+
+
+def _split_received(received: torch.Tensor, shards: SeqShards, local_tokens: int, heads: int,
+                    has_text: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """[P (source's heads), B, h, chunk + L, D] -> (image [B, local_tokens, H, D], text [B, L, H, D] or None)."""
+    image_out = _merge_heads(received[:, :, :, :local_tokens], heads)
+    text_out = _merge_heads(received[:, :, :, shards.chunk:], heads) if has_text else None
     return image_out, text_out
 
 

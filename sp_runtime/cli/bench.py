@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-diffusers", action="store_true",
                         help="also time diffusers' built-in context parallel (Ulysses) on the same weights "
                              "(needs GPUs)")
+    parser.add_argument("--attention", default="sdpa", help="attention backend load option: sdpa (default), auto, "
+                                                              "flash, flash2, flash3, sage")
+    parser.add_argument("--fp8-exchange", action="store_true", help="load option: fp8 Ulysses all-to-alls")
+    parser.add_argument("--overlap", action="store_true", help="load option: overlap the output exchange")
+    parser.add_argument("--compile", action="store_true",
+                        help="load option: torch.compile the blocks (the warm-up calls compile; use --warmup >= 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join("out", "bench.json"),
                         help="JSON report path; the plot goes next to it as .png (default: out/bench.json)")
@@ -107,6 +113,13 @@ class _Plan:
         if batch < 1:
             raise ValueError(f"--batch must be at least 1, got {batch}")
         return cls(devices, configs, preset, checkpoint, batch)
+
+
+def load_options(args) -> dict:
+    """The model load options the bench was asked for (sp_runtime.attention.options), defaults left out."""
+    options = {"attention": args.attention, "fp8_exchange": args.fp8_exchange, "overlap": args.overlap,
+               "compile": args.compile}
+    return {key: value for key, value in options.items() if value not in (False, "sdpa")}
 
 
 def default_layouts(device_count: int) -> str:
@@ -187,7 +200,7 @@ class _Bench:
             with WorkerPool(config) as pool:
                 row["pool_start_s"] = round(time.perf_counter() - started, 3)
                 started = time.perf_counter()
-                handle = pool.load_model(path, self.args.dtype)
+                handle = pool.load_model(path, self.args.dtype, **load_options(self.args))
                 row["load_s"] = round(time.perf_counter() - started, 3)
                 say(f"started in {row['pool_start_s']:.1f} s, loaded in {row['load_s']:.1f} s; ", end="")
                 if self.workload is None:
@@ -286,6 +299,7 @@ class _Bench:
         report.update({
             "model": self._model_description(), "workload": self.workload.describe() if self.workload else None,
             "hardware": hardware_label(self.plan.devices), "devices": self.plan.devices,
+            "load_options": load_options(self.args),
             "backend": self.plan.configs[0].backend, "steps": self.args.steps, "warmup": self.args.warmup,
             "timing": "pool.stats['last_call_s']: host-side wall time of one diffusion_model call (shared-memory "
                       "copies included); one call = one denoising step",

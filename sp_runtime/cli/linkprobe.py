@@ -8,23 +8,26 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .machine import device_sync, median_time
 
 
-def run_ranks(fn: Callable, devices: Sequence[str], *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run fn(rank, devices, *args) in one spawned process per device, joined by a process group (NCCL on CUDA).
+def run_ranks(fn: Callable, devices: Sequence[str], *args: Any, timeout: float = 300.0,
+              backend: Optional[str] = None) -> list[Any]:
+    """Run fn(rank, devices, *args) in one spawned process per device, joined by a process group (NCCL on CUDA,
+    or `backend`: gloo lets several ranks share one GPU).
 
     fn must be a module-level function returning picklable values. Raises RuntimeError with the failing rank's
     traceback, or TimeoutError; every child is ended either way.
     """
     from ..local_ranks import spawn_ranks
     threads = max(1, (os.cpu_count() or 1) // len(devices))
-    return spawn_ranks(_child, len(devices), (list(devices), threads, fn, args), timeout, "link probe")
+    return spawn_ranks(_child, len(devices), (list(devices), threads, fn, args, backend), timeout, "link probe")
 
 
-def _child(rank: int, port: int, results, devices: list[str], threads: int, fn: Callable, args: tuple) -> None:
+def _child(rank: int, port: int, results, devices: list[str], threads: int, fn: Callable, args: tuple,
+           backend: Optional[str]) -> None:
     import datetime
 
     import torch
@@ -35,8 +38,9 @@ def _child(rank: int, port: int, results, devices: list[str], threads: int, fn: 
         options = {}
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl":
             options["device_id"] = device
-        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(devices),
                                 timeout=datetime.timedelta(seconds=120), **options)
         try:

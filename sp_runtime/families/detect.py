@@ -76,6 +76,8 @@ def describe_unknown(header: Header) -> str:
 
 def load_worker_model(request, device, groups, progress):
     """Worker side: detect the family from the header the host sent (or read here) and run its loader."""
+    from ..model_options import with_runtime_options
     header = request.header or read_checkpoint_header(request.path)
     detection = detect(header)
-    return family_module(detection.family).load(request, detection, device, groups, progress)
+    model = family_module(detection.family).load(request, detection, device, groups, progress)
+    return with_runtime_options(model, request.options)

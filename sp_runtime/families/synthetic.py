@@ -47,7 +47,7 @@ def model_class(family: str):
     return classes[family]
 
 
-def _family_worker(family: str, model, config: dict, dtypes):
+def family_worker(family: str, model, config: dict, dtypes):
     """The family's worker around a built model, made by the family's own worker_from_model (as its load() does)."""
     if family == "qwen_image":
         from . import qwen_image as module
@@ -120,4 +120,4 @@ def load(request: LoadRequest, detection: Detection, device: torch.device, group
     dtype = spec.get("dtype", "bfloat16") if request.dtype == "default" else request.dtype
     model, dtypes = build_model(family, config, dtype, device, int(spec.get("seed", 0)), progress)
     agree_across_ranks(model, groups)
-    return _family_worker(family, model, config, dtypes)
+    return family_worker(family, model, config, dtypes)
