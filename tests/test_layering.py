@@ -14,7 +14,7 @@ LAYERS = [
     ("devices", "local_ranks"),
     ("config",),
     ("groups",),
-    ("attention",),
+    ("attention", "formats"),
     ("families",),
     ("cfg_parallel", "lora", "tiny_models"),
     ("pool",),
