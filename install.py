@@ -9,7 +9,7 @@ import importlib.util
 import os
 import sys
 
-REQUIRED = ("torch", "diffusers", "safetensors", "psutil", "websockets", "accelerate")
+REQUIRED = ("torch", "diffusers", "safetensors", "psutil", "websockets", "accelerate", "gguf")
 MIN_COMFYUI = (0, 3, 64)
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -2,6 +2,8 @@
 runs on the worker pool of the chosen devices."""
 from __future__ import annotations
 
+import os
+
 import comfy.model_management
 import comfy.utils
 import folder_paths
@@ -16,6 +18,17 @@ from .proxy import SPDiffusionModel
 WEIGHT_DTYPES = ["default", "fp32", "bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2"]
 ATTENTION_BACKENDS = ["sdpa", "auto", "flash", "flash2", "flash3", "sage"]  # what the workers accept (load option)
 CATEGORY = "Ulysses SP"
+EXTRA_EXTENSIONS = (".gguf",)  # loaded by the workers; ComfyUI's own file list for diffusion_models leaves them out
+
+
+def model_files() -> list[str]:
+    """Files of models/diffusion_models and models/unet: ComfyUI's list plus .gguf files."""
+    names = set(folder_paths.get_filename_list("diffusion_models"))
+    for folder in folder_paths.get_folder_paths("diffusion_models"):
+        for root, _, files in os.walk(folder, followlinks=True):
+            names.update(os.path.relpath(os.path.join(root, name), folder) for name in files
+                         if name.lower().endswith(EXTRA_EXTENSIONS))
+    return sorted(names)
 
 
 def progress_reporter(bar: "comfy.utils.ProgressBar"):
@@ -48,11 +61,13 @@ class SPModelLoader(io.ComfyNode):
             description="Loads a diffusion model into a pool of worker processes (one per device) that run each "
                         "denoising step with Ulysses sequence parallelism. Connect the MODEL to the stock KSampler.",
             inputs=[
-                io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
-                               tooltip="A file from ComfyUI's models/diffusion_models folder."),
+                io.Combo.Input("unet_name", options=model_files(),
+                               tooltip="A file from ComfyUI's models/diffusion_models (or unet) folder: "
+                                       ".safetensors (float, fp8, scaled fp8, mixed precision) or .gguf."),
                 io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default",
                                tooltip="Weight dtype in the workers; default keeps the file's own (fp8 files "
-                                       "stay fp8 and compute in bf16)."),
+                                       "stay fp8, quantized files (scaled fp8, mixed precision, GGUF) stay "
+                                       "quantized; both compute in bf16). fp32 / bf16 / fp16 dequantize once."),
                 io.String.Input("devices", default="auto",
                                 tooltip="'auto' = every visible GPU; GPU indices such as '0,1,2,3' or '0-3'; "
                                         "'cpu:2' = two CPU workers."),

@@ -147,7 +147,8 @@ def _tiny_original(**extra) -> dict:
     ({"vace_blocks.0.after_proj.weight": torch.zeros(2, 2)}, "Wan VACE checkpoint"),
     ({"face_adapter.fuser_blocks.0.k_norm.weight": torch.zeros(2)}, "Wan 2.2 Animate"),
     ({"blocks.0.self_attn.lora_down.weight": torch.zeros(2, 2)}, "tensors this loader does not know"),
-    ({"blocks.0.self_attn.q.scale_weight": torch.zeros(1), "scaled_fp8": torch.zeros(0)}, "quantized checkpoint"),
+    ({"blocks.0.self_attn.q.comfy_quant": torch.tensor(list(b'{"format": "awq_w4a16"}'), dtype=torch.uint8)},
+     "'awq_w4a16', which is not supported; supported ComfyUI formats: scaled fp8, float8_e4m3fn"),
 ])
 def test_unsupported_wan_files_fail_clearly(tmp_path, extra, message):
     path = str(tmp_path / "odd.safetensors")

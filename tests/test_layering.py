@@ -14,7 +14,7 @@ LAYERS = [
     ("devices", "local_ranks"),
     ("config",),
     ("groups",),
-    ("attention", "compile"),
+    ("attention", "compile", "formats"),
     ("model_options",),
     ("families",),
     ("cfg_parallel", "lora", "tiny_models"),

@@ -62,7 +62,7 @@ def test_requirements_never_pin_torch():
         names = [line.split("#")[0].strip().split(">")[0].split("=")[0].split("<")[0].strip().lower()
                  for line in handle]
     assert not {"torch", "torchvision", "torchaudio"} & set(names)
-    for needed in ("diffusers", "safetensors", "psutil", "websockets", "accelerate"):
+    for needed in ("diffusers", "safetensors", "psutil", "websockets", "accelerate", "gguf"):
         assert needed in names
 
 

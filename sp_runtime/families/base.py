@@ -80,6 +80,7 @@ class Detection:
     prefix: str = ""       # stripped from every key, e.g. "model.diffusion_model."
     config: dict = field(default_factory=dict)
     files: tuple[str, ...] = ()
+    quant: str = ""        # the quantized format, e.g. "gguf (Q4_K x 120)"; "" for plain float files
 
 
 def patch_size_2(info: "ModelInfo") -> dict:
@@ -118,6 +119,8 @@ class ModelInfo:
     config: dict = field(default_factory=dict)
     weight_dtype: str = "default"
     compute_dtype: str = "float32"
+    quant: str = ""          # a quantized file's format summary (sp_runtime.formats), "" for float files
+    weight_bytes: int = 0    # bytes of weights held on each rank (quantized layers as stored)
 
     def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
         """ComfyUI's diffusion_model returns x's shape with out_channels in dim 1."""

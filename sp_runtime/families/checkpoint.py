@@ -28,6 +28,7 @@ SAFETENSORS_DTYPES = {  # safetensors header dtype -> torch dtype
 }
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_COMPUTE_DTYPE = torch.bfloat16
+QUANTIZED_COMPUTE_DTYPE = torch.bfloat16
 
 # target key -> function of the source tensor (None: the tensor itself)
 Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
@@ -87,19 +88,19 @@ def shape_of(tensors: Mapping[str, tuple], key: str) -> tuple[int, ...]:
     return tuple(tensors[key][1])
 
 
-def quantization_markers(keys: Iterable[str]) -> list[str]:
-    """Keys of quantized formats this loader does not dequantize (ComfyUI scaled fp8, GGUF-like, bitsandbytes)."""
-    suffixes = (".scale_weight", ".weight_scale", ".scale_input", ".input_scale", ".comfy_quant", ".absmax",
-                ".quant_map", ".quant_state.bitsandbytes__nf4", ".weight_scale_2")
-    return sorted(k for k in keys if k == "scaled_fp8" or k.endswith(suffixes))
+BITSANDBYTES_SUFFIXES = (".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4")
 
 
-def reject_quantized(header: Header, prefix: str) -> None:
-    markers = quantization_markers(strip_prefix(header.tensors, prefix))
+def check_quantization(header: Header, prefix: str):
+    """The file's sp_runtime.formats.Quantization (None: a plain float file); clear errors for quantized files we
+    cannot load: bitsandbytes (nf4 / int8), or ComfyUI / GGUF quant types formats does not dequantize."""
+    markers = sorted(k for k in strip_prefix(header.tensors, prefix) if k.endswith(BITSANDBYTES_SUFFIXES))
     if markers:
-        raise ValueError(f"{header.path!r} is a quantized checkpoint (it has {markers[:3]}...): scaled-fp8 / "
-                         f"nf4 / mixed-quant files are not supported; use a plain bf16, fp16 or fp8 "
-                         f"(e4m3fn / e5m2) file")
+        raise ValueError(f"{header.path!r} is a bitsandbytes (nf4 / int8) checkpoint (it has {markers[:3]}...), "
+                         f"which is not supported; use a bf16, fp16, fp8, ComfyUI scaled fp8 / mixed precision or "
+                         f"GGUF file")
+    from ..formats import quantization
+    return quantization(header, prefix)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -111,10 +112,19 @@ class WeightDtypes:
 
     storage != compute (fp8) means diffusers' layerwise casting: weights stay fp8 and each layer is cast to
     `compute` only while it runs; norms, embeddings and the final projection stay in `compute`.
+    quant: the file's quantization (sp_runtime.formats.Quantization): its Linear weights stay quantized when
+    keep_quantized, else every quantized tensor is dequantized at load into these dtypes.
     """
 
     storage: torch.dtype
     compute: torch.dtype
+    quant: Optional[object] = None
+    keep_quantized: bool = False
+
+    @property
+    def quantized(self) -> str:
+        """The kind of quantized file whose weights stay quantized ("scaled_fp8", "comfy_quant", "gguf"), or ""."""
+        return self.quant.kind if self.keep_quantized else ""
 
     @property
     def layerwise(self) -> bool:
@@ -122,7 +132,7 @@ class WeightDtypes:
 
     @property
     def storage_name(self) -> str:
-        return dtype_name(self.storage)
+        return self.quantized or dtype_name(self.storage)
 
     @property
     def compute_name(self) -> str:
@@ -144,18 +154,23 @@ def dominant_dtype(header: Header, prefix: str = "") -> torch.dtype:
 
 
 def choose_dtypes(requested: str, header: Optional[Header] = None, prefix: str = "") -> WeightDtypes:
-    """Weight dtypes for a request: "default" keeps the file's own (fp8 files stay fp8 with bf16 compute)."""
+    """Weight dtypes for a request: "default" keeps the file's own (fp8 files stay fp8 with bf16 compute; quantized
+    files stay quantized with bf16 compute); an explicit dtype dequantizes quantized files once, at load."""
+    from ..formats import quantization
     name = dtype_name(requested)
+    quant = quantization(header, prefix) if header is not None else None
     if name == "default":
         if header is None:
             raise ValueError("dtype 'default' needs the checkpoint header to know the file's precision")
+        if quant is not None:
+            return WeightDtypes(QUANTIZED_COMPUTE_DTYPE, QUANTIZED_COMPUTE_DTYPE, quant, keep_quantized=True)
         dtype = dominant_dtype(header, prefix)
         dtype = torch.float32 if dtype == torch.float64 else dtype
     else:
         dtype = DTYPES[name]
     if dtype in FP8_DTYPES:
-        return WeightDtypes(dtype, FP8_COMPUTE_DTYPE)
-    return WeightDtypes(dtype, dtype)
+        return WeightDtypes(dtype, FP8_COMPUTE_DTYPE, quant)
+    return WeightDtypes(dtype, dtype, quant)
 
 
 def resolved_dtype_name(requested: str, header: Header, prefix: str = "") -> str:
@@ -210,18 +225,25 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
 
     plan: source key (prefix stripped) -> [(model key, transform)]; None means keys are already the model's.
     ignore: source keys (prefix stripped) that carry no weights (e.g. ComfyUI marker tensors).
+    Quantized files (dtypes.quant): with dtypes.keep_quantized, Linear weights stay quantized (QuantLinear
+    layers); every other quantized tensor is dequantized and cast like a plain one.
     Missing model keys and unknown source keys raise ValueError naming them. Returns the model, in eval mode.
     """
-    from safetensors import safe_open
+    from .. import formats
 
     device = torch.device(device)
     targets = target_dtypes(model, dtypes)
+    linear_weights = {f"{name}.weight" for name, module in model.named_modules()
+                      if isinstance(module, torch.nn.Linear)} if dtypes.keep_quantized else set()
     ignore = set(ignore)
     state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, formats.QuantWeight] = {}
     unexpected: list[str] = []
     reporter = _Progress(progress, source)
+    quant = dtypes.quant
+    ignore |= quant.auxiliary if quant else set()
     for file in source.files:
-        with safe_open(file, framework="pt", device=str(device)) as handle:
+        with formats.open_weights(file, device) as handle:
             for key in handle.keys():
                 if not key.startswith(prefix):
                     continue
@@ -232,13 +254,19 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
                 if outputs is None or any(target not in targets for target, _ in outputs):
                     unexpected.append(name)
                     continue
-                tensor = handle.get_tensor(key)
+                weight = formats.read_quant(handle, key, name, quant)
+                kept = weight is not None and all(target in linear_weights for target, _ in outputs)
+                tensor = None if kept else handle.get_tensor(key) if weight is None else weight.dequantize()
                 for target, transform in outputs:
-                    cast = _cast(transform(tensor) if transform else tensor, targets[target])
-                    state[target] = out_of_file(cast, tensor)
-                reporter.advance(tensor)
-                del tensor
-    _check_keys(source, targets, state, unexpected)
+                    if kept:
+                        quantized[target] = weight.map_rows(transform).owned()
+                    else:
+                        cast = _cast(transform(tensor) if transform else tensor, targets[target])
+                        state[target] = out_of_file(cast, tensor)
+                reporter.advance(weight.nbytes if weight is not None else tensor.numel() * tensor.element_size())
+                del tensor, weight
+    _check_keys(source, targets, {**state, **quantized}, unexpected)
+    formats.install_quant_linears(model, quantized, state)
     model.load_state_dict(state, strict=True, assign=True)
     _move_buffers(model, device)
     model.requires_grad_(False)
@@ -290,8 +318,8 @@ class _Progress:
         self.last = -1.0
         self.name = os.path.basename(source.path)
 
-    def advance(self, tensor: torch.Tensor) -> None:
-        self.read += tensor.numel() * tensor.element_size()
+    def advance(self, nbytes: int) -> None:
+        self.read += nbytes
         fraction = min(1.0, self.read / self.total)
         if self.progress is not None and fraction - self.last >= 0.01:
             self.last = fraction

@@ -2,8 +2,10 @@
 clear description of anything none of them recognises."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Union
 
+from ..formats.detect import plain_view
 from . import FAMILIES, family_module
 from .base import Detection
 from .header import FAMILY_METADATA_KEY, Header, read_checkpoint_header
@@ -35,15 +37,23 @@ def detect(checkpoint: Union[str, Header]) -> Detection:
     if named:
         return _detect_named(header, named)
     supported = []
+    view = plain_view(header)
     for family in FAMILIES:
         module = family_module(family)
         if module.DESCRIPTION:
             supported.append(module.DESCRIPTION)
-        detection = module.detect(header)
+        detection = module.detect(view)
         if detection is not None:
-            return detection
+            return _with_quantization(detection, header)
     raise ValueError(f"{header.path!r}: no supported model family recognised. {describe_unknown(header)} "
                      f"Supported: {'; '.join(supported)}")
+
+
+def _with_quantization(detection: Detection, header: Header) -> Detection:
+    """The detection with the file's quantized format (checked to be one we dequantize)."""
+    from .checkpoint import check_quantization
+    quant = check_quantization(header, detection.prefix)
+    return replace(detection, quant=quant.summary()) if quant else detection
 
 
 def _detect_named(header: Header, family: str) -> Detection:
@@ -76,8 +86,14 @@ def describe_unknown(header: Header) -> str:
 
 def load_worker_model(request, device, groups, progress):
     """Worker side: detect the family from the header the host sent (or read here) and run its loader."""
+    import torch
+
+    from ..formats import weight_bytes
     from ..model_options import with_runtime_options
     header = request.header or read_checkpoint_header(request.path)
     detection = detect(header)
-    model = family_module(detection.family).load(request, detection, device, groups, progress)
-    return with_runtime_options(model, request.options)
+    worker = family_module(detection.family).load(request, detection, device, groups, progress)
+    if isinstance(getattr(worker, "model", None), torch.nn.Module):
+        worker.info.quant = detection.quant
+        worker.info.weight_bytes = weight_bytes(worker.model)
+    return with_runtime_options(worker, request.options)

@@ -16,7 +16,7 @@ import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, Transform, WeightDtypes, build_empty_model, choose_dtypes, count_blocks,
-                         find_prefix, layout_keys, load_weights, reject_quantized, shape_of, strip_prefix)
+                         find_prefix, layout_keys, load_weights, shape_of, strip_prefix)
 from .header import Header, header_config, read_checkpoint_header
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rope_axes, rotary)
@@ -64,7 +64,6 @@ def detect(header: Header) -> Optional[Detection]:
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    reject_quantized(header, prefix)
     return Detection(family=FAMILY, variant=variant_of(config), layout=layout, prefix=prefix, config=config,
                      files=header.source.files)
 
@@ -173,7 +172,7 @@ def flux_key_plan(keys: Iterable[str], hidden: int) -> dict[str, list[tuple[str,
     """
     plan = {}
     for key in keys:
-        module, kind = key.rsplit(".", 1)
+        module, _, kind = key.rpartition(".")  # marker tensors without a dot (scaled_fp8) map to nothing
         kind = "weight" if kind == "scale" else kind
         targets = _convert(module, kind, hidden)
         if targets:

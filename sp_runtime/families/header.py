@@ -143,19 +143,22 @@ def _refuse_other_formats(path: str) -> None:
     """Clear errors for the other weight formats people keep next to .safetensors files."""
     with open(path, "rb") as handle:
         magic = handle.read(9)
-    if magic[8:9] == b"{":  # a safetensors header (its 8-byte length may well start with 0x80 or "PK")
+    if magic[8:9] == b"{" or magic[:4] == b"GGUF":  # safetensors (its 8-byte length may start with 0x80 or "PK")
         return
-    if magic[:4] == b"GGUF":
-        raise ValueError(f"{path!r} is a GGUF (quantized) file: it is not supported; use a .safetensors file "
-                         f"(bf16, fp16, fp32 or fp8)")
     if magic[:2] == b"PK" or magic[:1] == b"\x80":  # zip (torch.save) or a raw pickle
         raise ValueError(f"{path!r} is a pickled (.ckpt/.pt/.bin) checkpoint: only .safetensors files load "
                          f"(pickles can run code); convert it to .safetensors first")
 
 
 def read_header(path: str) -> Header:
-    """Parse one .safetensors file's header; ValueError naming the file and what is wrong when it is not one."""
+    """Parse one .safetensors file's header (or a GGUF file's tensor table); ValueError naming the file and what is
+    wrong when it is neither."""
     require_regular_file(path)
+    from ..formats import gguf_file
+    if gguf_file.is_gguf(path):
+        from ..formats.detect import CONTAINER_KEY
+        tensors, metadata = gguf_file.read_tensor_table(path)
+        return Header(path, tensors, {**metadata, CONTAINER_KEY: "gguf"}, (path,))
     size = os.path.getsize(path)
     with open(path, "rb") as handle:
         prefix = handle.read(8)

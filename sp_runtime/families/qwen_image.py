@@ -15,7 +15,7 @@ import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, count_blocks, find_prefix,
-                         identity_plan, load_weights, reject_quantized, shape_of, strip_prefix)
+                         identity_plan, load_weights, shape_of, strip_prefix)
 from .header import Header, header_config, read_checkpoint_header
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rope_axes, rotary, text_key_mask)
@@ -56,7 +56,6 @@ def detect(header: Header) -> Optional[Detection]:
     if LAYERED_MARKER in keys or (folder_config or {}).get("use_layer3d_rope"):
         raise ValueError(f"{header.path!r} is Qwen-Image-Layered, which is not supported (only Qwen-Image and "
                          f"Qwen-Image-Edit load)")
-    reject_quantized(header, prefix)
     config = _folder_config(folder_config) if folder_config else architecture(keys)
     if EDIT_2511_MARKER in keys:
         config["zero_cond_t"] = True

@@ -12,7 +12,7 @@ import math
 from typing import Optional
 
 from .base import Detection
-from .checkpoint import count_blocks, find_prefix, layout_keys, reject_quantized, shape_of, strip_prefix
+from .checkpoint import count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
 from .header import Header, header_config
 
 FAMILY = "wan"
@@ -108,7 +108,6 @@ def detect(header: Header) -> Optional[Detection]:
     prefix = find_prefix(header.tensors, ORIGINAL_ANCHORS)
     if prefix is not None:
         keys = strip_prefix(header.tensors, prefix)
-        reject_quantized(header, prefix)
         _reject_unsupported(header, keys)
         _reject_unknown(header, keys, wan_key_plan(keys))
         config = architecture(keys, "original", _stated_head_dim(header, folder_config))
@@ -117,7 +116,6 @@ def detect(header: Header) -> Optional[Detection]:
     if prefix is None:
         return None
     keys = strip_prefix(header.tensors, prefix)
-    reject_quantized(header, prefix)
     _reject_unsupported(header, keys)
     config = architecture(keys, "diffusers", _stated_head_dim(header, folder_config))
     return _detection(header, "diffusers", prefix, config)

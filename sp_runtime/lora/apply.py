@@ -5,7 +5,8 @@ float32 (ComfyUI's intermediate dtype) from the base value re-read from the chec
 which (file, strength) pairs it holds makes a change of list touch only the parameters whose contributions change;
 the same list again touches nothing, and a parameter whose contributions become empty gets its base value back,
 bitwise. All files are parsed and all names resolved before the first parameter changes, so a bad LoRA leaves the
-weights as they were.
+weights as they were. Quantized layers (sp_runtime.formats.QuantLinear) are never rewritten: their LoRAs are kept
+as unmerged low-rank (or difference) terms added at compute time, so removing them is exact too.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..families.header import Header
+from ..formats import QuantLinear
 from .base import BaseWeights
-from .files import Adapter, LoraFile, adapter_delta, file_identity, read_lora_file
+from .files import Adapter, LoraFile, adapter_delta, adapter_factors, file_identity, read_lora_file
 from .keys import KeyResolver, Target, family_plans
 from .rounding import store_as
 
@@ -43,6 +45,8 @@ class LoraState:
         self.checkpoint = checkpoint
         self.device = torch.device(device)
         self.plan, self.weight_plan = family_plans(family, model)
+        self.quantized = {f"{name}.weight": module for name, module in model.named_modules()
+                          if isinstance(module, QuantLinear)}
         self.applied: dict[str, tuple[Contribution, ...]] = {}  # parameter -> contributions it holds now
         self._files: dict[str, LoraFile] = {}
         self._base: Optional[BaseWeights] = None
@@ -50,7 +54,7 @@ class LoraState:
 
     def set(self, loras: Sequence[Sequence], progress: Progress = None) -> dict:
         """Make the weights base + the given LoRAs ([[path, strength], ...], in order); returns a summary."""
-        parameters = dict(self.model.named_parameters())
+        parameters = self._targets()
         files = [self._file(path) for path, _ in loras]
         strengths = [float(strength) for _, strength in loras]
         uses = self._uses(files, strengths, parameters)
@@ -63,6 +67,13 @@ class LoraState:
         return {"parameters": len(wanted), "updated": len(changed), "skipped": skipped}
 
     # ---- preparation: nothing changes until every file and name is known good -----------------------------------
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """What a LoRA may change: the parameters, and quantized weights (as meta tensors of their shape)."""
+        targets = dict(self.model.named_parameters())
+        targets.update({name: torch.empty(module.out_features, module.in_features, device="meta")
+                        for name, module in self.quantized.items()})
+        return targets
+
     @property
     def base(self) -> BaseWeights:
         if self._base is None:
@@ -73,7 +84,7 @@ class LoraState:
     @property
     def resolver(self) -> KeyResolver:
         if self._resolver is None:
-            names = [name for name, _ in self.model.named_parameters()]
+            names = list(self._targets())
             self._resolver = KeyResolver(names, self.plan, self.base.checkpoint_keys)
         return self._resolver
 
@@ -112,26 +123,45 @@ class LoraState:
                strengths: list[float], parameters: dict, progress: Progress) -> None:
         from safetensors import safe_open
 
-        deltas = _DeltaCache(uses, changed)
+        deltas = _DeltaCache(uses, [name for name in changed if name not in self.quantized])
         with contextlib.ExitStack() as stack, self.base.reader(self.device) as read_base, torch.no_grad():
             handles = {}
+
+            def handle(path: str):
+                if path not in handles:
+                    handles[path] = stack.enter_context(safe_open(path, framework="pt", device=str(self.device)))
+                return handles[path]
+
             for done, name in enumerate(changed):
+                if name in self.quantized:
+                    self.quantized[name].deltas = [_unmerged(use, strengths[use.entry], handle(files[use.entry].path))
+                                                   for use in uses.get(name, ())]
+                    self._record(name, wanted, progress, done, len(changed))
+                    continue
                 parameter = parameters[name]
                 value = read_base(name, parameter.dtype).to(torch.float32, copy=True)  # never the read tensor
                 for use in uses.get(name, ()):
-                    lora = files[use.entry]
-                    if lora.path not in handles:
-                        handles[lora.path] = stack.enter_context(safe_open(lora.path, framework="pt",
-                                                                           device=str(self.device)))
-                    delta = deltas.get(use, handles[lora.path])
+                    delta = deltas.get(use, handle(files[use.entry].path))
                     value += (strengths[use.entry] * use.adapter.scale) * delta.reshape(value.shape)
                 parameter.copy_(store_as(value, parameter.dtype, name))
-                if wanted.get(name):
-                    self.applied[name] = wanted[name]
-                else:
-                    self.applied.pop(name, None)
-                if progress is not None:
-                    progress((done + 1) / len(changed), "applying LoRA")
+                self._record(name, wanted, progress, done, len(changed))
+
+    def _record(self, name: str, wanted: dict, progress: Progress, done: int, total: int) -> None:
+        if wanted.get(name):
+            self.applied[name] = wanted[name]
+        else:
+            self.applied.pop(name, None)
+        if progress is not None:
+            progress((done + 1) / total, "applying LoRA")
+
+
+def _unmerged(use: _Use, strength: float, handle) -> tuple:
+    """(first, up, factor) for QuantLinear.deltas: the adapter's factors with the key plan's row transform applied
+    to the output side (up, or the whole difference)."""
+    first, up = adapter_factors(handle, use.adapter)
+    transform = use.target.transform or (lambda tensor: tensor)
+    factor = strength * use.adapter.scale
+    return (first, transform(up), factor) if up is not None else (transform(first), None, factor)
 
 
 class _DeltaCache:

@@ -13,6 +13,7 @@ import torch
 from ..families.checkpoint import Transform, identity_plan, strip_prefix
 from ..families.detect import detect
 from ..families.header import Header, read_checkpoint_header, read_header
+from ..formats import open_weights, quantization, read_plain
 from .keys import WeightPlanFn
 
 Reader = Callable[[str, torch.dtype], torch.Tensor]
@@ -38,6 +39,8 @@ class BaseWeights:
         key_plan = weight_plan(detection, keys)
         key_plan = identity_plan(keys) if key_plan is None else key_plan
         file_of = _files_of_keys(header.source.files)
+        self.prefix = detection.prefix
+        self.quant = quantization(header, detection.prefix)
         self.sources: dict[str, Source] = {}
         for key, targets in key_plan.items():
             for parameter, transform in targets:
@@ -53,9 +56,8 @@ class BaseWeights:
 
     @contextlib.contextmanager
     def reader(self, device: torch.device) -> Iterator[Reader]:
-        """read(parameter, dtype) -> its base value on `device` in `dtype`; files stay open (mmap) meanwhile."""
-        from safetensors import safe_open
-
+        """read(parameter, dtype) -> its base value on `device` in `dtype`; files stay open (mmap) meanwhile.
+        Quantized tensors are dequantized as the loader dequantized them."""
         with contextlib.ExitStack() as stack:
             handles = {}
             last: dict = {}  # one source tensor: a fused tensor feeds several parameters in a row
@@ -65,11 +67,11 @@ class BaseWeights:
                 if source is None:
                     raise KeyError(f"no checkpoint tensor is known for parameter {parameter!r}")
                 if source.file not in handles:
-                    handles[source.file] = stack.enter_context(safe_open(source.file, framework="pt",
-                                                                         device=str(device)))
+                    handles[source.file] = stack.enter_context(open_weights(source.file, device))
                 if last.get("name") != (source.file, source.key):
                     last.clear()
-                    last.update(name=(source.file, source.key), tensor=handles[source.file].get_tensor(source.key))
+                    tensor = read_plain(handles[source.file], source.key, source.key[len(self.prefix):], self.quant)
+                    last.update(name=(source.file, source.key), tensor=tensor)
                 tensor = last["tensor"]
                 tensor = source.transform(tensor) if source.transform else tensor
                 return tensor.to(dtype)  # the cast load_weights made: round to nearest, deterministic

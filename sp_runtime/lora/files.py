@@ -148,8 +148,12 @@ def _adapter_from(key: str, tensors: dict, alphas: dict[str, float]) -> Optional
 def adapter_delta(handle, adapter: Adapter) -> torch.Tensor:
     """The adapter's delta in float32 on the handle's device, before `strength x adapter.scale`: up @ down
     (flattened to [out, in]), or the difference itself. `handle` is an open safetensors file."""
+    first, up = adapter_factors(handle, adapter)
+    return first if up is None else up @ first
+
+
+def adapter_factors(handle, adapter: Adapter) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(down [rank, in], up [out, rank]) of a low-rank adapter, or (difference, None), in float32."""
     if adapter.down is None:
-        return handle.get_tensor(adapter.up).float()
-    up = handle.get_tensor(adapter.up).float().flatten(1)
-    down = handle.get_tensor(adapter.down).float().flatten(1)
-    return up @ down
+        return handle.get_tensor(adapter.up).float(), None
+    return (handle.get_tensor(adapter.down).float().flatten(1), handle.get_tensor(adapter.up).float().flatten(1))

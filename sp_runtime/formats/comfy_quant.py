@@ -1,0 +1,180 @@
+"""ComfyUI's quantized safetensors: legacy "scaled fp8" files and mixed-precision (`comfy_quant`) files.
+
+On-disk layouts (ComfyUI comfy/utils.py convert_old_quants, comfy/quant_ops.py, comfy_kitchen's layouts), for a
+layer `L` (keys carry the file's prefix, e.g. `model.diffusion_model.`):
+- legacy scaled fp8: a marker tensor `scaled_fp8`; per layer `L.weight` fp8 and `L.scale_weight` (fp32, one value or
+  one per row), optional `L.scale_input`. W = q x scale.
+- mixed precision: per layer `L.comfy_quant` (uint8 bytes of JSON, e.g. {"format": "float8_e4m3fn"}) or the file
+  metadata `_quantization_metadata` = {"format_version": "1.0", "layers": {L: {...}}}. Formats:
+  float8_e4m3fn / float8_e5m2 (`L.weight_scale` per tensor, optional `L.input_scale`); int8_tensorwise (`L.weight`
+  int8 [N, K], `L.weight_scale` one value or [N, 1]; with "convrot": true the rows were rotated by a regular
+  Hadamard matrix per group of "convrot_groupsize" input features); mxfp8 (e4m3 codes, e8m0 scales per 32 inputs in
+  cuBLAS's swizzled 128x4 layout); nvfp4 (e2m1 codes, two per byte with the even element in the HIGH nibble, e4m3
+  scales per 16 inputs swizzled, `L.weight_scale_2` per tensor). mxfp8 / nvfp4 storage is padded to 32 / 16.
+Input scales only matter to fp8 activation kernels; we compute activations in the compute dtype, so they are read
+past. Layers without an entry are plain tensors in the file's float dtype.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+
+from .weights import DEQUANTIZERS, QuantWeight
+
+LEGACY_MARKER = "scaled_fp8"
+METADATA_KEY = "_quantization_metadata"
+LAYER_SUFFIX = ".comfy_quant"
+SUPPORTED = ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "mxfp8", "nvfp4")
+# per format: (suffix -> part name) of the tensors that make a layer's weight, besides `.weight`
+SCALE_KEYS = {"legacy": {".scale_weight": "scale"}, "nvfp4": {".weight_scale": "scale", ".weight_scale_2": "scale_2"}}
+DEFAULT_SCALE_KEYS = {".weight_scale": "scale"}
+IGNORED_SUFFIXES = (".scale_input", ".input_scale", LAYER_SUFFIX)
+AUXILIARY_SUFFIXES = (".scale_weight", ".weight_scale", ".weight_scale_2", *IGNORED_SUFFIXES, LEGACY_MARKER)
+FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+NVFP4_BLOCK, MXFP8_BLOCK = 16, 32
+REGULAR_HADAMARD_4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Detection: layer -> its quantization entry
+
+def layer_entries(tensors: dict, metadata: dict, prefix: str, read_small) -> Optional[dict[str, dict]]:
+    """Layer name (prefix stripped) -> {"format": ..., ...} of a ComfyUI quantized file; None for other files.
+
+    read_small(keys) -> {key: tensor} reads small tensors (the JSON bytes of `.comfy_quant` entries)."""
+    if prefix + LEGACY_MARKER in tensors:
+        return {key[len(prefix):-len(".scale_weight")]: {"format": "legacy"}
+                for key in tensors if key.startswith(prefix) and key.endswith(".scale_weight")}
+    if METADATA_KEY in metadata:
+        layers = json.loads(metadata[METADATA_KEY]).get("layers", {})
+        return {name[len(prefix):]: entry for name, entry in layers.items() if name.startswith(prefix)}
+    keys = [key for key in tensors if key.startswith(prefix) and key.endswith(LAYER_SUFFIX)]
+    if not keys:
+        return None
+    return {key[len(prefix):-len(LAYER_SUFFIX)]: json.loads(bytes(value.tolist()).decode("utf-8"))
+            for key, value in read_small(keys).items()}
+
+
+def check_entry(layer: str, entry: dict) -> None:
+    """A clear error for quant formats we cannot dequantize."""
+    name = entry.get("format")
+    if name != "legacy" and name not in SUPPORTED:
+        raise ValueError(f"layer {layer!r} is quantized as {name!r}, which is not supported; supported ComfyUI "
+                         f"formats: scaled fp8, {', '.join(SUPPORTED)}")
+
+
+def auxiliary_keys(layer: str, entry: dict) -> list[str]:
+    """The keys (prefix stripped) of a layer that are not model weights: scales and markers."""
+    suffixes = (*SCALE_KEYS.get(entry["format"], DEFAULT_SCALE_KEYS), *IGNORED_SUFFIXES)
+    return [layer + suffix for suffix in suffixes]
+
+
+def describe(entry: dict) -> str:
+    name = "scaled fp8" if entry["format"] == "legacy" else entry["format"]
+    return f"{name} convrot" if entry.get("convrot") else name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading one layer's weight
+
+def read_weight(handle, full_prefix: str, entry: dict, available: set) -> QuantWeight:
+    """The QuantWeight of layer `full_prefix` (its full key stem) from an open safetensors file holding the keys
+    `available`."""
+    data = handle.get_tensor(full_prefix + ".weight")
+    parts = {part: handle.get_tensor(full_prefix + suffix)
+             for suffix, part in SCALE_KEYS.get(entry["format"], DEFAULT_SCALE_KEYS).items()
+             if full_prefix + suffix in available}
+    kind = entry["format"]
+    if kind == "nvfp4":
+        return _nvfp4(data, parts)
+    if kind == "mxfp8":
+        return _mxfp8(data, parts)
+    scale = parts.get("scale", torch.ones((), device=data.device)).float()
+    return scaled_weight(data, scale, int(entry.get("convrot_groupsize", 256)) if entry.get("convrot") else 0)
+
+
+def scaled_weight(codes: torch.Tensor, scale: torch.Tensor, rotation_group: int = 0) -> QuantWeight:
+    """W = codes x scale (one value, or one per row), then the inverse group rotation when rotation_group > 0."""
+    rows, cols = codes.shape
+    if rotation_group and cols % rotation_group:
+        raise ValueError(f"a convrot weight with {cols} input features does not split into groups of "
+                         f"{rotation_group}: the file's convrot_groupsize does not fit the layer")
+    if scale.numel() == rows and rows > 1:
+        return QuantWeight("scaled", tuple(codes.shape), {"codes": codes, "scale": scale.reshape(rows, 1)},
+                           params={"group": rotation_group})
+    if scale.numel() != 1:
+        raise ValueError(f"a weight scale of shape {list(scale.shape)} does not fit a weight of shape "
+                         f"{list(codes.shape)}: one value or one per row expected")
+    return QuantWeight("scaled", tuple(codes.shape), {"codes": codes}, {"scale": scale.reshape(())},
+                       {"group": rotation_group})
+
+
+def _mxfp8(codes: torch.Tensor, parts: dict) -> QuantWeight:
+    rows, cols = codes.shape
+    scales = unswizzle(parts["scale"].view(torch.uint8), rows, cols // MXFP8_BLOCK)
+    return QuantWeight("mxfp8", (rows, cols), {"codes": codes, "scale": scales})
+
+
+def _nvfp4(packed: torch.Tensor, parts: dict) -> QuantWeight:
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    scales = unswizzle(parts["scale"].view(torch.float8_e4m3fn), rows, cols // NVFP4_BLOCK)
+    return QuantWeight("nvfp4", (rows, cols), {"codes": packed.view(torch.uint8), "scale": scales},
+                       {"scale_2": parts["scale_2"].float().reshape(())})
+
+
+def unswizzle(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[rows, cols] block scales from cuBLAS's 128x4-tile layout: element (r, c) of tile (i, j) sits at flat index
+    ((i * tiles_across + j) * 32 + r % 32) * 16 + (r // 32 % 4) * 4 + c % 4."""
+    down, across = -(-rows // 128), -(-cols // 4)
+    tiles = swizzled.reshape(down, across, 32, 4, 4)
+    plain = tiles.permute(0, 3, 2, 1, 4).reshape(down * 128, across * 4)
+    return plain[:rows, :cols].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dequantizers
+
+def _dequantize_scaled(weight: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    scale = weight.rows.get("scale", weight.consts.get("scale"))
+    values = weight.rows["codes"].to(torch.float32) * scale
+    group = weight.params.get("group", 0)
+    if group:
+        rows, cols = values.shape
+        values = (values.reshape(rows, cols // group, group) @ regular_hadamard(group, values.device)).reshape(
+            rows, cols)
+    return values.to(dtype)
+
+
+def regular_hadamard(size: int, device) -> torch.Tensor:
+    """The symmetric orthogonal rotation ComfyUI's convrot uses: Kronecker powers of the 4x4 regular Hadamard
+    matrix, scaled by 1 / sqrt(size); it is its own inverse."""
+    base = torch.tensor(REGULAR_HADAMARD_4, dtype=torch.float64)
+    matrix = base
+    while matrix.shape[0] < size:
+        matrix = torch.kron(matrix, base)
+    if matrix.shape[0] != size:
+        raise ValueError(f"convrot group size {size} is not a power of 4")
+    return (matrix / size ** 0.5).to(device, torch.float32)
+
+
+def _dequantize_mxfp8(weight: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    codes = weight.rows["codes"]
+    rows, cols = codes.shape
+    scale = torch.exp2(weight.rows["scale"].to(torch.float32) - 127)  # e8m0: a power of two, bias 127
+    values = codes.to(torch.float32).reshape(rows, -1, MXFP8_BLOCK) * scale[..., None]
+    return values.reshape(rows, cols)[:, :weight.shape[1]].to(dtype)
+
+
+def _dequantize_nvfp4(weight: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    packed = weight.rows["codes"]
+    table = torch.tensor(E2M1_VALUES, device=packed.device)
+    codes = torch.stack([packed >> 4, packed & 0x0F], dim=-1).reshape(packed.shape[0], -1)  # even element high
+    values = table[codes.long()].reshape(packed.shape[0], -1, NVFP4_BLOCK)
+    values = values * (weight.rows["scale"].to(torch.float32) * weight.consts["scale_2"])[..., None]
+    return values.reshape(packed.shape[0], -1)[:, :weight.shape[1]].to(dtype)
+
+
+DEQUANTIZERS.update(scaled=_dequantize_scaled, mxfp8=_dequantize_mxfp8, nvfp4=_dequantize_nvfp4)
