@@ -26,6 +26,7 @@ from .base import ComfyHost
 
 FAMILIES = {
     "qwen_image": "sp_runtime.families.qwen_image",
+    "qwen_image21": "sp_runtime.families.qwen_image21",
     "flux": "sp_runtime.families.flux",
     "wan": "sp_runtime.families.wan",
     "toy": "sp_runtime.families.toy",              # the pool's test model

@@ -199,8 +199,8 @@ class JointAttention:
         """Rotate, attend jointly over [text, all image tokens]; returns (image out, text out), each [B, S, H, D]."""
         image_q, image_k, image_v = image_qkv
         text_q, text_k, text_v = text_qkv
-        image_q, image_k = _rotate(image_q, self.image_rope), _rotate(image_k, self.image_rope)
-        text_q, text_k = _rotate(text_q, self.text_rope), _rotate(text_k, self.text_rope)
+        image_q, image_k = rotate(image_q, self.image_rope), rotate(image_k, self.image_rope)
+        text_q, text_k = rotate(text_q, self.text_rope), rotate(text_k, self.text_rope)
         return sp_attention(image_q, image_k, image_v, self.seq, self.shards, text=(text_q, text_k, text_v),
                             text_mask=self.text_mask, text_first=True)
 
@@ -243,7 +243,7 @@ def image_sequence(latents: Sequence[torch.Tensor], placements: Sequence[tuple[i
                          output_grid)
 
 
-def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """diffusers' rotary on [B, S, H, D]; a rank with no tokens (more ranks than tokens) has nothing to rotate."""
     from diffusers.models.embeddings import apply_rotary_emb
     return apply_rotary_emb(x, rope, sequence_dim=1) if x.shape[1] else x
