@@ -133,3 +133,28 @@ def test_key_plan_equals_diffusers_converter_at_full_width():
             got[name] = transform(checkpoint[source])
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_lora_on_fused_qkv_splits_like_the_weight(f2_files, tmp_path):
+    """A ComfyUI-named LoRA of a fused qkv reaches to_q, to_k, to_v (thirds of its rows) through the same plan."""
+    from safetensors.torch import save_file
+    from sp_runtime.lora.apply import LoraState
+    path = f2_files["comfy_prefix"]
+    model = flux2.load_model(path, "float32")[0]
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    width, rank, alpha, strength = 384, 4, 2.0, 0.7
+    up, down = torch.randn(3 * width, rank, generator=g), torch.randn(rank, width, generator=g)
+    stem = "diffusion_model.double_blocks.0.img_attn.qkv"
+    lora = str(tmp_path / "qkv_lora.safetensors")
+    save_file({f"{stem}.lora_B.weight": up, f"{stem}.lora_A.weight": down, f"{stem}.alpha": torch.tensor(alpha)},
+              lora)
+    state = LoraState(model, "flux2", path, torch.device("cpu"))
+    assert state.set([[lora, strength]])["parameters"] == 3
+    delta = strength * alpha / rank * (up @ down)
+    after = model.state_dict()
+    for third, name in enumerate(("to_q", "to_k", "to_v")):
+        key = f"transformer_blocks.0.attn.{name}.weight"
+        assert relative_error(after[key], before[key] + delta[third * width:(third + 1) * width]) <= 1e-6, key
+    state.set([])
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
