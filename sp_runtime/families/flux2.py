@@ -17,7 +17,7 @@ import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, count_blocks, find_prefix,
-                         layout_keys, load_weights, reject_quantized, shape_of, strip_prefix)
+                         layout_keys, load_weights, shape_of, strip_prefix)
 from .header import Header, header_config, read_checkpoint_header
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rotary)
@@ -81,7 +81,6 @@ def detect(header: Header) -> Optional[Detection]:
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    reject_quantized(header, prefix)
     variant = "dev" if config.get("guidance_embeds", True) else "klein"
     return Detection(family=FAMILY, variant=variant, layout=layout, prefix=prefix, config=config,
                      files=header.source.files)
