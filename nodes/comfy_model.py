@@ -62,7 +62,11 @@ def config_from_info(info) -> "comfy.supported_models_base.BASE":
         supported = sorted(family for family in FAMILIES if comfy_host(family))
         raise ValueError(f"model family {info.family!r} (variant {info.variant or ''!r}) has no ComfyUI model class "
                          f"in ulysses-sp; supported families: {', '.join(supported)}")
-    config_cls = getattr(comfy.supported_models, name)
+    config_cls = getattr(comfy.supported_models, name, None)
+    if config_cls is None:
+        raise ValueError(f"model family {info.family!r} needs ComfyUI's model class supported_models.{name}, which "
+                         f"this ComfyUI does not have: update ComfyUI (the README lists the version each family "
+                         f"needs)")
     unet_config = {**config_cls.unet_config, **host.unet_config(info)}
     return config_cls(unet_config)
 
@@ -82,7 +86,8 @@ def comfy_model_config(header, info):
 
 def _same_family(config, info) -> bool:
     wanted = set(comfy_host(info.family).model_classes.values())
-    return any(isinstance(config, getattr(comfy.supported_models, name)) for name in wanted)
+    classes = [getattr(comfy.supported_models, name, None) for name in wanted]
+    return any(isinstance(config, cls) for cls in classes if cls is not None)
 
 
 def host_memory_required(input_shape, cond_shapes={}) -> int:

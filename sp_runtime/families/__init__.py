@@ -26,7 +26,9 @@ from .base import ComfyHost
 
 FAMILIES = {
     "qwen_image": "sp_runtime.families.qwen_image",
+    "qwen_image21": "sp_runtime.families.qwen_image21",
     "flux": "sp_runtime.families.flux",
+    "flux2": "sp_runtime.families.flux2",
     "wan": "sp_runtime.families.wan",
     "toy": "sp_runtime.families.toy",              # the pool's test model
     "synthetic": "sp_runtime.families.synthetic",  # random weights drawn on the workers (benchmark presets)

@@ -213,6 +213,20 @@ def target_dtypes(model: torch.nn.Module, dtypes: WeightDtypes) -> dict[str, Opt
     return targets
 
 
+def row_split(prefix: str, names: Sequence[str], kind: str, sizes: Sequence[int]
+              ) -> list[tuple[str, Transform]]:
+    """Plan targets for a fused tensor whose rows are the parameters `names` (sizes rows each), in order."""
+    targets, start = [], 0
+    for name, size in zip(names, sizes):
+        targets.append((f"{prefix}{name}.{kind}", _rows(start, size)))
+        start += size
+    return targets
+
+
+def _rows(start: int, length: int) -> Transform:
+    return lambda tensor: tensor.narrow(0, start, length)
+
+
 def identity_plan(keys: Iterable[str]) -> dict[str, list[tuple[str, Transform]]]:
     """A plan for checkpoints whose keys already are the model's keys (diffusers layout)."""
     return {key: [(key, None)] for key in keys}

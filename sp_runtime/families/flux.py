@@ -16,7 +16,7 @@ import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, Transform, WeightDtypes, build_empty_model, choose_dtypes, count_blocks,
-                         find_prefix, layout_keys, load_weights, shape_of, strip_prefix)
+                         find_prefix, layout_keys, load_weights, row_split, shape_of, strip_prefix)
 from .header import Header, header_config, read_checkpoint_header
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rope_axes, rotary)
@@ -194,26 +194,14 @@ def _convert(module: str, kind: str, hidden: int) -> list[tuple[str, Transform]]
         if inner in _DOUBLE:
             return [(f"{prefix}{_DOUBLE[inner]}.{kind}", None)]
         if inner in _DOUBLE_FUSED:
-            return _row_split(prefix, _DOUBLE_FUSED[inner], kind, (hidden,) * 3)
+            return row_split(prefix, _DOUBLE_FUSED[inner], kind, (hidden,) * 3)
     if stem == "single_blocks":
         prefix = f"single_transformer_blocks.{index}."
         if inner in _SINGLE:
             return [(f"{prefix}{_SINGLE[inner]}.{kind}", None)]
         if inner == "linear1":
-            return _row_split(prefix, _SINGLE_FUSED, kind, (hidden,) * 3 + (MLP_RATIO * hidden,))
+            return row_split(prefix, _SINGLE_FUSED, kind, (hidden,) * 3 + (MLP_RATIO * hidden,))
     return []
-
-
-def _row_split(prefix: str, names: tuple[str, ...], kind: str, sizes: tuple[int, ...]):
-    targets, start = [], 0
-    for name, size in zip(names, sizes):
-        targets.append((f"{prefix}{name}.{kind}", _rows(start, size)))
-        start += size
-    return targets
-
-
-def _rows(start: int, length: int) -> Transform:
-    return lambda tensor: tensor.narrow(0, start, length)
 
 
 def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:

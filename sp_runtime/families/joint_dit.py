@@ -199,8 +199,8 @@ class JointAttention:
         """Rotate, attend jointly over [text, all image tokens]; returns (image out, text out), each [B, S, H, D]."""
         image_q, image_k, image_v = image_qkv
         text_q, text_k, text_v = text_qkv
-        image_q, image_k = _rotate(image_q, self.image_rope), _rotate(image_k, self.image_rope)
-        text_q, text_k = _rotate(text_q, self.text_rope), _rotate(text_k, self.text_rope)
+        image_q, image_k = rotate(image_q, self.image_rope), rotate(image_k, self.image_rope)
+        text_q, text_k = rotate(text_q, self.text_rope), rotate(text_k, self.text_rope)
         return sp_attention(image_q, image_k, image_v, self.seq, self.shards, text=(text_q, text_k, text_v),
                             text_mask=self.text_mask, text_first=True)
 
@@ -222,12 +222,14 @@ class ImageSequence:
 
 
 def image_sequence(latents: Sequence[torch.Tensor], placements: Sequence[tuple[int, int, int]], seq: SeqParallel,
-                   axes: Sequence[int], patch: int, centred: bool, id_dtype: torch.dtype) -> ImageSequence:
+                   axes: Sequence[int], patch: int, centred: bool, id_dtype: torch.dtype,
+                   theta: int = ROPE_THETA) -> ImageSequence:
     """Patch tokens and rotary of this rank's share of [output latent, *reference latents].
 
     latents: [B or 1, C, H, W] on the device, the output latent first (a batch-1 reference serves every item);
-    placements: the (index, row offset, col offset) of each latent. Every rank patchifies the (small) latents whole
-    and embeds only its own tokens.
+    placements: the (index, row offset, col offset) of each latent; rotary axes past these three (Flux.2's fourth,
+    the text position) are 0 for images. Every rank patchifies the (small) latents whole and embeds only its own
+    tokens.
     """
     batch = latents[0].shape[0]
     token_parts, id_parts = [], []
@@ -236,23 +238,24 @@ def image_sequence(latents: Sequence[torch.Tensor], placements: Sequence[tuple[i
         token_parts.append(patchify(pad_to_patch(latent, patch), patch))
         grid = TokenGrid.of(latent.shape[-2], latent.shape[-1], patch)
         id_parts.append(grid_ids(grid, index, row_offset, col_offset, centred, id_dtype, latent.device))
-    ids = torch.cat(id_parts)
+    ids = F.pad(torch.cat(id_parts), (0, len(axes) - 3))
     output_grid = TokenGrid.of(latents[0].shape[-2], latents[0].shape[-1], patch)
     split = TokenSplit.of(ids.shape[0], output_grid.count, seq)
-    return ImageSequence(slice_tokens(token_parts, split.lo, split.hi), rotary(ids[split.lo:split.hi], axes), split,
-                         output_grid)
+    return ImageSequence(slice_tokens(token_parts, split.lo, split.hi), rotary(ids[split.lo:split.hi], axes, theta),
+                         split, output_grid)
 
 
-def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """diffusers' rotary on [B, S, H, D]; a rank with no tokens (more ranks than tokens) has nothing to rotate."""
     from diffusers.models.embeddings import apply_rotary_emb
     return apply_rotary_emb(x, rope, sequence_dim=1) if x.shape[1] else x
 
 
-def rotary(ids: torch.Tensor, axes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [S, head_dim] for ids [S, 3], interleaved per pair; float64 angles as ComfyUI and diffusers."""
+def rotary(ids: torch.Tensor, axes: Sequence[int], theta: int = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [S, head_dim] for ids [S, len(axes)], interleaved per pair; float64 angles as ComfyUI and
+    diffusers."""
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-    return FluxPosEmbed(theta=ROPE_THETA, axes_dim=list(axes))(ids)
+    return FluxPosEmbed(theta=theta, axes_dim=list(axes))(ids)
 
 
 def text_key_mask(mask: Optional[torch.Tensor], batch: int, length: int) -> Optional[torch.Tensor]:

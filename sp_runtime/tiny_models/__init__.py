@@ -12,13 +12,15 @@ from typing import Optional
 
 import torch
 
+from . import flux2 as tiny_flux2
+from . import qwen_image21 as tiny_qwen21
 from . import wan as tiny_wan
 from .weights import COMFY_PREFIX, cast_like_release, randomize_, save_folder
 
 __all__ = ["COMFY_PREFIX", "FAMILIES", "LAYOUTS", "build_tiny_model", "original_state_dict", "randomize_",
            "tiny_config", "write_tiny_checkpoint"]
 
-FAMILIES = ("qwen_image", "flux", "wan")  # wan: see wan.py
+FAMILIES = ("qwen_image", "flux", "wan", "qwen_image21", "flux2")  # the last three: see their modules
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
 
 QWEN_TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
@@ -35,6 +37,10 @@ def tiny_config(family: str, **size) -> dict:
         raise ValueError(f"unknown family {family!r}; tiny models exist for {FAMILIES}")
     if family == "wan":  # Wan's tiny models live in wan.py (size may hold variant=...)
         return tiny_wan.tiny_config(**size)
+    if family == "qwen_image21":
+        return tiny_qwen21.tiny_config(**size)
+    if family == "flux2":
+        return tiny_flux2.tiny_config(**size)
     config = dict(QWEN_TINY if family == "qwen_image" else FLUX_TINY)
     unknown = set(size) - set(config)
     if unknown:
@@ -50,6 +56,10 @@ def build_tiny_model(family: str, seed: int = 0, **size) -> torch.nn.Module:
     """A float32 diffusers model of the family with seeded random weights (stock attention processors)."""
     if family == "wan":
         return tiny_wan.build_tiny_model(seed, **size)
+    if family == "qwen_image21":
+        return tiny_qwen21.build_tiny_model(seed, **size)
+    if family == "flux2":
+        return tiny_flux2.build_tiny_model(seed, **size)
     from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel
     cls = QwenImageTransformer2DModel if family == "qwen_image" else FluxTransformer2DModel
     model = cls.from_config(tiny_config(family, **size))
@@ -64,6 +74,10 @@ def original_state_dict(family: str, model: torch.nn.Module) -> dict[str, torch.
     """The model's weights under ComfyUI's / the original release's key names."""
     if family == "wan":
         return tiny_wan.original_state_dict(model)
+    if family == "qwen_image21":
+        return tiny_qwen21.original_state_dict(model)
+    if family == "flux2":
+        return tiny_flux2.original_state_dict(model)
     state = {key: value.detach() for key, value in model.state_dict().items()}
     if family == "qwen_image":
         return state  # ComfyUI uses diffusers' names for Qwen-Image
@@ -144,6 +158,10 @@ def write_tiny_checkpoint(family: str, path: str, layout: str = "original", dtyp
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     if family == "wan":
         return tiny_wan.write_tiny_checkpoint(path, layout, dtype, seed, prefix, variant, max_shard_size, **size)
+    if family == "qwen_image21":
+        return tiny_qwen21.write_tiny_checkpoint(path, layout, dtype, seed, prefix, max_shard_size, **size)
+    if family == "flux2":
+        return tiny_flux2.write_tiny_checkpoint(path, layout, dtype, seed, prefix, variant, max_shard_size, **size)
     size = {**_variant_size(family, variant, layout), **size}
     model = build_tiny_model(family, seed, **size)
     if layout == "diffusers_folder":
