@@ -146,7 +146,7 @@ def _tiny_original(**extra) -> dict:
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"control_adapter.conv.weight": torch.zeros(2, 2)}, "Wan Fun Camera checkpoint"),
+    ({"casual_audio_encoder.encoder.final_linear.weight": torch.zeros(2, 2)}, "Wan 2.2 S2V checkpoint"),
     ({"face_adapter.fuser_blocks.0.k_norm.weight": torch.zeros(2)}, "Wan 2.2 Animate"),
     ({"blocks.0.self_attn.lora_down.weight": torch.zeros(2, 2)}, "tensors this loader does not know"),
     ({"blocks.0.self_attn.q.comfy_quant": torch.tensor(list(b'{"format": "awq_w4a16"}'), dtype=torch.uint8)},

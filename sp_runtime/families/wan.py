@@ -27,10 +27,11 @@ from .video_tokens import VideoGrid, pad_to_patch_3d
 from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY,
                              folder_overrides, wan_key_plan)
 from .wan_checkpoint import detect  # noqa: F401 - the family's detector (found here through FAMILIES)
+from .wan_camera import CameraAddedEmbedding, attach_camera_adapter, camera_tokens
 from .wan_fun import ReferenceFirstEmbedding, attach_reference_conv, embed_tokens, reference_frame
 from .wan_vace import VaceHints, prepare_hints
 
-DESCRIPTION = "Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun InP / Control)"
+DESCRIPTION = "Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun InP / Control / Camera)"
 COMFY_PATCH = (1, 2, 2)
 
 
@@ -47,12 +48,14 @@ def _comfy_attributes(info: ModelInfo) -> dict:
 
 # t2v, and i2v_concat (Wan 2.2 A14B I2V: image latent in extra input channels), map to WAN21_T2V
 COMFY = ComfyHost(model_classes={"i2v": "WAN21_I2V", "flf2v": "WAN21_I2V", "ti2v": "WAN22_T2V", "vace": "WAN21_Vace",
-                                 "fun_control": "WAN21_FunControl2V", "": "WAN21_T2V"},
+                                 "fun_control": "WAN21_FunControl2V", "camera": "WAN21_Camera",
+                                 "camera_2.2": "WAN22_Camera", "": "WAN21_T2V"},
                   unet_config=_comfy_unet_config, attributes=_comfy_attributes)
 INFO_KEYS = ("patch_size", "num_layers", "text_dim", "ffn_dim", "freq_dim", "image_dim", "pos_embed_seq_len",
-             "vace_layers", "vace_in_channels")
+             "vace_layers", "vace_in_channels", "camera_in_channels")
 # inputs of the Wan variants; ComfyUI would use them, so never ignore them silently on a model without the modules
-VARIANT_INPUTS = {"vace": ("vace_context", "vace_strength")}
+VARIANT_INPUTS = {"vace": ("vace_context", "vace_strength"), "camera": ("camera_conditions",),
+                  "camera_2.2": ("camera_conditions",)}
 UNSUPPORTED_INPUTS = ("vace_context", "camera_conditions", "audio_embed", "reference_motion", "control_video",
                       "face_pixel_values", "pose_latents")
 
@@ -108,16 +111,24 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     config = {**model_config(detection, options), **folder_overrides(header_config(header))}
     dtypes = choose_dtypes(dtype, header, detection.prefix)
     model_class = WanVACETransformer3DModel if detection.variant == "vace" else WanTransformer3DModel
-    reference_channels = config.pop("ref_in_channels", None)
+    extras = {key: config.pop(key, None) for key in ("ref_in_channels", "camera_in_channels",
+                                                       "camera_residual_blocks")}
     model = build_empty_model(model_class, config, dtypes)
-    if reference_channels:
-        attach_reference_conv(model, reference_channels)
+    attach_extra_modules(model, extras)
     keys = [key[len(detection.prefix):] for key in header.tensors if key.startswith(detection.prefix)]
     plan = weight_plan(detection, keys)
     ignore = [key for key in keys if key.endswith(DIFFUSERS_IGNORED_SUFFIX)] if plan is None else []
     load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
                  ignore=ignore, progress=progress)
     return model, detection, dtypes
+
+
+def attach_extra_modules(model, extras: dict) -> None:
+    """The modules of Wan variants that diffusers' classes lack (Fun Control's ref_conv, Fun Camera's adapter)."""
+    if extras.get("ref_in_channels"):
+        attach_reference_conv(model, extras["ref_in_channels"])
+    if extras.get("camera_in_channels"):
+        attach_camera_adapter(model, extras["camera_in_channels"], extras["camera_residual_blocks"])
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
@@ -147,6 +158,8 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
                      num_heads=config.num_attention_heads, head_dim=config.attention_head_dim)
     if getattr(model, "ref_conv", None) is not None:
         described["ref_in_channels"] = model.ref_conv.in_channels
+    if getattr(model, "control_adapter", None) is not None:
+        described["camera_in_channels"] = model.control_adapter.in_channels
     return ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
                      out_channels=config.out_channels, x_ndim=5, config=described,
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
@@ -275,6 +288,9 @@ def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: 
     shards = SeqShards.balanced(sequence.count, seq.degree)
     lo, hi = shards.range(seq.rank)
     hidden = embed_tokens(model, grid, latent, reference, lo, hi, dtype)
+    camera = camera_tokens(model, inputs, x, grid, lo, hi, ctx, dtype) if variant.startswith("camera") else None
+    if camera is not None:
+        hidden = hidden + camera
     context = _cross_context(model, inputs, ctx, dtype, batch)
     sigma = _per_item(ctx.to_device("timestep", timestep, torch.float32), batch)
     temb, projection = time_embeddings(model, sigma, dtype)
@@ -423,7 +439,8 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
                       clip_fea: Optional[torch.Tensor] = None, time_dim_concat: Optional[torch.Tensor] = None,
                       dtype: str = "default", head_dim: Optional[int] = None,
                       vace_context: Optional[torch.Tensor] = None, vace_strength: Optional[list] = None,
-                      reference_latent: Optional[torch.Tensor] = None, **_ignored) -> torch.Tensor:
+                      reference_latent: Optional[torch.Tensor] = None,
+                      camera_conditions: Optional[torch.Tensor] = None, **_ignored) -> torch.Tensor:
     """ComfyUI's Wan diffusion_model(...) computed by diffusers' own WanTransformer3DModel.forward on one process.
 
     Around the stock call: circular padding and cropping as ComfyUI, per-frame timesteps spread over their tokens
@@ -433,6 +450,7 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     one hint video, so vace_context must hold one ([B, 1, C, T, H, W]); its strength scales every VACE layer.
     Fun Control's reference_latent: the stock forward on a latent one frame longer, whose frame 0 patch_embedding
     gives as ref_conv(reference_latent) (wan_fun.ReferenceFirstEmbedding), that frame cropped from the output.
+    Fun Camera: the adapter's output added to patch_embedding's (wan_camera.CameraAddedEmbedding).
     """
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
@@ -469,6 +487,8 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     if lead:
         reference = _wrap_pad(reference_latent.unsqueeze(2), patch)[:, :, 0]
         model.patch_embedding = ReferenceFirstEmbedding(model, reference.to(device, compute))
+    if camera_conditions is not None and getattr(model, "control_adapter", None) is not None:
+        model.patch_embedding = CameraAddedEmbedding(model, camera_conditions.to(device, compute))
     try:
         with torch.no_grad():
             result = model(hidden_states=latent.to(device, compute), timestep=sigma.to(device),

@@ -22,6 +22,7 @@ HEAD_DIM_METADATA_KEY = "ulysses_sp.head_dim"  # our tiny test checkpoints state
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 VACE_CLASS = "WanVACETransformer3DModel"
 ORIGINAL_CLASS = "WanModel"
+CAMERA_ADAPTER = "control_adapter"  # Fun Camera's module (wan_camera), the same name in both layouts
 FUN_CONTROL_CHANNELS = 48  # noise 16 + control video 16 + image latent 16 (ComfyUI's WAN21_FunControl2V)  # config.json of the original Wan-AI release folders (original key names)
 
 ORIGINAL_ANCHORS = ("patch_embedding.weight", "text_embedding.0.weight", "time_embedding.0.weight",
@@ -31,7 +32,6 @@ DIFFUSERS_ANCHORS = ("patch_embedding.weight", "condition_embedder.time_proj.wei
                      "scale_shift_table", "proj_out.weight")
 # Wan-based models with extra modules our SP forward does not run, by a key stem they carry (either layout).
 UNSUPPORTED_PARTS = {
-    "control_adapter.": "Wan Fun Camera",
     "casual_audio_encoder.": "Wan 2.2 S2V", "audio_proj.": "Wan HuMo", "face_adapter.": "Wan 2.2 Animate",
     "motion_encoder.": "Wan 2.2 Animate",
 }
@@ -84,6 +84,8 @@ def wan_key_plan(keys) -> dict[str, list[tuple[str, None]]]:
 
 
 def _convert(key: str) -> Optional[str]:
+    if key.startswith(CAMERA_ADAPTER + "."):  # wan_camera states the adapter with ComfyUI's names
+        return key
     if key in _TOP_PARAMETERS:
         return _TOP_PARAMETERS[key]
     stem = key.split(".", 1)[0]
@@ -134,11 +136,13 @@ def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detect
 
 
 def variant_of(config: dict) -> str:
-    """vace (hint blocks), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2 5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat
+    """vace (hint blocks), camera / camera_2.2 (Fun Camera with / without CLIP), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2 5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat
     (image latent in extra input channels without CLIP: Wan 2.2 A14B I2V experts, Fun models) or t2v (also the
     Wan 2.2 A14B T2V experts)."""
     if config.get("vace_layers"):
         return "vace"
+    if config.get("camera_in_channels"):  # ComfyUI's model types: camera (with CLIP) and camera_2.2
+        return "camera" if config.get("image_dim") else "camera_2.2"
     if config.get("image_dim") and config["in_channels"] == FUN_CONTROL_CHANNELS:
         return "fun_control"
     if config["out_channels"] == 48:
@@ -228,6 +232,9 @@ def architecture(keys: dict, layout: str, head_dim: Optional[int] = None) -> dic
     }
     if "vace_patch_embedding.weight" in keys:
         config.update(vace_architecture(keys, config["num_layers"]))
+    if f"{CAMERA_ADAPTER}.conv.weight" in keys:
+        config.update(camera_in_channels=shape_of(keys, f"{CAMERA_ADAPTER}.conv.weight")[1] // 64,
+                      camera_residual_blocks=count_blocks(keys, f"{CAMERA_ADAPTER}.residual_blocks"))
     if "ref_conv.weight" in keys:
         config["ref_in_channels"] = shape_of(keys, "ref_conv.weight")[1]
     _check_qk_norm(keys, names["qk_norm"])

@@ -34,8 +34,6 @@ def reference_frame(model, inputs: dict, x: torch.Tensor, ctx) -> Optional[torch
         raise ValueError(f"reference_latent has shape {list(reference.shape)}; this Wan Fun model takes "
                          f"[B, {channels}, {x.shape[3]}, {x.shape[4]}] (one latent frame of x's height and width)")
     reference = ctx.to_device("reference_latent", reference, torch.float32)
-    if reference.shape[0] == 1 and x.shape[0] > 1:
-        reference = reference.expand(x.shape[0], *reference.shape[1:])
     return pad_to_patch_3d(reference.unsqueeze(2), tuple(model.config.patch_size))
 
 

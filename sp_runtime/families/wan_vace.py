@@ -43,8 +43,6 @@ def prepare_hints(model, inputs: dict, x: torch.Tensor, grid: VideoGrid, lo: int
     vace_context = inputs.get("vace_context")
     check_vace_inputs(model.config, x, inputs, block_modulation)
     contexts = ctx.to_device("vace_context", vace_context, torch.float32)
-    if contexts.shape[0] == 1 and x.shape[0] > 1:
-        contexts = contexts.expand(x.shape[0], *contexts.shape[1:])
     patch = tuple(model.config.patch_size)
     states = [conv_patch_embed(model.vace_patch_embedding, grid.patches(pad_to_patch_3d(contexts[:, video], patch),
                                                                          lo, hi)).to(dtype)

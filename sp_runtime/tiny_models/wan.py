@@ -6,7 +6,8 @@ flf2v (i2v plus first-last-frame positions), i2v_concat (36 input channels, no C
 ti2v (48 -> 48 channels: Wan 2.2 5B style, run with per-frame timesteps) and vace (WanVACETransformer3DModel: 4
 blocks with VACE hints after blocks 0 and 2, 96 hint channels as the real models) and fun_control (i2v with 48 input
 channels and Fun Control's ref_conv of a 16-channel reference latent), fun_a14b (Wan 2.2 Fun Control A14B style: 52
-input channels, no CLIP, ref_conv). Defaults: 6 heads (4 ranks do not divide
+input channels, no CLIP, ref_conv), camera (Wan 2.1 Fun Camera: i2v with 32 input channels and the camera adapter
+of 24-channel conditions) and camera_2.2 (36 input channels, no CLIP, the adapter). Defaults: 6 heads (4 ranks do not divide
 them) of size 16, 2 blocks. Files state their head size in the safetensors metadata key
 `ulysses_sp.head_dim` (wan_checkpoint.HEAD_DIM_METADATA_KEY) unless head_dim_metadata=False, in which case loading
 needs the option head_dim=16. The original-layout writer is the inverse of the loader's key plan, written
@@ -28,7 +29,8 @@ WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=
 CLIP_DIM = 1280         # ComfyUI's Wan image embedder input width is fixed
 FLF_CLIP_TOKENS = 10    # tiny first-last-frame models: 2 x 5 CLIP tokens
 VACE_TINY = dict(num_layers=4, vace_layers=[0, 2], vace_in_channels=96)
-VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b")
+VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b", "camera", "camera_2.2")
+CAMERA_TINY = dict(camera_in_channels=24, camera_residual_blocks=1)
 
 
 def tiny_config(variant: str = "t2v", **size) -> dict:
@@ -41,12 +43,14 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
         raise ValueError(f"unknown size options {sorted(unknown)} for wan; known: {sorted(config)}")
     config.update(size)
     inner = config["num_attention_heads"] * config["attention_head_dim"]
-    if variant in ("i2v", "flf2v", "fun_control"):
+    if variant in ("i2v", "flf2v", "fun_control", "camera"):
         config.update(in_channels=36, image_dim=CLIP_DIM, added_kv_proj_dim=inner)
     if variant == "fun_control":
         config.update(in_channels=48, ref_in_channels=16)
     if variant == "fun_a14b":
         config.update(in_channels=52, ref_in_channels=16)
+    if variant.startswith("camera"):
+        config.update(in_channels=32 if variant == "camera" else 36, **CAMERA_TINY)
     if variant == "flf2v":
         config["pos_embed_seq_len"] = FLF_CLIP_TOKENS
     if variant == "i2v_concat":
@@ -62,13 +66,12 @@ def build_tiny_model(seed: int = 0, variant: str = "t2v", **size) -> torch.nn.Mo
     attention processors)."""
     from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 
-    from ..families.wan_fun import attach_reference_conv
+    from ..families.wan import attach_extra_modules
     config = tiny_config(variant, **size)
-    reference_channels = config.pop("ref_in_channels", None)
+    extras = {key: config.pop(key) for key in ("ref_in_channels", *CAMERA_TINY) if key in config}
     model_class = WanVACETransformer3DModel if variant == "vace" else WanTransformer3DModel
     model = model_class.from_config(config)
-    if reference_channels:
-        attach_reference_conv(model, reference_channels)
+    attach_extra_modules(model, extras)
     randomize_(model, seed)
     return model.eval().requires_grad_(False)
 
@@ -103,6 +106,8 @@ def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _original_name(key: str) -> str:
+    if key.startswith("control_adapter."):
+        return key
     if key == "scale_shift_table":
         return "head.modulation"
     if key == "condition_embedder.image_embedder.pos_embed":
