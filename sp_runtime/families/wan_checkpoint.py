@@ -169,7 +169,7 @@ def _reject_unsupported(header: Header, keys: dict) -> None:
         if any(key.startswith(stem) or f".{stem}" in key for key in keys):
             raise ValueError(f"{header.path!r} is a {name} checkpoint (it has {stem}* weights), which the "
                              f"sequence-parallel Wan does not support; supported: Wan 2.1 / 2.2 T2V, I2V, FLF2V, "
-                             f"TI2V 5B and Fun-InP-style models")
+                             f"TI2V 5B, VACE, Fun InP / Control / Camera")
 
 
 def _reject_unknown(header: Header, keys: dict, plan: dict) -> None:
