@@ -9,6 +9,10 @@ SP plan: every rank patch-embeds only its balanced share of the video tokens (Co
 linear over flattened patches), takes the rotary embeddings and (TI2V) per-token modulations of those tokens,
 runs self-attention through sp_attention and cross-attention locally against the replicated text / image context
 (no communication), and writes its own output tokens. Header detection lives in wan_checkpoint.
+
+Variants, each with its extra inputs split the same way: VACE (wan_vace: vace_context hint videos on the same token
+split), Fun Control's reference image (wan_fun: reference_latent as a leading frame of tokens) and Fun Camera
+(wan_camera: camera_conditions embedded per token).
 """
 from __future__ import annotations
 
