@@ -35,6 +35,10 @@ KINDS = {
     "ti2v_folder": (dict(layout="diffusers_folder", variant="ti2v"), "ti2v", "diffusers", ""),
     "vace_comfy_prefix": (dict(variant="vace", prefix=COMFY_PREFIX), "vace", "original", COMFY_PREFIX),
     "vace_folder": (dict(layout="diffusers_folder", variant="vace"), "vace", "diffusers", ""),
+    "fun_control": (dict(variant="fun_control"), "fun_control", "original", ""),
+    "camera_comfy_prefix": (dict(variant="camera", prefix=COMFY_PREFIX), "camera", "original", COMFY_PREFIX),
+    "camera_2.2": (dict(variant="camera_2.2"), "camera_2.2", "original", ""),
+    "humo_comfy_prefix": (dict(variant="humo", prefix=COMFY_PREFIX), "humo", "original", COMFY_PREFIX),
 }
 
 

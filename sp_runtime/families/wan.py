@@ -32,10 +32,11 @@ from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY,
                              folder_overrides, wan_key_plan)
 from .wan_checkpoint import detect  # noqa: F401 - the family's detector (found here through FAMILIES)
 from .wan_camera import CameraAddedEmbedding, attach_camera_adapter, camera_tokens
+from .wan_humo import HumoAudio, attach_humo_modules, humo_block, prepare_audio
 from .wan_fun import ReferenceFirstEmbedding, attach_reference_conv, embed_tokens, reference_frame
 from .wan_vace import VaceHints, prepare_hints
 
-DESCRIPTION = "Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun InP / Control / Camera)"
+DESCRIPTION = "Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun InP / Control / Camera, HuMo)"
 COMFY_PATCH = (1, 2, 2)
 
 
@@ -53,13 +54,15 @@ def _comfy_attributes(info: ModelInfo) -> dict:
 # t2v, and i2v_concat (Wan 2.2 A14B I2V: image latent in extra input channels), map to WAN21_T2V
 COMFY = ComfyHost(model_classes={"i2v": "WAN21_I2V", "flf2v": "WAN21_I2V", "ti2v": "WAN22_T2V", "vace": "WAN21_Vace",
                                  "fun_control": "WAN21_FunControl2V", "camera": "WAN21_Camera",
-                                 "camera_2.2": "WAN22_Camera", "": "WAN21_T2V"},
+                                 "camera_2.2": "WAN22_Camera", "humo": "WAN21_HuMo", "": "WAN21_T2V"},
                   unet_config=_comfy_unet_config, attributes=_comfy_attributes)
 INFO_KEYS = ("patch_size", "num_layers", "text_dim", "ffn_dim", "freq_dim", "image_dim", "pos_embed_seq_len",
              "vace_layers", "vace_in_channels", "camera_in_channels")
+EXTRA_MODULE_KEYS = ("ref_in_channels", "camera_in_channels", "camera_residual_blocks", "audio_in_features",
+                     "audio_hidden", "audio_dim")
 # inputs of the Wan variants; ComfyUI would use them, so never ignore them silently on a model without the modules
 VARIANT_INPUTS = {"vace": ("vace_context", "vace_strength"), "camera": ("camera_conditions",),
-                  "camera_2.2": ("camera_conditions",)}
+                  "camera_2.2": ("camera_conditions",), "humo": ("audio_embed",)}
 UNSUPPORTED_INPUTS = ("vace_context", "camera_conditions", "audio_embed", "reference_motion", "control_video",
                       "face_pixel_values", "pose_latents")
 
@@ -115,8 +118,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     config = {**model_config(detection, options), **folder_overrides(header_config(header))}
     dtypes = choose_dtypes(dtype, header, detection.prefix)
     model_class = WanVACETransformer3DModel if detection.variant == "vace" else WanTransformer3DModel
-    extras = {key: config.pop(key, None) for key in ("ref_in_channels", "camera_in_channels",
-                                                       "camera_residual_blocks")}
+    extras = {key: config.pop(key, None) for key in EXTRA_MODULE_KEYS}
     model = build_empty_model(model_class, config, dtypes)
     attach_extra_modules(model, extras)
     keys = [key[len(detection.prefix):] for key in header.tensors if key.startswith(detection.prefix)]
@@ -128,11 +130,14 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
 
 
 def attach_extra_modules(model, extras: dict) -> None:
-    """The modules of Wan variants that diffusers' classes lack (Fun Control's ref_conv, Fun Camera's adapter)."""
+    """The modules of Wan variants that diffusers' classes lack (Fun Control's ref_conv, Fun Camera's adapter,
+    HuMo's audio modules)."""
     if extras.get("ref_in_channels"):
         attach_reference_conv(model, extras["ref_in_channels"])
     if extras.get("camera_in_channels"):
         attach_camera_adapter(model, extras["camera_in_channels"], extras["camera_residual_blocks"])
+    if extras.get("audio_dim"):
+        attach_humo_modules(model, extras["audio_in_features"], extras["audio_hidden"], extras["audio_dim"])
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
@@ -164,6 +169,8 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
         described["ref_in_channels"] = model.ref_conv.in_channels
     if getattr(model, "control_adapter", None) is not None:
         described["camera_in_channels"] = model.control_adapter.in_channels
+    if getattr(model, "audio_proj", None) is not None:
+        described["audio_in_features"] = model.audio_proj.audio_proj_glob_1.layer.in_features
     return ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
                      out_channels=config.out_channels, x_ndim=5, config=described,
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
@@ -278,12 +285,13 @@ class _Call:
     block_modulation: torch.Tensor        # [b, 6, dim] or per token [b, n, 6, dim]
     out_modulation: torch.Tensor          # [b, 1, dim] or per token [b, n, dim]
     vace: Optional[VaceHints] = None      # VACE models: the hint videos' states on this rank's tokens
+    audio: Optional[HumoAudio] = None     # HuMo models called with audio_embed
 
 
 def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: str) -> _Call:
     _check_inputs(model.config, x, inputs, variant)
     batch = x.shape[0]
-    latent = _video_latent(model, x, inputs, ctx)
+    latent = _video_latent(model, x, inputs, ctx, "reference_latent" if variant == "humo" else "time_dim_concat")
     grid = VideoGrid.of(tuple(latent.shape[2:]), tuple(model.config.patch_size))
     reference = reference_frame(model, inputs, x, ctx)
     lead = 0 if reference is None else grid.per_frame
@@ -304,22 +312,23 @@ def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: 
     else:
         block_modulation, out_modulation = projection[:, entries], temb[:, entries]
     cos, sin = rotary_factors(model.rope, sequence, sequence.positions(lo, hi, ctx.device))
-    vace = None
-    if variant == "vace":
-        vace = prepare_hints(model, inputs, x, grid, lo, hi, hidden, block_modulation, ctx, dtype)
+    vace = prepare_hints(model, inputs, x, grid, lo, hi, hidden, block_modulation, ctx, dtype) \
+        if variant == "vace" else None
+    audio = prepare_audio(model, inputs, x, grid, lo, ctx, dtype) if variant == "humo" else None
     return _Call(grid, lo, lead, hidden, SelfAttentionPlan(seq, shards, cos, sin), context, block_modulation,
-                 out_modulation, vace)
+                 out_modulation, vace, audio)
 
 
-def _video_latent(model, x, inputs, ctx) -> torch.Tensor:
-    """x in float32 (ComfyUI embeds patches in float32), padded to whole patches, with time_dim_concat's frames
-    appended (e.g. Phantom subjects: attended to, never output)."""
+def _video_latent(model, x, inputs, ctx, appended: str) -> torch.Tensor:
+    """x in float32 (ComfyUI embeds patches in float32), padded to whole patches, with the frames of input
+    `appended` after it (time_dim_concat, e.g. Phantom subjects; HuMo's reference_latent): attended to, never
+    output."""
     patch = tuple(model.config.patch_size)
     latent = pad_to_patch_3d(ctx.to_device("x", x, torch.float32), patch)
-    extra = inputs.get("time_dim_concat")
+    extra = inputs.get(appended)
     if extra is None:
         return latent
-    extra = pad_to_patch_3d(_per_item(ctx.to_device("time_dim_concat", extra, torch.float32), x.shape[0]), patch)
+    extra = pad_to_patch_3d(_per_item(ctx.to_device(appended, extra, torch.float32), x.shape[0]), patch)
     return torch.cat([latent, extra], dim=2)
 
 
@@ -344,7 +353,10 @@ def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
     hidden = call.hidden
     for index, block in enumerate(model.blocks):
         ctx.check_cancel()
-        hidden = block(hidden, call.context, call.block_modulation, call.attention)
+        if call.audio is not None:
+            hidden = humo_block(block, hidden, call.context, call.block_modulation, call.attention, call.audio)
+        else:
+            hidden = block(hidden, call.context, call.block_modulation, call.attention)
         if call.vace is not None:
             hidden = call.vace.add(model, index, hidden, call)
     table = model.scale_shift_table
@@ -367,10 +379,13 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict, variant: str) -> None:
     for name in UNSUPPORTED_INPUTS:
         if inputs.get(name) is not None and name not in VARIANT_INPUTS.get(variant, ()):
             raise ValueError(f"{name} belongs to a Wan variant the sequence-parallel Wan does not support")
-    extra = inputs.get("time_dim_concat")
-    if extra is not None and (extra.dim() != 5 or extra.shape[1] != x.shape[1] or extra.shape[3:] != x.shape[3:]):
-        raise ValueError(f"time_dim_concat has shape {list(extra.shape)}; it must match x {list(x.shape)} in "
-                         f"channels, height and width")
+    for name in ("time_dim_concat", "reference_latent") if variant == "humo" else ("time_dim_concat",):
+        extra = inputs.get(name)
+        if extra is not None and (extra.dim() != 5 or extra.shape[1] != x.shape[1] or extra.shape[3:] != x.shape[3:]):
+            raise ValueError(f"{name} has shape {list(extra.shape)}; it must match x {list(x.shape)} in channels, "
+                             f"height and width")
+    if variant == "humo" and inputs.get("time_dim_concat") is not None:
+        raise ValueError("time_dim_concat is not taken by a Wan HuMo model (as ComfyUI's HumoWanModel)")
 
 
 def image_context(model, clip_fea: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ DIFFUSERS_CLASS = "WanTransformer3DModel"
 VACE_CLASS = "WanVACETransformer3DModel"
 ORIGINAL_CLASS = "WanModel"
 CAMERA_ADAPTER = "control_adapter"  # Fun Camera's module (wan_camera), the same name in both layouts
+HUMO_AUDIO, HUMO_BLOCK_AUDIO = "audio_proj", "audio_cross_attn_wrapper"  # HuMo's modules (wan_humo), both layouts
 FUN_CONTROL_CHANNELS = 48  # noise 16 + control video 16 + image latent 16 (ComfyUI's WAN21_FunControl2V)  # config.json of the original Wan-AI release folders (original key names)
 
 ORIGINAL_ANCHORS = ("patch_embedding.weight", "text_embedding.0.weight", "time_embedding.0.weight",
@@ -32,7 +33,7 @@ DIFFUSERS_ANCHORS = ("patch_embedding.weight", "condition_embedder.time_proj.wei
                      "scale_shift_table", "proj_out.weight")
 # Wan-based models with extra modules our SP forward does not run, by a key stem they carry (either layout).
 UNSUPPORTED_PARTS = {
-    "casual_audio_encoder.": "Wan 2.2 S2V", "audio_proj.": "Wan HuMo", "face_adapter.": "Wan 2.2 Animate",
+    "casual_audio_encoder.": "Wan 2.2 S2V", "face_adapter.": "Wan 2.2 Animate",
     "motion_encoder.": "Wan 2.2 Animate",
 }
 
@@ -84,7 +85,7 @@ def wan_key_plan(keys) -> dict[str, list[tuple[str, None]]]:
 
 
 def _convert(key: str) -> Optional[str]:
-    if key.startswith(CAMERA_ADAPTER + "."):  # wan_camera states the adapter with ComfyUI's names
+    if key.startswith((CAMERA_ADAPTER + ".", HUMO_AUDIO + ".")):  # stated with ComfyUI's names (wan_camera, wan_humo)
         return key
     if key in _TOP_PARAMETERS:
         return _TOP_PARAMETERS[key]
@@ -95,6 +96,8 @@ def _convert(key: str) -> Optional[str]:
             return None
         if rest in _BLOCK_PARAMETERS:
             return f"{stem}.{index}.{_BLOCK_PARAMETERS[rest]}"
+        if rest.startswith(HUMO_BLOCK_AUDIO + "."):
+            return key
         module, _, kind = rest.rpartition(".")
         return f"{stem}.{index}.{_BLOCK[module]}.{kind}" if module in _BLOCK and kind in ("weight", "bias") else None
     module, _, kind = key.rpartition(".")
@@ -136,11 +139,13 @@ def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detect
 
 
 def variant_of(config: dict) -> str:
-    """vace (hint blocks), camera / camera_2.2 (Fun Camera with / without CLIP), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2 5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat
+    """vace (hint blocks), humo (audio), camera / camera_2.2 (Fun Camera with / without CLIP), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2 5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat
     (image latent in extra input channels without CLIP: Wan 2.2 A14B I2V experts, Fun models) or t2v (also the
     Wan 2.2 A14B T2V experts)."""
     if config.get("vace_layers"):
         return "vace"
+    if config.get("audio_dim"):
+        return "humo"
     if config.get("camera_in_channels"):  # ComfyUI's model types: camera (with CLIP) and camera_2.2
         return "camera" if config.get("image_dim") else "camera_2.2"
     if config.get("image_dim") and config["in_channels"] == FUN_CONTROL_CHANNELS:
@@ -169,7 +174,7 @@ def _reject_unsupported(header: Header, keys: dict) -> None:
         if any(key.startswith(stem) or f".{stem}" in key for key in keys):
             raise ValueError(f"{header.path!r} is a {name} checkpoint (it has {stem}* weights), which the "
                              f"sequence-parallel Wan does not support; supported: Wan 2.1 / 2.2 T2V, I2V, FLF2V, "
-                             f"TI2V 5B, VACE, Fun InP / Control / Camera")
+                             f"TI2V 5B, VACE, Fun InP / Control / Camera, HuMo")
 
 
 def _reject_unknown(header: Header, keys: dict, plan: dict) -> None:
@@ -235,6 +240,10 @@ def architecture(keys: dict, layout: str, head_dim: Optional[int] = None) -> dic
     if f"{CAMERA_ADAPTER}.conv.weight" in keys:
         config.update(camera_in_channels=shape_of(keys, f"{CAMERA_ADAPTER}.conv.weight")[1] // 64,
                       camera_residual_blocks=count_blocks(keys, f"{CAMERA_ADAPTER}.residual_blocks"))
+    if f"{HUMO_AUDIO}.audio_proj_glob_1.layer.weight" in keys:
+        hidden, in_features = shape_of(keys, f"{HUMO_AUDIO}.audio_proj_glob_1.layer.weight")
+        config.update(audio_in_features=in_features, audio_hidden=hidden,
+                      audio_dim=shape_of(keys, f"{HUMO_AUDIO}.audio_proj_glob_norm.layer.weight")[0])
     if "ref_conv.weight" in keys:
         config["ref_in_channels"] = shape_of(keys, "ref_conv.weight")[1]
     _check_qk_norm(keys, names["qk_norm"])

@@ -7,7 +7,8 @@ ti2v (48 -> 48 channels: Wan 2.2 5B style, run with per-frame timesteps) and vac
 blocks with VACE hints after blocks 0 and 2, 96 hint channels as the real models) and fun_control (i2v with 48 input
 channels and Fun Control's ref_conv of a 16-channel reference latent), fun_a14b (Wan 2.2 Fun Control A14B style: 52
 input channels, no CLIP, ref_conv), camera (Wan 2.1 Fun Camera: i2v with 32 input channels and the camera adapter
-of 24-channel conditions) and camera_2.2 (36 input channels, no CLIP, the adapter). Defaults: 6 heads (4 ranks do not divide
+of 24-channel conditions), camera_2.2 (36 input channels, no CLIP, the adapter) and humo (t2v with HuMo's audio
+modules, audio_embed [B, T, 2, 5, 8] instead of ComfyUI's [B, T, 8, 5, 1280]). Defaults: 6 heads (4 ranks do not divide
 them) of size 16, 2 blocks. Files state their head size in the safetensors metadata key
 `ulysses_sp.head_dim` (wan_checkpoint.HEAD_DIM_METADATA_KEY) unless head_dim_metadata=False, in which case loading
 needs the option head_dim=16. The original-layout writer is the inverse of the loader's key plan, written
@@ -29,7 +30,9 @@ WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=
 CLIP_DIM = 1280         # ComfyUI's Wan image embedder input width is fixed
 FLF_CLIP_TOKENS = 10    # tiny first-last-frame models: 2 x 5 CLIP tokens
 VACE_TINY = dict(num_layers=4, vace_layers=[0, 2], vace_in_channels=96)
-VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b", "camera", "camera_2.2")
+VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b", "camera", "camera_2.2",
+            "humo")
+HUMO_TINY = dict(audio_in_features=80, audio_hidden=32, audio_dim=24)
 CAMERA_TINY = dict(camera_in_channels=24, camera_residual_blocks=1)
 
 
@@ -51,6 +54,8 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
         config.update(in_channels=52, ref_in_channels=16)
     if variant.startswith("camera"):
         config.update(in_channels=32 if variant == "camera" else 36, **CAMERA_TINY)
+    if variant == "humo":
+        config.update(HUMO_TINY)
     if variant == "flf2v":
         config["pos_embed_seq_len"] = FLF_CLIP_TOKENS
     if variant == "i2v_concat":
@@ -66,9 +71,9 @@ def build_tiny_model(seed: int = 0, variant: str = "t2v", **size) -> torch.nn.Mo
     attention processors)."""
     from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 
-    from ..families.wan import attach_extra_modules
+    from ..families.wan import EXTRA_MODULE_KEYS, attach_extra_modules
     config = tiny_config(variant, **size)
-    extras = {key: config.pop(key) for key in ("ref_in_channels", *CAMERA_TINY) if key in config}
+    extras = {key: config.pop(key) for key in EXTRA_MODULE_KEYS if key in config}
     model_class = WanVACETransformer3DModel if variant == "vace" else WanTransformer3DModel
     model = model_class.from_config(config)
     attach_extra_modules(model, extras)
@@ -106,7 +111,7 @@ def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _original_name(key: str) -> str:
-    if key.startswith("control_adapter."):
+    if key.startswith(("control_adapter.", "audio_proj.")) or ".audio_cross_attn_wrapper." in key:
         return key
     if key == "scale_shift_table":
         return "head.modulation"
