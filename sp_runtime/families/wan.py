@@ -16,6 +16,7 @@ split), Fun Control's reference image (wan_fun: reference_latent as a leading fr
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Iterable, Optional
@@ -32,7 +33,7 @@ from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY,
                              folder_overrides, wan_key_plan)
 from .wan_checkpoint import detect  # noqa: F401 - the family's detector (found here through FAMILIES)
 from .wan_camera import CameraAddedEmbedding, attach_camera_adapter, camera_tokens
-from .wan_humo import HumoAudio, attach_humo_modules, humo_block, prepare_audio
+from .wan_humo import HumoAudio, attach_humo_modules, audio_reference_hooks, humo_block, prepare_audio
 from .wan_fun import ReferenceFirstEmbedding, attach_reference_conv, embed_tokens, reference_frame
 from .wan_vace import VaceHints, prepare_hints
 
@@ -459,7 +460,8 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
                       dtype: str = "default", head_dim: Optional[int] = None,
                       vace_context: Optional[torch.Tensor] = None, vace_strength: Optional[list] = None,
                       reference_latent: Optional[torch.Tensor] = None,
-                      camera_conditions: Optional[torch.Tensor] = None, **_ignored) -> torch.Tensor:
+                      camera_conditions: Optional[torch.Tensor] = None, audio_embed: Optional[torch.Tensor] = None,
+                      **_ignored) -> torch.Tensor:
     """ComfyUI's Wan diffusion_model(...) computed by diffusers' own WanTransformer3DModel.forward on one process.
 
     Around the stock call: circular padding and cropping as ComfyUI, per-frame timesteps spread over their tokens
@@ -469,7 +471,8 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     one hint video, so vace_context must hold one ([B, 1, C, T, H, W]); its strength scales every VACE layer.
     Fun Control's reference_latent: the stock forward on a latent one frame longer, whose frame 0 patch_embedding
     gives as ref_conv(reference_latent) (wan_fun.ReferenceFirstEmbedding), that frame cropped from the output.
-    Fun Camera: the adapter's output added to patch_embedding's (wan_camera.CameraAddedEmbedding).
+    Fun Camera: the adapter's output added to patch_embedding's (wan_camera.CameraAddedEmbedding). HuMo:
+    reference_latent frames appended as time_dim_concat's, audio attention hooked in (wan_humo.audio_reference_hooks).
     """
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
@@ -478,6 +481,9 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
         model = load_model(model_or_path, dtype, options={"head_dim": head_dim} if head_dim else None)[0]
     compute, device = model.scale_shift_table.dtype, model.scale_shift_table.device
     patch = tuple(model.config.patch_size)
+    humo = getattr(model, "audio_proj", None) is not None
+    if humo and reference_latent is not None:
+        time_dim_concat, reference_latent = reference_latent, None
     latent = _wrap_pad(x, patch)
     if time_dim_concat is not None:
         latent = torch.cat([latent, _wrap_pad(time_dim_concat, patch).expand(x.shape[0], -1, -1, -1, -1)], dim=2)
@@ -508,8 +514,10 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
         model.patch_embedding = ReferenceFirstEmbedding(model, reference.to(device, compute))
     if camera_conditions is not None and getattr(model, "control_adapter", None) is not None:
         model.patch_embedding = CameraAddedEmbedding(model, camera_conditions.to(device, compute))
+    hooks = audio_reference_hooks(model, audio_embed.to(device, compute), latent.shape[2]) \
+        if humo and audio_embed is not None else nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), hooks:
             result = model(hidden_states=latent.to(device, compute), timestep=sigma.to(device),
                            encoder_hidden_states=context.to(device, compute), encoder_hidden_states_image=image,
                            return_dict=False, **extra)[0]

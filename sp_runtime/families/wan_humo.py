@@ -10,6 +10,7 @@ few) and every rank attends its tokens frame by frame: no communication.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -139,19 +140,15 @@ def humo_block(block, hidden: torch.Tensor, context, modulation: torch.Tensor, a
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Single-device reference (tests): diffusers' stock forward, with the audio step hooked into each block
+# Single-device reference (wan.reference_forward): diffusers' stock forward, with the audio step hooked in
 
-def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
-                      audio_embed: Optional[torch.Tensor] = None, reference_latent: Optional[torch.Tensor] = None
-                      ) -> torch.Tensor:
-    """ComfyUI's HumoWanModel call on one process: wan.reference_forward (diffusers' forward) with reference_latent
-    as appended frames, and the audio attention added to each block's text cross-attention output, computed over
-    the whole sequence in ComfyUI's way (tokens regrouped per frame). Written apart from HumoAudio."""
-    from .wan import reference_forward as wan_reference
-    if audio_embed is None:
-        return wan_reference(model, x, timestep, context, time_dim_concat=reference_latent)
-    frames = x.shape[2] + (0 if reference_latent is None else reference_latent.shape[2])
-    padded = torch.zeros(audio_embed.shape[0], frames, *audio_embed.shape[2:], dtype=audio_embed.dtype)
+@contextmanager
+def audio_reference_hooks(model, audio_embed: torch.Tensor, frames: int):
+    """While open, diffusers' stock blocks add HuMo's audio attention to their text cross-attention output (which
+    equals adding it after the cross-attention residual), computed over the whole sequence in ComfyUI's way (tokens
+    regrouped per frame; frames beyond the audio's get zero audio). Written apart from HumoAudio."""
+    padded = torch.zeros(audio_embed.shape[0], frames, *audio_embed.shape[2:], dtype=audio_embed.dtype,
+                         device=audio_embed.device)
     padded[:, :audio_embed.shape[1]] = audio_embed
     with torch.no_grad():
         tokens = model.audio_proj(padded)
@@ -163,7 +160,7 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
             lambda module, args, out, block=block, seen=seen: out + _whole_sequence_audio(
                 block.audio_cross_attn_wrapper, seen["x"] + out, tokens, frames)))
     try:
-        return wan_reference(model, x, timestep, context, time_dim_concat=reference_latent)
+        yield
     finally:
         for handle in handles:
             handle.remove()
