@@ -33,6 +33,12 @@ KINDS = {
     "flf2v_folder": (dict(layout="diffusers_folder", variant="flf2v", max_shard_size="300KB"), "flf2v",
                      "diffusers", ""),
     "ti2v_folder": (dict(layout="diffusers_folder", variant="ti2v"), "ti2v", "diffusers", ""),
+    "vace_comfy_prefix": (dict(variant="vace", prefix=COMFY_PREFIX), "vace", "original", COMFY_PREFIX),
+    "vace_folder": (dict(layout="diffusers_folder", variant="vace"), "vace", "diffusers", ""),
+    "fun_control": (dict(variant="fun_control"), "fun_control", "original", ""),
+    "camera_comfy_prefix": (dict(variant="camera", prefix=COMFY_PREFIX), "camera", "original", COMFY_PREFIX),
+    "camera_2.2": (dict(variant="camera_2.2"), "camera_2.2", "original", ""),
+    "humo_comfy_prefix": (dict(variant="humo", prefix=COMFY_PREFIX), "humo", "original", COMFY_PREFIX),
 }
 
 
@@ -144,7 +150,7 @@ def _tiny_original(**extra) -> dict:
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"vace_blocks.0.after_proj.weight": torch.zeros(2, 2)}, "Wan VACE checkpoint"),
+    ({"casual_audio_encoder.encoder.final_linear.weight": torch.zeros(2, 2)}, "Wan 2.2 S2V checkpoint"),
     ({"face_adapter.fuser_blocks.0.k_norm.weight": torch.zeros(2)}, "Wan 2.2 Animate"),
     ({"blocks.0.self_attn.lora_down.weight": torch.zeros(2, 2)}, "tensors this loader does not know"),
     ({"blocks.0.self_attn.q.comfy_quant": torch.tensor(list(b'{"format": "awq_w4a16"}'), dtype=torch.uint8)},
@@ -160,9 +166,9 @@ def test_unsupported_wan_files_fail_clearly(tmp_path, extra, message):
 def test_other_wan_classes_in_folders_are_named(tmp_path):
     path = write_tiny_checkpoint("wan", str(tmp_path / "folder"), layout="diffusers_folder")
     config = json.loads((tmp_path / "folder" / "config.json").read_text())
-    config["_class_name"] = "WanVACETransformer3DModel"
+    config["_class_name"] = "WanAnimateTransformer3DModel"
     (tmp_path / "folder" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="is a WanVACETransformer3DModel: only WanTransformer3DModel"):
+    with pytest.raises(ValueError, match="is a WanAnimateTransformer3DModel: only WanTransformer3DModel"):
         detect(path)
 
 

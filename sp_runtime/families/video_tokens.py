@@ -15,6 +15,12 @@ import torch.nn.functional as F
 Box = tuple[int, int, int, int, int, int]  # frames [f0, f1), rows [r0, r1), cols [c0, c1) of the token grid
 
 
+def conv_patch_embed(conv: torch.nn.Conv3d, patches: torch.Tensor) -> torch.Tensor:
+    """A Conv3d patch embedding (kernel == stride) as a float32 linear over flattened patches (ComfyUI runs it in
+    float32)."""
+    return F.linear(patches.float(), conv.weight.flatten(1).float(), conv.bias.float())
+
+
 def pad_to_patch_3d(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
     """Pad [B, C, T, H, W] circularly to multiples of the patch size, as ComfyUI's pad_to_patch_size does."""
     pads = [(size - x.shape[2 + axis] % size) % size for axis, size in enumerate(patch)]

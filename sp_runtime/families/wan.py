@@ -9,15 +9,19 @@ SP plan: every rank patch-embeds only its balanced share of the video tokens (Co
 linear over flattened patches), takes the rotary embeddings and (TI2V) per-token modulations of those tokens,
 runs self-attention through sp_attention and cross-attention locally against the replicated text / image context
 (no communication), and writes its own output tokens. Header detection lives in wan_checkpoint.
+
+Variants, each with its extra inputs split the same way: VACE (wan_vace: vace_context hint videos on the same token
+split), Fun Control's reference image (wan_fun: reference_latent as a leading frame of tokens) and Fun Camera
+(wan_camera: camera_conditions embedded per token).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..attention import SeqShards, local_attention, sp_attention
 from ..groups import SeqParallel
@@ -28,8 +32,12 @@ from .video_tokens import VideoGrid, pad_to_patch_3d
 from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY,
                              folder_overrides, wan_key_plan)
 from .wan_checkpoint import detect  # noqa: F401 - the family's detector (found here through FAMILIES)
+from .wan_camera import CameraAddedEmbedding, attach_camera_adapter, camera_tokens
+from .wan_humo import HumoAudio, attach_humo_modules, audio_reference_hooks, humo_block, prepare_audio
+from .wan_fun import ReferenceFirstEmbedding, attach_reference_conv, embed_tokens, reference_frame
+from .wan_vace import VaceHints, prepare_hints
 
-DESCRIPTION = "Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B)"
+DESCRIPTION = "Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun InP / Control / Camera, HuMo)"
 COMFY_PATCH = (1, 2, 2)
 
 
@@ -45,10 +53,17 @@ def _comfy_attributes(info: ModelInfo) -> dict:
 
 
 # t2v, and i2v_concat (Wan 2.2 A14B I2V: image latent in extra input channels), map to WAN21_T2V
-COMFY = ComfyHost(model_classes={"i2v": "WAN21_I2V", "flf2v": "WAN21_I2V", "ti2v": "WAN22_T2V", "": "WAN21_T2V"},
+COMFY = ComfyHost(model_classes={"i2v": "WAN21_I2V", "flf2v": "WAN21_I2V", "ti2v": "WAN22_T2V", "vace": "WAN21_Vace",
+                                 "fun_control": "WAN21_FunControl2V", "camera": "WAN21_Camera",
+                                 "camera_2.2": "WAN22_Camera", "humo": "WAN21_HuMo", "": "WAN21_T2V"},
                   unet_config=_comfy_unet_config, attributes=_comfy_attributes)
-INFO_KEYS = ("patch_size", "num_layers", "text_dim", "ffn_dim", "freq_dim", "image_dim", "pos_embed_seq_len")
-# inputs of Wan variants whose extra modules we do not load; ComfyUI would use them, so never ignore them silently
+INFO_KEYS = ("patch_size", "num_layers", "text_dim", "ffn_dim", "freq_dim", "image_dim", "pos_embed_seq_len",
+             "vace_layers", "vace_in_channels", "camera_in_channels")
+EXTRA_MODULE_KEYS = ("ref_in_channels", "camera_in_channels", "camera_residual_blocks", "audio_in_features",
+                     "audio_hidden", "audio_dim")
+# inputs of the Wan variants; ComfyUI would use them, so never ignore them silently on a model without the modules
+VARIANT_INPUTS = {"vace": ("vace_context", "vace_strength"), "camera": ("camera_conditions",),
+                  "camera_2.2": ("camera_conditions",), "humo": ("audio_embed",)}
 UNSUPPORTED_INPUTS = ("vace_context", "camera_conditions", "audio_embed", "reference_motion", "control_video",
                       "face_pixel_values", "pose_latents")
 
@@ -93,8 +108,9 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
                detection: Optional[Detection] = None, options: Optional[dict] = None,
                progress: Optional[ProgressFn] = None, header: Optional[Header] = None
                ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
-    """WanTransformer3DModel with the checkpoint's weights on `device`, stock attention processors."""
-    from diffusers import WanTransformer3DModel
+    """WanTransformer3DModel (VACE: WanVACETransformer3DModel) with the checkpoint's weights on `device`, stock
+    attention processors."""
+    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 
     header = header or read_checkpoint_header(path)
     detection = detection or detect(header)
@@ -102,13 +118,27 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
         raise ValueError(f"{path!r} is not a Wan checkpoint")
     config = {**model_config(detection, options), **folder_overrides(header_config(header))}
     dtypes = choose_dtypes(dtype, header, detection.prefix)
-    model = build_empty_model(WanTransformer3DModel, config, dtypes)
+    model_class = WanVACETransformer3DModel if detection.variant == "vace" else WanTransformer3DModel
+    extras = {key: config.pop(key, None) for key in EXTRA_MODULE_KEYS}
+    model = build_empty_model(model_class, config, dtypes)
+    attach_extra_modules(model, extras)
     keys = [key[len(detection.prefix):] for key in header.tensors if key.startswith(detection.prefix)]
     plan = weight_plan(detection, keys)
     ignore = [key for key in keys if key.endswith(DIFFUSERS_IGNORED_SUFFIX)] if plan is None else []
     load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
                  ignore=ignore, progress=progress)
     return model, detection, dtypes
+
+
+def attach_extra_modules(model, extras: dict) -> None:
+    """The modules of Wan variants that diffusers' classes lack (Fun Control's ref_conv, Fun Camera's adapter,
+    HuMo's audio modules)."""
+    if extras.get("ref_in_channels"):
+        attach_reference_conv(model, extras["ref_in_channels"])
+    if extras.get("camera_in_channels"):
+        attach_camera_adapter(model, extras["camera_in_channels"], extras["camera_residual_blocks"])
+    if extras.get("audio_dim"):
+        attach_humo_modules(model, extras["audio_in_features"], extras["audio_hidden"], extras["audio_dim"])
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
@@ -125,7 +155,7 @@ def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options
 
     options: the load options, already applied by model_config (none concern the worker).
     """
-    for block in model.blocks:
+    for block in [*model.blocks, *getattr(model, "vace_blocks", ())]:
         block.attn1.set_processor(WanSPSelfAttention())
         block.attn2.set_processor(WanLocalCrossAttention())
     return WanWorker(model, detection, dtypes)
@@ -136,6 +166,12 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
     described = config_entries(config, INFO_KEYS)
     described.update(dim=config.num_attention_heads * config.attention_head_dim,
                      num_heads=config.num_attention_heads, head_dim=config.attention_head_dim)
+    if getattr(model, "ref_conv", None) is not None:
+        described["ref_in_channels"] = model.ref_conv.in_channels
+    if getattr(model, "control_adapter", None) is not None:
+        described["camera_in_channels"] = model.control_adapter.in_channels
+    if getattr(model, "audio_proj", None) is not None:
+        described["audio_in_features"] = model.audio_proj.audio_proj_glob_1.layer.in_features
     return ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
                      out_channels=config.out_channels, x_ndim=5, config=described,
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
@@ -230,56 +266,70 @@ class WanWorker:
 
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
                 ctx) -> None:
-        call = _prepare_call(self.model, self.dtypes.compute, x, timestep, inputs, ctx)
+        call = _prepare_call(self.model, self.dtypes.compute, x, timestep, inputs, ctx, self.info.variant)
         tokens = _run_blocks(self.model, call, ctx)
-        if tokens.shape[1]:
-            call.grid.write(out, tokens.to(out.dtype).cpu(), call.lo)
+        skip = max(call.lead - call.lo, 0)  # reference-frame tokens are never output
+        if tokens.shape[1] > skip:
+            call.grid.write(out, tokens[:, skip:].to(out.dtype).cpu(), call.lo + skip - call.lead)
 
 
 @dataclass
 class _Call:
     """The prepared inputs of one call on this rank."""
 
-    grid: VideoGrid
-    lo: int
+    grid: VideoGrid                       # the video's tokens (x and time_dim_concat frames)
+    lo: int                               # this rank's first token of the sequence
+    lead: int                             # tokens before the video's: Fun Control's reference frame, or 0
     hidden: torch.Tensor                  # [b, n, dim] this rank's embedded patches
     attention: SelfAttentionPlan
     context: CrossContext
     block_modulation: torch.Tensor        # [b, 6, dim] or per token [b, n, 6, dim]
     out_modulation: torch.Tensor          # [b, 1, dim] or per token [b, n, dim]
+    vace: Optional[VaceHints] = None      # VACE models: the hint videos' states on this rank's tokens
+    audio: Optional[HumoAudio] = None     # HuMo models called with audio_embed
 
 
-def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx) -> _Call:
-    _check_inputs(model.config, x, inputs)
+def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: str) -> _Call:
+    _check_inputs(model.config, x, inputs, variant)
     batch = x.shape[0]
-    latent = _video_latent(model, x, inputs, ctx)
+    latent = _video_latent(model, x, inputs, ctx, "reference_latent" if variant == "humo" else "time_dim_concat")
     grid = VideoGrid.of(tuple(latent.shape[2:]), tuple(model.config.patch_size))
+    reference = reference_frame(model, inputs, x, ctx)
+    lead = 0 if reference is None else grid.per_frame
+    sequence = VideoGrid(grid.frames + (reference is not None), grid.rows, grid.cols, grid.patch)
     seq = ctx.groups.seq
-    shards = SeqShards.balanced(grid.count, seq.degree)
+    shards = SeqShards.balanced(sequence.count, seq.degree)
     lo, hi = shards.range(seq.rank)
-    hidden = patch_embed(model, grid.patches(latent, lo, hi)).to(dtype)
+    hidden = embed_tokens(model, grid, latent, reference, lo, hi, dtype)
+    camera = camera_tokens(model, inputs, x, grid, lo, hi, ctx, dtype) if variant.startswith("camera") else None
+    if camera is not None:
+        hidden = hidden + camera
     context = _cross_context(model, inputs, ctx, dtype, batch)
     sigma = _per_item(ctx.to_device("timestep", timestep, torch.float32), batch)
     temb, projection = time_embeddings(model, sigma, dtype)
-    entries = token_entries(temb.shape[1], grid.count, lo, hi, ctx.device)
+    entries = token_entries(temb.shape[1], sequence.count, lo, hi, ctx.device)
     if entries is None:
         block_modulation, out_modulation = projection[:, 0], temb
     else:
         block_modulation, out_modulation = projection[:, entries], temb[:, entries]
-    cos, sin = rotary_factors(model.rope, grid, grid.positions(lo, hi, ctx.device))
-    return _Call(grid, lo, hidden, SelfAttentionPlan(seq, shards, cos, sin), context, block_modulation,
-                 out_modulation)
+    cos, sin = rotary_factors(model.rope, sequence, sequence.positions(lo, hi, ctx.device))
+    vace = prepare_hints(model, inputs, x, grid, lo, hi, hidden, block_modulation, ctx, dtype) \
+        if variant == "vace" else None
+    audio = prepare_audio(model, inputs, x, grid, lo, ctx, dtype) if variant == "humo" else None
+    return _Call(grid, lo, lead, hidden, SelfAttentionPlan(seq, shards, cos, sin), context, block_modulation,
+                 out_modulation, vace, audio)
 
 
-def _video_latent(model, x, inputs, ctx) -> torch.Tensor:
-    """x in float32 (ComfyUI embeds patches in float32), padded to whole patches, with time_dim_concat's frames
-    appended (e.g. Phantom subjects: attended to, never output)."""
+def _video_latent(model, x, inputs, ctx, appended: str) -> torch.Tensor:
+    """x in float32 (ComfyUI embeds patches in float32), padded to whole patches, with the frames of input
+    `appended` after it (time_dim_concat, e.g. Phantom subjects; HuMo's reference_latent): attended to, never
+    output."""
     patch = tuple(model.config.patch_size)
     latent = pad_to_patch_3d(ctx.to_device("x", x, torch.float32), patch)
-    extra = inputs.get("time_dim_concat")
+    extra = inputs.get(appended)
     if extra is None:
         return latent
-    extra = pad_to_patch_3d(_per_item(ctx.to_device("time_dim_concat", extra, torch.float32), x.shape[0]), patch)
+    extra = pad_to_patch_3d(_per_item(ctx.to_device(appended, extra, torch.float32), x.shape[0]), patch)
     return torch.cat([latent, extra], dim=2)
 
 
@@ -302,9 +352,14 @@ def _per_item(tensor: torch.Tensor, batch: int) -> torch.Tensor:
 def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
     """The transformer blocks and the output head on this rank's tokens: [b, n, pt*ph*pw*out_channels]."""
     hidden = call.hidden
-    for block in model.blocks:
+    for index, block in enumerate(model.blocks):
         ctx.check_cancel()
-        hidden = block(hidden, call.context, call.block_modulation, call.attention)
+        if call.audio is not None:
+            hidden = humo_block(block, hidden, call.context, call.block_modulation, call.attention, call.audio)
+        else:
+            hidden = block(hidden, call.context, call.block_modulation, call.attention)
+        if call.vace is not None:
+            hidden = call.vace.add(model, index, hidden, call)
     table = model.scale_shift_table
     if call.block_modulation.dim() == 3:  # one modulation for every token
         shift, scale = (table + call.out_modulation).chunk(2, dim=1)
@@ -315,7 +370,7 @@ def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
     return model.proj_out(hidden)
 
 
-def _check_inputs(config, x: torch.Tensor, inputs: dict) -> None:
+def _check_inputs(config, x: torch.Tensor, inputs: dict, variant: str) -> None:
     if x.dim() != 5 or x.shape[1] != config.in_channels:
         raise ValueError(f"x has shape {list(x.shape)}; this Wan takes [B, {config.in_channels}, T, H, W]")
     context = inputs.get("context")
@@ -323,18 +378,15 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict) -> None:
         shape = None if context is None else list(context.shape)
         raise ValueError(f"Wan needs context [B, L, {config.text_dim}] (the text encoder output); got {shape}")
     for name in UNSUPPORTED_INPUTS:
-        if inputs.get(name) is not None:
+        if inputs.get(name) is not None and name not in VARIANT_INPUTS.get(variant, ()):
             raise ValueError(f"{name} belongs to a Wan variant the sequence-parallel Wan does not support")
-    extra = inputs.get("time_dim_concat")
-    if extra is not None and (extra.dim() != 5 or extra.shape[1] != x.shape[1] or extra.shape[3:] != x.shape[3:]):
-        raise ValueError(f"time_dim_concat has shape {list(extra.shape)}; it must match x {list(x.shape)} in "
-                         f"channels, height and width")
-
-
-def patch_embed(model, patches: torch.Tensor) -> torch.Tensor:
-    """The Conv3d patch embedding as a float32 linear over flattened patches (ComfyUI runs it in float32)."""
-    conv = model.patch_embedding
-    return F.linear(patches.float(), conv.weight.flatten(1).float(), conv.bias.float())
+    for name in ("time_dim_concat", "reference_latent") if variant == "humo" else ("time_dim_concat",):
+        extra = inputs.get(name)
+        if extra is not None and (extra.dim() != 5 or extra.shape[1] != x.shape[1] or extra.shape[3:] != x.shape[3:]):
+            raise ValueError(f"{name} has shape {list(extra.shape)}; it must match x {list(x.shape)} in channels, "
+                             f"height and width")
+    if variant == "humo" and inputs.get("time_dim_concat") is not None:
+        raise ValueError("time_dim_concat is not taken by a Wan HuMo model (as ComfyUI's HumoWanModel)")
 
 
 def image_context(model, clip_fea: torch.Tensor) -> torch.Tensor:
@@ -405,13 +457,22 @@ def rotary_factors(rope, grid: VideoGrid, positions: torch.Tensor) -> tuple[torc
 
 def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
                       clip_fea: Optional[torch.Tensor] = None, time_dim_concat: Optional[torch.Tensor] = None,
-                      dtype: str = "default", head_dim: Optional[int] = None, **_ignored) -> torch.Tensor:
+                      dtype: str = "default", head_dim: Optional[int] = None,
+                      vace_context: Optional[torch.Tensor] = None, vace_strength: Optional[list] = None,
+                      reference_latent: Optional[torch.Tensor] = None,
+                      camera_conditions: Optional[torch.Tensor] = None, audio_embed: Optional[torch.Tensor] = None,
+                      **_ignored) -> torch.Tensor:
     """ComfyUI's Wan diffusion_model(...) computed by diffusers' own WanTransformer3DModel.forward on one process.
 
     Around the stock call: circular padding and cropping as ComfyUI, per-frame timesteps spread over their tokens
     (diffusers' per-token form), FLF2V's [B, 2N] CLIP features given as diffusers' [2B, N] pairs, and one
     departure inside: Wan's own timestep sinusoid (wan_sinusoid) replaces diffusers' Timesteps. diffusers' I2V
-    processor assumes exactly 512 text tokens, so image models need context [B, 512, D] here.
+    processor assumes exactly 512 text tokens, so image models need context [B, 512, D] here. VACE: diffusers takes
+    one hint video, so vace_context must hold one ([B, 1, C, T, H, W]); its strength scales every VACE layer.
+    Fun Control's reference_latent: the stock forward on a latent one frame longer, whose frame 0 patch_embedding
+    gives as ref_conv(reference_latent) (wan_fun.ReferenceFirstEmbedding), that frame cropped from the output.
+    Fun Camera: the adapter's output added to patch_embedding's (wan_camera.CameraAddedEmbedding). HuMo:
+    reference_latent frames appended as time_dim_concat's, audio attention hooked in (wan_humo.audio_reference_hooks).
     """
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
@@ -420,9 +481,15 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
         model = load_model(model_or_path, dtype, options={"head_dim": head_dim} if head_dim else None)[0]
     compute, device = model.scale_shift_table.dtype, model.scale_shift_table.device
     patch = tuple(model.config.patch_size)
+    humo = getattr(model, "audio_proj", None) is not None
+    if humo and reference_latent is not None:
+        time_dim_concat, reference_latent = reference_latent, None
     latent = _wrap_pad(x, patch)
     if time_dim_concat is not None:
         latent = torch.cat([latent, _wrap_pad(time_dim_concat, patch).expand(x.shape[0], -1, -1, -1, -1)], dim=2)
+    lead = int(reference_latent is not None and getattr(model, "ref_conv", None) is not None)
+    if lead:
+        latent = torch.cat([torch.zeros_like(latent[:, :, :1]), latent], dim=2)
     grid = [size // p for size, p in zip(latent.shape[2:], patch)]
     sigma = timestep.reshape(x.shape[0], -1).float()
     if sigma.shape[1] > 1:
@@ -438,19 +505,36 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
         if model.condition_embedder.image_embedder.pos_embed is not None:
             image = clip_fea.reshape(2 * clip_fea.shape[0], clip_fea.shape[1] // 2, clip_fea.shape[2])
         image = image.to(device, compute)
-    saved = model.attn_processors, model.condition_embedder.timesteps_proj
+    extra = {} if vace_context is None else _diffusers_vace_arguments(model, vace_context, vace_strength, patch)
+    saved = model.attn_processors, model.condition_embedder.timesteps_proj, model.patch_embedding
     model.set_attn_processor(WanAttnProcessor())
     model.condition_embedder.timesteps_proj = _WanSinusoid(model.config.freq_dim)
+    if lead:
+        reference = _wrap_pad(reference_latent.unsqueeze(2), patch)[:, :, 0]
+        model.patch_embedding = ReferenceFirstEmbedding(model, reference.to(device, compute))
+    if camera_conditions is not None and getattr(model, "control_adapter", None) is not None:
+        model.patch_embedding = CameraAddedEmbedding(model, camera_conditions.to(device, compute))
+    hooks = audio_reference_hooks(model, audio_embed.to(device, compute), latent.shape[2]) \
+        if humo and audio_embed is not None else nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), hooks:
             result = model(hidden_states=latent.to(device, compute), timestep=sigma.to(device),
                            encoder_hidden_states=context.to(device, compute), encoder_hidden_states_image=image,
-                           return_dict=False)[0]
+                           return_dict=False, **extra)[0]
     finally:
         model.set_attn_processor(saved[0])
-        model.condition_embedder.timesteps_proj = saved[1]
+        model.condition_embedder.timesteps_proj, model.patch_embedding = saved[1:]
     t, h, w = x.shape[2:]
-    return result[:, :, :t, :h, :w].to(x.dtype).cpu()
+    return result[:, :, lead:lead + t, :h, :w].to(x.dtype).cpu()
+
+
+def _diffusers_vace_arguments(model, vace_context: torch.Tensor, vace_strength: Optional[list], patch) -> dict:
+    if vace_context.shape[1] != 1:
+        raise ValueError("diffusers' WanVACETransformer3DModel takes one hint video (vace_context [B, 1, ...])")
+    strength = 1.0 if vace_strength is None else float(vace_strength[0])
+    device, compute = model.scale_shift_table.device, model.scale_shift_table.dtype
+    return {"control_hidden_states": _wrap_pad(vace_context[:, 0], patch).to(device, compute),
+            "control_hidden_states_scale": torch.full((len(model.config.vace_layers),), strength, device=device)}
 
 
 class _WanSinusoid(torch.nn.Module):

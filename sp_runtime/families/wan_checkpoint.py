@@ -1,5 +1,6 @@
 """Wan 2.1 / 2.2 checkpoints from the header alone: key layout (original / ComfyUI or diffusers), variant,
-WanTransformer3DModel config, and the per-tensor key plan from the original names to diffusers' names.
+WanTransformer3DModel (or, for VACE, WanVACETransformer3DModel) config, and the per-tensor key plan from the
+original names to diffusers' names.
 
 The plan is our per-tensor version of diffusers' `convert_wan_transformer_to_diffusers` (string replacements over a
 whole state dict in memory); per tensor, each weight is cast to its final dtype as it is read. It also maps
@@ -19,7 +20,11 @@ FAMILY = "wan"
 DEFAULT_HEAD_DIM = 128  # every released Wan model; q/k norms span all heads, so no checkpoint shows it
 HEAD_DIM_METADATA_KEY = "ulysses_sp.head_dim"  # our tiny test checkpoints state theirs here
 DIFFUSERS_CLASS = "WanTransformer3DModel"
-ORIGINAL_CLASS = "WanModel"  # config.json of the original Wan-AI release folders (original key names)
+VACE_CLASS = "WanVACETransformer3DModel"
+ORIGINAL_CLASS = "WanModel"
+CAMERA_ADAPTER = "control_adapter"  # Fun Camera's module (wan_camera), the same name in both layouts
+HUMO_AUDIO, HUMO_BLOCK_AUDIO = "audio_proj", "audio_cross_attn_wrapper"  # HuMo's modules (wan_humo), both layouts
+FUN_CONTROL_CHANNELS = 48  # noise 16 + control video 16 + image latent 16 (ComfyUI's WAN21_FunControl2V)  # config.json of the original Wan-AI release folders (original key names)
 
 ORIGINAL_ANCHORS = ("patch_embedding.weight", "text_embedding.0.weight", "time_embedding.0.weight",
                     "time_projection.1.weight", "blocks.0.self_attn.q.weight", "head.head.weight", "head.modulation")
@@ -28,14 +33,15 @@ DIFFUSERS_ANCHORS = ("patch_embedding.weight", "condition_embedder.time_proj.wei
                      "scale_shift_table", "proj_out.weight")
 # Wan-based models with extra modules our SP forward does not run, by a key stem they carry (either layout).
 UNSUPPORTED_PARTS = {
-    "vace_blocks.": "Wan VACE", "vace_patch_embedding.": "Wan VACE", "control_adapter.": "Wan Fun Camera",
-    "casual_audio_encoder.": "Wan 2.2 S2V", "audio_proj.": "Wan HuMo", "face_adapter.": "Wan 2.2 Animate",
-    "motion_encoder.": "Wan 2.2 Animate", "ref_conv.": "Wan Fun Control with a reference image",
+    "casual_audio_encoder.": "Wan 2.2 S2V", "face_adapter.": "Wan 2.2 Animate",
+    "motion_encoder.": "Wan 2.2 Animate",
 }
 
 # ----- original (Wan / ComfyUI) module names -> diffusers module names -----
 _TOP = {
     "patch_embedding": "patch_embedding",
+    "vace_patch_embedding": "vace_patch_embedding",
+    "ref_conv": "ref_conv",  # Fun Control's reference image (wan_fun), the same name in both layouts
     "text_embedding.0": "condition_embedder.text_embedder.linear_1",
     "text_embedding.2": "condition_embedder.text_embedder.linear_2",
     "time_embedding.0": "condition_embedder.time_embedder.linear_1",
@@ -58,6 +64,7 @@ _BLOCK = {
     "cross_attn.norm_k_img": "attn2.norm_added_k",
     "norm3": "norm2",  # the original's norm3 is the (affine) cross-attention norm; its norm2 has no weights
     "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2",
+    "before_proj": "proj_in", "after_proj": "proj_out",  # VACE blocks: hint in (block 0 only) and hint out
 }
 _BLOCK_PARAMETERS = {"modulation": "scale_shift_table"}
 # diffusers keys some released diffusers checkpoints carry but WanTransformer3DModel does not use
@@ -78,16 +85,21 @@ def wan_key_plan(keys) -> dict[str, list[tuple[str, None]]]:
 
 
 def _convert(key: str) -> Optional[str]:
+    if key.startswith((CAMERA_ADAPTER + ".", HUMO_AUDIO + ".")):  # stated with ComfyUI's names (wan_camera, wan_humo)
+        return key
     if key in _TOP_PARAMETERS:
         return _TOP_PARAMETERS[key]
-    if key.startswith("blocks."):
+    stem = key.split(".", 1)[0]
+    if stem in ("blocks", "vace_blocks") and key.count(".") >= 2:
         _, index, rest = key.split(".", 2)
         if not index.isdigit():
             return None
         if rest in _BLOCK_PARAMETERS:
-            return f"blocks.{index}.{_BLOCK_PARAMETERS[rest]}"
+            return f"{stem}.{index}.{_BLOCK_PARAMETERS[rest]}"
+        if rest.startswith(HUMO_BLOCK_AUDIO + "."):
+            return key
         module, _, kind = rest.rpartition(".")
-        return f"blocks.{index}.{_BLOCK[module]}.{kind}" if module in _BLOCK and kind in ("weight", "bias") else None
+        return f"{stem}.{index}.{_BLOCK[module]}.{kind}" if module in _BLOCK and kind in ("weight", "bias") else None
     module, _, kind = key.rpartition(".")
     return f"{_TOP[module]}.{kind}" if module in _TOP and kind in ("weight", "bias") else None
 
@@ -98,12 +110,12 @@ def _convert(key: str) -> Optional[str]:
 def detect(header: Header) -> Optional[Detection]:
     """Wan 2.1 / 2.2 from the header alone; None when the file is another family."""
     folder_config = header_config(header)
-    if folder_config is not None and folder_config.get("_class_name") not in (None, DIFFUSERS_CLASS,
+    if folder_config is not None and folder_config.get("_class_name") not in (None, DIFFUSERS_CLASS, VACE_CLASS,
                                                                                 ORIGINAL_CLASS):
         name = folder_config["_class_name"]
         if name.startswith("Wan"):
             raise ValueError(f"{header.path!r} is a {name}: only {DIFFUSERS_CLASS} (Wan 2.1 / 2.2 T2V, I2V, FLF2V "
-                             f"and TI2V 5B) is supported")
+                             f"and TI2V 5B) and {VACE_CLASS} are supported")
         return None
     prefix = find_prefix(header.tensors, ORIGINAL_ANCHORS)
     if prefix is not None:
@@ -127,8 +139,17 @@ def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detect
 
 
 def variant_of(config: dict) -> str:
-    """ti2v (Wan 2.2 5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat (image latent in extra
-    input channels without CLIP: Wan 2.2 A14B I2V experts, Fun models) or t2v (also the Wan 2.2 A14B T2V experts)."""
+    """vace (hint blocks), humo (audio), camera / camera_2.2 (Fun Camera with / without CLIP), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2 5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat
+    (image latent in extra input channels without CLIP: Wan 2.2 A14B I2V experts, Fun models) or t2v (also the
+    Wan 2.2 A14B T2V experts)."""
+    if config.get("vace_layers"):
+        return "vace"
+    if config.get("audio_dim"):
+        return "humo"
+    if config.get("camera_in_channels"):  # ComfyUI's model types: camera (with CLIP) and camera_2.2
+        return "camera" if config.get("image_dim") else "camera_2.2"
+    if config.get("image_dim") and config["in_channels"] == FUN_CONTROL_CHANNELS:
+        return "fun_control"
     if config["out_channels"] == 48:
         return "ti2v"
     if config.get("image_dim"):
@@ -153,7 +174,7 @@ def _reject_unsupported(header: Header, keys: dict) -> None:
         if any(key.startswith(stem) or f".{stem}" in key for key in keys):
             raise ValueError(f"{header.path!r} is a {name} checkpoint (it has {stem}* weights), which the "
                              f"sequence-parallel Wan does not support; supported: Wan 2.1 / 2.2 T2V, I2V, FLF2V, "
-                             f"TI2V 5B and Fun-InP-style models")
+                             f"TI2V 5B, VACE, Fun InP / Control / Camera, HuMo")
 
 
 def _reject_unknown(header: Header, keys: dict, plan: dict) -> None:
@@ -214,8 +235,30 @@ def architecture(keys: dict, layout: str, head_dim: Optional[int] = None) -> dic
         "rope_max_seq_len": 1024,
         "pos_embed_seq_len": optional_width("image_pos"),
     }
+    if "vace_patch_embedding.weight" in keys:
+        config.update(vace_architecture(keys, config["num_layers"]))
+    if f"{CAMERA_ADAPTER}.conv.weight" in keys:
+        config.update(camera_in_channels=shape_of(keys, f"{CAMERA_ADAPTER}.conv.weight")[1] // 64,
+                      camera_residual_blocks=count_blocks(keys, f"{CAMERA_ADAPTER}.residual_blocks"))
+    if f"{HUMO_AUDIO}.audio_proj_glob_1.layer.weight" in keys:
+        hidden, in_features = shape_of(keys, f"{HUMO_AUDIO}.audio_proj_glob_1.layer.weight")
+        config.update(audio_in_features=in_features, audio_hidden=hidden,
+                      audio_dim=shape_of(keys, f"{HUMO_AUDIO}.audio_proj_glob_norm.layer.weight")[0])
+    if "ref_conv.weight" in keys:
+        config["ref_in_channels"] = shape_of(keys, "ref_conv.weight")[1]
     _check_qk_norm(keys, names["qk_norm"])
     return _with_heads(config, head_dim)
+
+
+def vace_architecture(keys: dict, num_layers: int) -> dict:
+    """VACE's hint input width and the main blocks after which each VACE block's hint is added: evenly spaced from
+    block 0, as ComfyUI's VaceWanModel places them (Wan 2.1 VACE 14B: 8 of 40, 1.3B: 15 of 30)."""
+    count = count_blocks(keys, "vace_blocks")
+    if not count or num_layers % count:
+        raise ValueError(f"this Wan VACE checkpoint has {count} VACE blocks for {num_layers} blocks; VACE places "
+                         f"one hint every num_layers / vace_blocks blocks, so they must divide evenly")
+    return {"vace_layers": list(range(0, num_layers, num_layers // count)),
+            "vace_in_channels": shape_of(keys, "vace_patch_embedding.weight")[1]}
 
 
 def _check_qk_norm(keys: dict, key: str) -> None:
@@ -224,7 +267,8 @@ def _check_qk_norm(keys: dict, key: str) -> None:
 
 
 def folder_overrides(folder_config: Optional[dict]) -> dict:
-    """Settings of a diffusers config.json that a header cannot show (eps, rope length), kept when present."""
-    if not folder_config or folder_config.get("_class_name") != DIFFUSERS_CLASS:
+    """Settings of a diffusers config.json that a header cannot show (eps, rope length, VACE hint placement), kept
+    when present."""
+    if not folder_config or folder_config.get("_class_name") not in (DIFFUSERS_CLASS, VACE_CLASS):
         return {}
-    return {key: folder_config[key] for key in ("eps", "rope_max_seq_len") if key in folder_config}
+    return {key: folder_config[key] for key in ("eps", "rope_max_seq_len", "vace_layers") if key in folder_config}

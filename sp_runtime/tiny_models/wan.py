@@ -3,7 +3,12 @@ original / ComfyUI key layout, as diffusers single files and as diffusers folder
 
 Variants: t2v (16 -> 16 channels), i2v (36 input channels and a CLIP image embedder of ComfyUI's fixed width 1280),
 flf2v (i2v plus first-last-frame positions), i2v_concat (36 input channels, no CLIP: Wan 2.2 A14B I2V style) and
-ti2v (48 -> 48 channels: Wan 2.2 5B style, run with per-frame timesteps). Defaults: 6 heads (4 ranks do not divide
+ti2v (48 -> 48 channels: Wan 2.2 5B style, run with per-frame timesteps) and vace (WanVACETransformer3DModel: 4
+blocks with VACE hints after blocks 0 and 2, 96 hint channels as the real models) and fun_control (i2v with 48 input
+channels and Fun Control's ref_conv of a 16-channel reference latent), fun_a14b (Wan 2.2 Fun Control A14B style: 52
+input channels, no CLIP, ref_conv), camera (Wan 2.1 Fun Camera: i2v with 32 input channels and the camera adapter
+of 24-channel conditions), camera_2.2 (36 input channels, no CLIP, the adapter) and humo (t2v with HuMo's audio
+modules, audio_embed [B, T, 2, 5, 8] instead of ComfyUI's [B, T, 8, 5, 1280]). Defaults: 6 heads (4 ranks do not divide
 them) of size 16, 2 blocks. Files state their head size in the safetensors metadata key
 `ulysses_sp.head_dim` (wan_checkpoint.HEAD_DIM_METADATA_KEY) unless head_dim_metadata=False, in which case loading
 needs the option head_dim=16. The original-layout writer is the inverse of the loader's key plan, written
@@ -24,21 +29,33 @@ WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=
                 rope_max_seq_len=1024, pos_embed_seq_len=None)
 CLIP_DIM = 1280         # ComfyUI's Wan image embedder input width is fixed
 FLF_CLIP_TOKENS = 10    # tiny first-last-frame models: 2 x 5 CLIP tokens
-VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v")
+VACE_TINY = dict(num_layers=4, vace_layers=[0, 2], vace_in_channels=96)
+VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b", "camera", "camera_2.2",
+            "humo")
+HUMO_TINY = dict(audio_in_features=80, audio_hidden=32, audio_dim=24)
+CAMERA_TINY = dict(camera_in_channels=24, camera_residual_blocks=1)
 
 
 def tiny_config(variant: str = "t2v", **size) -> dict:
     """diffusers config of a tiny Wan; `size` overrides any key (e.g. num_attention_heads=3)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown Wan variant {variant!r}; tiny Wan models exist for {VARIANTS}")
-    config = dict(WAN_TINY)
+    config = dict(WAN_TINY, **(VACE_TINY if variant == "vace" else {}))
     unknown = set(size) - set(config)
     if unknown:
         raise ValueError(f"unknown size options {sorted(unknown)} for wan; known: {sorted(config)}")
     config.update(size)
     inner = config["num_attention_heads"] * config["attention_head_dim"]
-    if variant in ("i2v", "flf2v"):
+    if variant in ("i2v", "flf2v", "fun_control", "camera"):
         config.update(in_channels=36, image_dim=CLIP_DIM, added_kv_proj_dim=inner)
+    if variant == "fun_control":
+        config.update(in_channels=48, ref_in_channels=16)
+    if variant == "fun_a14b":
+        config.update(in_channels=52, ref_in_channels=16)
+    if variant.startswith("camera"):
+        config.update(in_channels=32 if variant == "camera" else 36, **CAMERA_TINY)
+    if variant == "humo":
+        config.update(HUMO_TINY)
     if variant == "flf2v":
         config["pos_embed_seq_len"] = FLF_CLIP_TOKENS
     if variant == "i2v_concat":
@@ -50,10 +67,16 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
 
 
 def build_tiny_model(seed: int = 0, variant: str = "t2v", **size) -> torch.nn.Module:
-    """A float32 WanTransformer3DModel with seeded random weights (stock attention processors)."""
-    from diffusers import WanTransformer3DModel
+    """A float32 WanTransformer3DModel (VACE: WanVACETransformer3DModel) with seeded random weights (stock
+    attention processors)."""
+    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 
-    model = WanTransformer3DModel.from_config(tiny_config(variant, **size))
+    from ..families.wan import EXTRA_MODULE_KEYS, attach_extra_modules
+    config = tiny_config(variant, **size)
+    extras = {key: config.pop(key) for key in EXTRA_MODULE_KEYS if key in config}
+    model_class = WanVACETransformer3DModel if variant == "vace" else WanTransformer3DModel
+    model = model_class.from_config(config)
+    attach_extra_modules(model, extras)
     randomize_(model, seed)
     return model.eval().requires_grad_(False)
 
@@ -71,12 +94,15 @@ _TOP = {
     "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
     "proj_out": "head.head",
     "patch_embedding": "patch_embedding",
+    "vace_patch_embedding": "vace_patch_embedding",
+    "ref_conv": "ref_conv",
 }
 _ATTENTION = {"to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o", "norm_q": "norm_q", "norm_k": "norm_k",
               "add_k_proj": "k_img", "add_v_proj": "v_img", "norm_added_k": "norm_k_img"}
 _BLOCK = {f"{ours_attn}.{ours}": f"{theirs_attn}.{theirs}" for ours, theirs in _ATTENTION.items()
           for ours_attn, theirs_attn in (("attn1", "self_attn"), ("attn2", "cross_attn"))}
-_BLOCK.update({"ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2", "norm2": "norm3"})
+_BLOCK.update({"ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2", "norm2": "norm3", "proj_in": "before_proj",
+               "proj_out": "after_proj"})
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -85,16 +111,18 @@ def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _original_name(key: str) -> str:
+    if key.startswith(("control_adapter.", "audio_proj.")) or ".audio_cross_attn_wrapper." in key:
+        return key
     if key == "scale_shift_table":
         return "head.modulation"
     if key == "condition_embedder.image_embedder.pos_embed":
         return "img_emb.emb_pos"
-    if key.startswith("blocks."):
-        _, index, rest = key.split(".", 2)
+    if key.startswith(("blocks.", "vace_blocks.")):
+        stem, index, rest = key.split(".", 2)
         if rest == "scale_shift_table":
-            return f"blocks.{index}.modulation"
+            return f"{stem}.{index}.modulation"
         module, _, kind = rest.rpartition(".")
-        return f"blocks.{index}.{_BLOCK[module]}.{kind}"
+        return f"{stem}.{index}.{_BLOCK[module]}.{kind}"
     module, _, kind = key.rpartition(".")
     return f"{_TOP[module]}.{kind}"
 
