@@ -21,7 +21,8 @@ def test_doctor_on_cpu_workers_writes_its_report(tmp_path, capsys):
     rows = report["all_to_all"]["rows"]
     assert [row["bytes"] for row in rows] == [2**16, 2**20]
     assert all(row["seconds"] > 0 and row["algbw_gb_s"] > 0 for row in rows)
-    assert rows[0]["busbw_gb_s"] == pytest.approx(rows[0]["algbw_gb_s"] / 2, rel=1e-2)
+    # the report rounds to 1e-3 GB/s: on a slow, loaded machine that rounding is above 1% of the figures
+    assert rows[0]["busbw_gb_s"] == pytest.approx(rows[0]["algbw_gb_s"] / 2, rel=1e-2, abs=1e-3)
     recommendation = report["recommendation"]
     assert recommendation["image_tokens"] == 1024 and recommendation["heads"] == 24
     assert recommendation["recommended_layout"] == "1"  # CPU workers share their cores
