@@ -12,7 +12,8 @@ from comfy_api.latest import io
 from sp_runtime.config import config_from_inputs
 
 from .comfy_model import build_sp_model, comfy_model_config
-from .pool_owner import OWNER, ModelSpec
+from .model_spec import ModelSpec
+from .pool_owner import OWNER
 from .proxy import SPDiffusionModel
 
 WEIGHT_DTYPES = ["default", "fp32", "bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2"]

@@ -11,7 +11,8 @@ import comfy.patcher_extension
 from sp_runtime.families import comfy_host
 from sp_runtime.families.base import DTYPES, Cancelled, patch_size_2
 
-from .pool_owner import OWNER, ModelSpec
+from .model_spec import ModelSpec
+from .pool_owner import OWNER
 
 HOST_ONLY_KEYS = ("transformer_options", "control")
 

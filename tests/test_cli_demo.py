@@ -31,6 +31,7 @@ def test_demo_command_runs_and_passes_its_parity_check(tmp_path, cache_dir):
                           cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "leaked shared_memory" not in done.stderr and "Warning" not in done.stderr, done.stderr
     assert "speed-up" in done.stdout and "PASS" in done.stdout
     assert done.stdout.count("step ") >= 2 * STEPS  # progress: every step of both loops is printed
 

@@ -62,7 +62,7 @@ def test_stock_sampler_on_sp_model_equals_comfys_own_model(family, sp_models, re
     expected = cs.sample(references[family], positive, negative, frames=frames)
     actual = cs.sample(sp_models[family], positive, negative, frames=frames)
     cs.assert_close(actual, expected)
-    pool = next(iter(sp_models[family].model.diffusion_model.owner._pools.values())).pool
+    pool = next(iter(sp_models[family].model.diffusion_model.owner._pools.values()))
     assert pool.status()["last_conditioning_bytes_copied"] == 0  # same text every step: not sent again
     # and the conditioning matters (a model that ignored it would pass the line above only by luck)
     other = cs.sample(sp_models[family], cs.conditioning(family, 3), negative, frames=frames)

@@ -1,5 +1,5 @@
-"""The pool owner (nodes/pool_owner.py): one pool per device set, reuse, layout changes, LoRA sync, events and
-status; against a fake pool so it needs neither ComfyUI nor worker processes."""
+"""The pool owner (nodes/pool_owner.py): one pool per device set, reuse, layout changes, the spec's LoRAs passed on,
+events and status; against a fake pool so it needs neither ComfyUI nor worker processes."""
 import json
 
 import pytest
@@ -9,12 +9,12 @@ from comfy_support import import_node_module
 from sp_runtime.config import config_from_inputs
 
 owner_module = import_node_module("pool_owner")
+model_spec = import_node_module("model_spec")
 
 
 class FakeHandle:
-    def __init__(self, pool, path, dtype, options):
-        self.pool, self.path, self.dtype, self.options = pool, path, dtype, options
-        self.closed = False
+    def __init__(self, path, dtype, options):
+        self.path, self.dtype, self.options = path, dtype, options
         self.calls = []
 
     def __call__(self, x, timestep, context=None, should_cancel=None, **extra):
@@ -23,36 +23,43 @@ class FakeHandle:
 
 
 class FakePool:
-    def __init__(self, config, with_loras=True):
+    """What the owner uses of WorkerPool; model caching, LoRA state and step times are the pool's own (tested in
+    test_pool_lifecycle, test_lora and test_pool_steps)."""
+
+    def __init__(self, config):
         self.config = config
-        self.loaded, self.unloaded, self.lora_calls = [], [], []
+        self.handles, self.lora_calls, self.listeners = {}, [], []
         self.closed = False
-        self.listeners = []
-        if not with_loras:
-            self.set_loras = None
+        self.unloads = self.loads = 0
 
     def load_model(self, path, dtype="default", progress=None, **options):
+        self.loads += 1
         if progress:
             progress(1.0, "loaded")
-        handle = FakeHandle(self, path, dtype, options)
-        self.loaded.append(handle)
-        return handle
+        return self.handles.setdefault((path, dtype), FakeHandle(path, dtype, options))
 
-    def set_loras(self, handle, loras):
+    def set_loras(self, handle, loras, progress=None):
         self.lora_calls.append((handle, loras))
 
-    def unload(self, handle):
-        handle.closed = True
-        self.unloaded.append(handle)
+    def unload_all(self):
+        count, self.handles = len(self.handles), {}
+        self.unloads += 1
+        return count
 
     def close(self):
         self.closed = True
 
     def status(self):
-        return {"ranks": [{"rank": r, "device": d} for r, d in enumerate(self.config.devices)]}
+        return {"state": "idle", "activity": "idle", "last_step": None,
+                "models": [{"path": path, "dtype": dtype, "options": {}, "loras": []} for path, dtype in self.handles],
+                "ranks": [{"rank": r, "device": d} for r, d in enumerate(self.config.devices)]}
 
     def add_listener(self, listener):
         self.listeners.append(listener)
+
+    def emit(self, event):
+        for listener in self.listeners:
+            listener(event)
 
 
 @pytest.fixture
@@ -72,15 +79,15 @@ def owner():
 
 
 def spec_for(text, path="/models/a.safetensors", cuda=4, **degrees):
-    return owner_module.ModelSpec.create(config_from_inputs(text, cuda_count=cuda, **degrees), path)
+    return model_spec.ModelSpec.create(config_from_inputs(text, cuda_count=cuda, **degrees), path)
 
 
 def test_one_pool_per_device_set_reused_across_models_and_prompts(owner):
     first = owner.load(spec_for("cpu:2"))
     again = owner.load(spec_for("cpu:2"))
     other = owner.load(spec_for("cpu:2", path="/models/b.safetensors"))
-    assert first is again and other is not first
-    assert len(owner.pools) == 1 and len(owner.pools[0].loaded) == 2
+    assert first is again and other is not first  # the pool's own cache answers the second load
+    assert len(owner.pools) == 1 and len(owner.pools[0].handles) == 2
 
 
 def test_layout_change_on_same_devices_restarts_the_pool(owner):
@@ -100,52 +107,49 @@ def test_overlapping_gpus_close_the_older_pool_but_cpu_pools_coexist(owner):
     assert owner.pool_count == 3
 
 
-def test_unloaded_model_reloads_on_next_use(owner):
-    spec = spec_for("cpu:2")
-    handle = owner.load(spec)
-    assert owner.unload_all() == 1 and owner.pools[0].unloaded == [handle]
-    assert owner.load(spec) is not handle
-    assert len(owner.pools[0].loaded) == 2
+def test_unload_all_unloads_every_pool_and_counts_their_models(owner):
+    owner.load(spec_for("cpu:2"))
+    owner.load(spec_for("cpu:2", path="/models/b.safetensors"))
+    owner.load(spec_for("cpu"))
+    assert owner.unload_all() == 3 and [pool.unloads for pool in owner.pools] == [1, 1]
+    assert owner.status()["pools"][0]["models"] == []
 
 
-def test_loras_are_synced_only_when_they_change(owner):
+def test_every_load_asks_the_pool_for_the_specs_loras(owner):
     base = spec_for("cpu:2")
     with_lora = base.with_lora("/loras/x.safetensors", 0.5)
     handle = owner.load(with_lora)
-    owner.load(with_lora)
-    assert owner.pools[0].lora_calls == [(handle, [["/loras/x.safetensors", 0.5]])]
-    assert owner.load(base) is handle  # same weights, LoRA removed
-    assert owner.pools[0].lora_calls[-1] == (handle, [])
+    assert owner.load(base) is handle  # same weights: one model in the pool, whose LoRA list follows the spec
+    assert owner.pools[0].lora_calls == [(handle, [["/loras/x.safetensors", 0.5]]), (handle, [])]
 
 
-def test_lora_without_pool_support_is_a_clear_error():
-    created = owner_module.PoolOwner(lambda config: FakePool(config, with_loras=False))
-    spec = spec_for("cpu:2").with_lora("/loras/x.safetensors", 1.0)
-    with pytest.raises(RuntimeError, match="cannot apply LoRAs"):
-        created.load(spec)
+def test_every_load_and_call_asks_the_pool_so_a_file_replaced_on_disk_is_seen(owner):
+    """The owner keeps no handles: the pool answers a resident model from the file's stamp, and loads a file
+    replaced on disk again (test_pool_files), which a handle cached here would never notice."""
+    spec = spec_for("cpu:2")
+    owner.load(spec)
+    for _ in range(2):
+        owner.call(spec, torch.ones(1, 4, 8, 8), torch.ones(1))
+    assert owner.pools[0].loads == 3
 
 
-def test_call_records_steps_and_speedup_against_a_single_device_run(owner):
+def test_call_goes_through_the_handle_and_step_events_carry_the_devices(owner):
     x = torch.ones(1, 4, 8, 8)
-    single = spec_for("cpu")
-    split = spec_for("cpu:2")
-    assert torch.equal(owner.call(split, x, torch.ones(1)), x * 2)
-    steps = [data for event, data in owner.events if event == "ulysses_sp.step"]
-    assert steps[-1]["layout"] == "u2" and steps[-1]["speedup"] is None  # nothing to compare with yet
-    owner.call(single, x, torch.ones(1))
-    owner.call(split, x, torch.ones(1))
+    assert torch.equal(owner.call(spec_for("cpu:2"), x, torch.ones(1), y=3), x * 2)
+    pool = owner.pools[0]
+    assert pool.handles[("/models/a.safetensors", "default")].calls == [(x.shape, {"y": 3})]
+    pool.emit({"event": "call", "seconds": 0.5, "layout": "u2", "speedup": 1.7})
     step = [data for event, data in owner.events if event == "ulysses_sp.step"][-1]
-    assert step["speedup"] is not None and step["speedup"] > 0
-    assert step["shape"] == [1, 4, 8, 8] and step["world_size"] == 2
+    assert step == {"devices": ["cpu", "cpu"], "event": "call", "seconds": 0.5, "layout": "u2", "speedup": 1.7}
 
 
-def test_status_is_json_and_lists_pools_models_and_ranks(owner):
-    owner.load(spec_for("cpu:2").with_lora("/loras/x.safetensors", 0.7))
+def test_status_is_json_and_shows_what_the_pools_report(owner):
+    owner.load(spec_for("cpu:2"))
     status = json.loads(json.dumps(owner.status()))
     pool = status["pools"][0]
     assert pool["devices"] == ["cpu", "cpu"] and pool["layout"] == "u2" and pool["backend"] == "gloo"
-    assert pool["models"] == [{"path": "/models/a.safetensors", "dtype": "default", "options": {},
-                               "loras": [["/loras/x.safetensors", 0.7]]}]
+    assert pool["state"] == "idle" and pool["last_step"] is None
+    assert pool["models"] == [{"path": "/models/a.safetensors", "dtype": "default", "options": {}, "loras": []}]
     assert [rank["rank"] for rank in pool["pool"]["ranks"]] == [0, 1]
     assert any(event == "ulysses_sp.status" for event, _ in owner.events)
 
@@ -153,9 +157,11 @@ def test_status_is_json_and_lists_pools_models_and_ranks(owner):
 def test_pool_events_are_forwarded_with_their_devices(owner):
     owner.load(spec_for("cpu:2"))
     owner.events.clear()
-    owner.pools[0].listeners[0]({"event": "worker_died", "rank": 1})
+    owner.pools[0].emit({"event": "worker_died", "rank": 1})
     assert owner.events[0] == ("ulysses_sp.pool", {"devices": ["cpu", "cpu"], "event": "worker_died", "rank": 1})
     assert owner.events[1][0] == "ulysses_sp.status"  # the panel redraws after a fault
+    owner.pools[0].emit({"event": "state", "state": "busy", "activity": "sampling"})
+    assert owner.events[-1] == ("ulysses_sp.state", {"devices": ["cpu", "cpu"], "state": "sampling"})
 
 
 def test_broken_listener_never_breaks_a_call(owner):

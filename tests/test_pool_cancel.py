@@ -66,3 +66,33 @@ def test_workers_that_do_not_stop_are_replaced(pool, checkpoint):
     out, inputs = run(model, seed=5)
     assert_matches(out, reference(checkpoint)(**inputs))
     assert set(pool.worker_pids).isdisjoint(pids) and pool.restarts == 1
+
+
+def test_a_block_slower_than_the_grace_finishes_instead_of_a_restart(pool, checkpoint):
+    """Blocks of 2.5 s (longer than the 1.5 s grace): the grace grows with the measured block time."""
+    model = pool.load_model(checkpoint)
+    pids, restarts = pool.worker_pids, pool.restarts
+    with pytest.raises(Cancelled):
+        run(model, toy_sleep=2.5, should_cancel=after(2.8))  # early in the second block
+    assert pool.worker_pids == pids and pool.restarts == restarts and pool.state == "idle"
+    assert {rank["blocks_done"] for rank in pool.status()["ranks"]} == {3}  # stopped at the next block check
+
+
+class CallbackFailed(Exception):
+    pass
+
+
+def test_a_cancel_callback_that_raises_stops_the_call_without_a_restart(pool, checkpoint):
+    model = pool.load_model(checkpoint)
+    pids, restarts = pool.worker_pids, pool.restarts
+    started = time.monotonic()
+
+    def broken_callback():
+        if time.monotonic() - started > 0.3:
+            raise CallbackFailed("the host's cancel check failed")
+        return False
+    with pytest.raises(CallbackFailed):
+        run(model, toy_sleep=BLOCK_S, should_cancel=broken_callback)
+    assert pool.worker_pids == pids and pool.restarts == restarts and pool.state == "idle"
+    out, inputs = run(model, seed=6)
+    assert_matches(out, reference(checkpoint)(**inputs))

@@ -134,3 +134,40 @@ def test_deep_copies_of_a_handle_share_the_pool(pool, checkpoint):
     inputs = toy_inputs(seed=9)
     assert torch.equal(twin(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"]),
                        model(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"]))
+
+
+def test_calls_keep_step_history_and_speedup_over_a_single_device_run(pool, checkpoint):
+    from sp_runtime.pool.steps import STEPS
+    model = pool.load_model(checkpoint)
+    inputs = toy_inputs(seed=8)
+    shape = tuple(inputs["x"].shape)
+    model(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"])
+    step = pool.status()["last_step"]
+    assert step["layout"] == "u2" and step["shape"] == list(shape) and step["world_size"] == 2
+    assert step["speedup"] is None and step["seconds"] > 0  # no single-device time of this model and shape yet
+    STEPS.record(model.key, shape, "1", 4 * step["seconds"])  # as a one-device pool of this process would
+    model(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"])
+    assert pool.last_step["speedup"] > 0 and pool.status()["activity"] == "idle"
+
+
+def test_step_history_keeps_recent_times_and_compares_medians():
+    from sp_runtime.pool.steps import STEP_HISTORY, StepHistory
+    steps = StepHistory()
+    for seconds in (1.0, 3.0, 2.0):
+        steps.record("m", (1, 4), "1", seconds)
+    assert steps.speedup("m", (1, 4), "u2") is None
+    for seconds in [100.0] * STEP_HISTORY + [0.5, 1.5]:  # only the most recent STEP_HISTORY count
+        steps.record("m", (1, 4), "u2", seconds)
+    assert steps.speedup("m", (1, 4), "u2") == pytest.approx(2.0 / 100.0)
+    assert steps.speedup("m", (1, 8), "u2") is None  # another latent size is another comparison
+
+
+def test_a_resident_model_is_found_without_reading_its_file(pool, checkpoint, monkeypatch):
+    """The pool owner asks for its model at every step: that must not read the checkpoint's header each time."""
+    from sp_runtime.families import header as header_module
+    first = pool.load_model(checkpoint)
+    monkeypatch.setattr(header_module, "read_header", lambda file: pytest.fail(f"the header of {file} was read"))
+    assert pool.load_model(checkpoint).key == first.key
+    pool.unload(first)
+    with pytest.raises(pytest.fail.Exception):  # not resident any more: a real load reads it (once)
+        pool.load_model(checkpoint)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -63,8 +63,9 @@ class _Slot:
 class InputArena:
     """Call arguments in one shared segment; an argument equal to a resident copy is not copied again."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, spill_dir: Optional[Callable[[], str]] = None):
         self._token = token
+        self._spill_dir = spill_dir  # gives the folder segments go to when /dev/shm is too small
         self._generation = itertools.count()
         self._versions = itertools.count(1)
         self.segment: Optional[Segment] = None
@@ -160,7 +161,8 @@ class InputArena:
         return layout
 
     def _replace_segment(self, size: int) -> None:
-        old, self.segment = self.segment, Segment.create(self._token, f"i{next(self._generation)}", size)
+        old, self.segment = self.segment, Segment.create(self._token, f"i{next(self._generation)}", size,
+                                                         self._spill_dir)
         if old is not None:
             old.release()
 
@@ -173,8 +175,9 @@ class InputArena:
 class OutputArena:
     """One result at a time, at offset 0; grown geometrically when a larger result comes."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, spill_dir: Optional[Callable[[], str]] = None):
         self._token = token
+        self._spill_dir = spill_dir  # gives the folder segments go to when /dev/shm is too small
         self._generation = itertools.count()
         self.segment: Optional[Segment] = None
 
@@ -183,7 +186,7 @@ class OutputArena:
         if self.segment is None or needed > self.segment.size:
             old = self.segment
             self.segment = Segment.create(self._token, f"o{next(self._generation)}",
-                                          _grown(old.size if old else 0, needed))
+                                          _grown(old.size if old else 0, needed), self._spill_dir)
             if old is not None:
                 old.release()
         return {"segment": self.segment.name, "dtype": dtype_to_name(dtype), "shape": list(shape), "offset": 0}

@@ -1,11 +1,9 @@
-"""WorkerPool: one persistent worker process per device, models loaded in all of them (with their LoRAs), and calls
-delegated to them through shared memory, with fault handling (dead workers, remote exceptions, cancel) and a clean
-shutdown.
+"""WorkerPool: one persistent worker process per device, the models loaded in all of them (with their LoRAs), their
+step history and events, calls delegated through shared memory, restarts after faults and a clean shutdown.
+How one request reaches the workers and how its failures are worded is in requests.py.
 """
 from __future__ import annotations
 
-import atexit
-import itertools
 import json
 import logging
 import os
@@ -19,22 +17,26 @@ import torch
 
 from ..config import SPConfig
 from ..families.base import Cancelled, LoadRequest, ModelInfo, ProgressFn
+from ..families.header import checkpoint_stamp, read_checkpoint_header
 from ..lora.spec import LoraList, normalize_loras
 from .arena import InputArena, OutputArena
 from .control import ControlBlock
-from .errors import PoolClosedError, PoolForkedError, PoolStartError, RemoteError, WorkerError
+from .errors import PoolClosedError, PoolForkedError, PoolStartError, WorkerError
 from .handle import ModelHandle
-from .ownership import new_token
-from .protocol import encode_tree, recv, send
+from .ownership import OwnerLock, new_token
+from .protocol import recv, send
+from .requests import POLL_S, Exchange, Timeouts, call_message, tail_of
 from .segments import claim_names, clean_stale_segments, release_retired
 from .spawn import RunFolder, Rendezvous, WorkerProcess, clean_stale_run_dirs, launch_worker, worker_env
 from .status import rank_memory
+from .steps import STEPS, StepHistory
 
 log = logging.getLogger("ulysses_sp.pool")
-POLL_S = 0.05
+COLLECTIVE_TIMEOUT_S = 300.0
 CLOSE_WAIT_S = 10.0  # how long close() waits for a call in another thread before it stops the workers anyway
-_live_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+_live_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()  # for the fork hook
 Listener = Callable[[dict], None]
+ACTIVITY = {"load": "loading", "call": "sampling", "set_loras": "applying LoRAs", "unload": "unloading"}
 
 
 class WorkerPool:
@@ -42,38 +44,52 @@ class WorkerPool:
 
     start_timeout_s: how long workers may take to start and join the process group.
     error_grace_s: after one rank raised, how long the others may take to answer before the pool restarts.
-    cancel_grace_s: after a cancel request, how long workers may take to stop before the pool restarts.
+    cancel_grace_s: after a cancel, the least time workers may take to reach their next block check (the pool
+        waits longer, two of the slowest blocks measured, when blocks are slow) before the pool restarts.
+    watchdog_s: a rank that shows no sign of life for this long during a request fails it (and the pool restarts).
+    collective_timeout_s: the process group's timeout for one collective (a rank wedged inside one).
+    A pool dropped without close() is closed when it is garbage-collected, and at interpreter exit.
     """
 
     def __init__(self, config: Union[SPConfig, Sequence[str]], *, start_timeout_s: float = 180.0,
-                 error_grace_s: float = 3.0, cancel_grace_s: float = 5.0, env: Optional[dict] = None,
-                 threads: Optional[int] = None):
+                 error_grace_s: float = 3.0, cancel_grace_s: float = 5.0, watchdog_s: float = 20.0,
+                 collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, env: Optional[dict] = None,
+                 threads: Optional[int] = None, steps: StepHistory = STEPS):
         self.config = config if isinstance(config, SPConfig) else SPConfig(devices=list(config))
         self.start_timeout_s = start_timeout_s
-        self.error_grace_s = error_grace_s
-        self.cancel_grace_s = cancel_grace_s
+        self.collective_timeout_s = collective_timeout_s
+        self.timeouts = Timeouts(error_grace_s, cancel_grace_s, watchdog_s)
         self._env, self._threads = env, threads
         self._token = new_token()  # in every shared name: unique even where two processes share a PID
         self._owner_pid = os.getpid()
         self._lock = threading.RLock()
-        self._state = "starting"
-        self._workers: list[WorkerProcess] = []
+        self._state, self._activity = "starting", None
+        self._workers: list[WorkerProcess] = []  # changed in place: the finalizer holds this list
         self._rendezvous: Optional[Rendezvous] = None
-        self._control: Optional[ControlBlock] = None
-        self._names = claim_names(self._token)
-        self._inputs = InputArena(self._token)
-        self._outputs = OutputArena(self._token)
         self._models: dict[str, tuple[LoadRequest, ModelInfo]] = {}  # loaded by the user and not unloaded
         self._resident: set[str] = set()          # resident in the current workers
         self._applied_loras: dict[str, Optional[LoraList]] = {}  # in the current workers; None: unknown (failed)
         self._listeners: list[Listener] = []
-        self._ids = itertools.count(1)
-        self._run = RunFolder(self._token)
+        self._steps = steps
+        self.last_step: Optional[dict] = None
         self.restarts = 0
         self.stats = {"calls": 0, "last_call_s": None, "last_worker_s": None, "last_bytes_copied": 0,
                       "last_conditioning_bytes_copied": 0, "last_copied": {}, "bytes_copied_total": 0}
         self._ranks = [{"calls": 0, "last_call_s": None, "memory": {}} for _ in self.config.devices]
-        atexit.register(_close_at_exit, weakref.ref(self))
+        self._names = claim_names(self._token)  # first: its owner file proves the later names this pool's
+        try:
+            self._control = ControlBlock.create(self._token, self.config.world_size)
+        except BaseException:
+            _release_names(self._names)
+            raise
+        self._run = RunFolder(self._token)
+        self._inputs = InputArena(self._token, self._run.ensure)  # a file in the run folder if /dev/shm is full
+        self._outputs = OutputArena(self._token, self._run.ensure)
+        self._exchange = Exchange(self.config.devices, self._control, self.timeouts, self._break, self._emit,
+                                  lambda: self._state == "closed")
+        # Runs once: from close(), when the pool is garbage-collected, or at interpreter exit.
+        self._finalizer = weakref.finalize(self, _release, self._owner_pid, self._workers,
+                                           (self._inputs, self._outputs, self._control), self._run, self._names)
         _live_pools.add(self)
         try:
             self._start()
@@ -110,10 +126,13 @@ class WorkerPool:
 
     def load_model(self, path: Union[str, os.PathLike], dtype: Union[torch.dtype, str, None] = "default",
                    progress: Optional[ProgressFn] = None, **options: Any) -> ModelHandle:
-        """Load a checkpoint in every worker (cached there by path, dtype and options) and return its handle."""
-        request = _load_request(path, dtype, options)
+        """Load a checkpoint in every worker (cached there by path, dtype and options) and return its handle.
+
+        A model that is resident already costs no header read and no request to the workers (the pool owner asks
+        for its model at every step); its file's stamp is checked, so a file replaced on disk is loaded again."""
         with self._lock:
             self._ensure_running()
+            request = self._resident_request(path, dtype, options) or _load_request(path, dtype, options)
             info = self._make_resident(request, progress)
         return ModelHandle(self, request, info)
 
@@ -124,14 +143,18 @@ class WorkerPool:
         weights back exactly. The workers read the files; only the parameters whose LoRAs change are rewritten.
         The handle remembers the list: calls through it re-apply it after an unload or a pool restart, and
         switch the workers' copy back to it when another handle of the same model changed it.
-        Returns rank 0's summary: {"parameters": patched now, "updated": rewritten by this call, "skipped": [...]}.
+        Returns rank 0's summary: {"parameters": patched now, "updated": rewritten by this call, "skipped": [...]};
+        the list the workers already hold sends nothing and returns {"parameters": None, "updated": 0, ...}.
         """
         wanted = normalize_loras(loras)
         with self._lock:
             self._ensure_running()
             self._follow_file(handle)
             self._make_resident(handle.request, None)
-            summary = self._apply_loras(handle, wanted, progress)
+            if self._applied_loras.get(handle.key) == wanted:
+                summary = {"parameters": None, "updated": 0, "skipped": []}
+            else:
+                summary = self._apply_loras(handle, wanted, progress)
         handle.loras = wanted
         return summary
 
@@ -146,14 +169,17 @@ class WorkerPool:
             self._applied_loras.pop(key, None)
         self._emit({"event": "unloaded", "model": key})
 
-    def unload_all(self) -> None:
+    def unload_all(self) -> int:
+        """Free every model in the workers (the pool stays up); returns how many models the pool had."""
         with self._lock:
+            count = len(self._models)
             if self._resident and self._state == "idle":
                 self._request({"op": "unload", "all": True})
             self._models.clear()
             self._resident.clear()
             self._applied_loras.clear()
         self._emit({"event": "unloaded", "model": None})
+        return count
 
     def is_loaded(self, model: Union[ModelHandle, str]) -> bool:
         return (model.key if isinstance(model, ModelHandle) else model) in self._resident
@@ -185,17 +211,24 @@ class WorkerPool:
                           "calls": self._ranks[rank]["calls"],
                           "last_call_s": self._ranks[rank]["last_call_s"],
                           "blocks_done": self._control.counter(rank) if self._control and alive else None})
-        return {"state": self._state, "config": self.config.to_dict(), "layout": self.config.layout_name,
-                "backend": self.config.backend, "world_size": self.config.world_size, "restarts": self.restarts,
-                "log_dir": self._run.path, "models": [_model_entry(request, info, key in self._resident,
-                                                                  self._applied_loras.get(key))
-                                                     for key, (request, info) in self._models.items()],
-                "shared_memory": self.segment_names(), "ranks": ranks, **self.stats}
+        return {"state": self._state, "activity": self.activity, "config": self.config.to_dict(),
+                "layout": self.config.layout_name, "backend": self.config.backend,
+                "world_size": self.config.world_size, "restarts": self.restarts, "log_dir": self._run.path,
+                "models": [_model_entry(request, info, key in self._resident, self._applied_loras.get(key))
+                           for key, (request, info) in self._models.items()],
+                "shared_memory": self.segment_names(), "last_step": self.last_step, "ranks": ranks, **self.stats}
+
+    @property
+    def activity(self) -> str:
+        """What the pool does now: its state, or while busy the request (loading, sampling, applying LoRAs ...)."""
+        return self._activity if self._state == "busy" and self._activity else self._state
 
     def segment_names(self) -> list[str]:
         """Names of this pool's shared-memory segments (control, input and output arenas)."""
+        if self._state == "closed":
+            return []
         parts = (self._control, self._inputs, self._outputs)
-        return [part.segment.name for part in parts if part is not None and part.segment is not None]
+        return [part.segment.name for part in parts if part.segment is not None]
 
     def close(self) -> None:
         """End and reap every worker and unlink every shared-memory segment. Idempotent."""
@@ -207,15 +240,8 @@ class WorkerPool:
             if self._state == "closed":
                 return
             self._set_state("closed")
-            self._stop_workers(graceful=True)
-            for part in (self._inputs, self._outputs, self._control):
-                if part is not None:
-                    part.release()
-            self._control = None
-            release_retired()
-            self._run.remove()
-            if self._names is not None:
-                self._names.release()
+            self._close_rendezvous()
+            self._finalizer()
         finally:
             if locked:
                 self._lock.release()
@@ -237,11 +263,10 @@ class WorkerPool:
         clean_stale_segments()
         clean_stale_run_dirs()
         run_dir = self._run.ensure()
-        if self._control is None:
-            self._control = ControlBlock.create(self._token, self.config.world_size)
         self._rendezvous = Rendezvous(run_dir)
         spec = {"config": self.config.to_dict(), "parent_pid": os.getpid(), "control": self._control.name,
-                "store_path": self._rendezvous.path, "timeout_s": self.start_timeout_s, "threads": self._threads}
+                "store_path": self._rendezvous.path, "run_dir": run_dir, "timeout_s": self.start_timeout_s,
+                "collective_timeout_s": self.collective_timeout_s, "threads": self._threads}
         env = worker_env(self._env)
         try:
             for rank, device in enumerate(self.config.devices):
@@ -278,12 +303,12 @@ class WorkerPool:
                 late = sorted(waiting.values(), key=lambda w: w.rank)
                 raise PoolStartError(
                     f"workers {[(w.rank, w.device) for w in late]} did not start within {self.start_timeout_s:g} s "
-                    f"(raise start_timeout_s if the machine is slow)\n" + _tail_of(late[0], inline=True),
+                    f"(raise start_timeout_s if the machine is slow)\n" + tail_of(late[0], inline=True),
                     late[0].rank, late[0].device)
 
     def _start_error(self, worker: WorkerProcess, cause: str, remote_traceback: str = "") -> PoolStartError:
         # inline: a pool that cannot start is closed, and its log folder with it
-        detail = remote_traceback if remote_traceback else _tail_of(worker, inline=True)
+        detail = remote_traceback if remote_traceback else tail_of(worker, inline=True)
         return PoolStartError(f"worker rank {worker.rank} on {worker.device} could not start: {cause}"
                               + (f"\n{detail}" if detail else ""), worker.rank, worker.device)
 
@@ -313,25 +338,32 @@ class WorkerPool:
         self._set_state("broken")
 
     def _stop_workers(self, graceful: bool) -> None:
-        workers, self._workers = self._workers, []
-        for worker in workers:
-            if graceful and worker.alive():
-                try:
-                    send(worker.conn, {"op": "exit", "id": 0})
-                except OSError:
-                    pass
-            else:
-                worker.kill()
-        deadline = time.monotonic() + (5.0 if graceful else 0.0)
-        for worker in workers:
-            worker.reap(wait_s=max(0.0, deadline - time.monotonic()) if graceful else 5.0)
-        if self._rendezvous is not None:
-            self._rendezvous.close()
-            self._rendezvous = None
+        _stop(self._workers, graceful)
+        self._close_rendezvous()
         self._resident.clear()
         self._applied_loras.clear()
 
+    def _close_rendezvous(self) -> None:
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
+
     # ---- requests -------------------------------------------------------------------------------------------
+    def _resident_request(self, path, dtype, options: dict) -> Optional[LoadRequest]:
+        """The request a resident model was loaded with, found without reading its header: a resident model of
+        the same file with the same stamp (the file is unchanged) lends it."""
+        path = _resolved(path)
+        try:
+            stamp = checkpoint_stamp(path)
+        except (OSError, ValueError):  # _load_request says what is wrong
+            return None
+        same_file = next((self._models[key][0] for key in self._resident
+                          if self._models[key][0].path == path and self._models[key][0].stamp == stamp), None)
+        if same_file is None:
+            return None
+        key = _request_for(path, dtype, options, same_file.header, stamp).key
+        return self._models[key][0] if key in self._resident else None
+
     def _make_resident(self, request: LoadRequest, progress: Optional[ProgressFn]) -> ModelInfo:
         if request.key not in self._resident:
             replies = self._request({"op": "load", "request": request.to_message()},
@@ -389,22 +421,16 @@ class WorkerPool:
     def _call(self, handle: ModelHandle, x: torch.Tensor, timestep: torch.Tensor, kwargs: dict,
               should_cancel: Optional[Callable[[], bool]]) -> torch.Tensor:
         started = time.perf_counter()
-        tensors: dict[str, torch.Tensor] = {}
-        args = {"x": encode_tree(x, "x", tensors), "timestep": encode_tree(timestep, "timestep", tensors),
-                "kwargs": {"dict": {key: encode_tree(value, key, tensors) for key, value in kwargs.items()}}}
-        with torch.no_grad():
-            specs, copied = self._inputs.stage(tensors, always_copy=frozenset({"x"}))
-        region = self._outputs.region(x.dtype, handle.info.output_shape(tuple(x.shape)))
+        message, copied = call_message(handle, x, timestep, kwargs, self._inputs, self._outputs)
         self._control.set_cancel(False)
         self._control.reset_counters(self.config.world_size)
-        message = {"op": "call", "key": handle.key, "input_segment": self._inputs.segment.name, "tensors": specs,
-                   "live": self._inputs.live_versions(), "args": args, "output": region}
         replies = self._request(message, should_cancel=should_cancel)
-        out = self._outputs.read(region, x.dtype)
-        self._record_call(time.perf_counter() - started, copied, replies, handle)
+        out = self._outputs.read(message["output"], x.dtype)
+        self._record_call(time.perf_counter() - started, copied, replies, handle, tuple(x.shape))
         return out
 
-    def _record_call(self, seconds: float, copied: dict, replies: list[dict], handle: ModelHandle) -> None:
+    def _record_call(self, seconds: float, copied: dict, replies: list[dict], handle: ModelHandle,
+                     shape: tuple) -> None:
         conditioning = sum(n for name, n in copied.items() if name not in ("x", "timestep"))
         worker_s = max(reply.get("seconds", 0.0) for reply in replies)
         self.stats.update(calls=self.stats["calls"] + 1, last_call_s=seconds, last_worker_s=worker_s,
@@ -414,114 +440,33 @@ class WorkerPool:
         for rank, reply in enumerate(replies):
             self._ranks[rank]["calls"] += 1
             self._ranks[rank]["last_call_s"] = reply.get("seconds")
-        self._emit({"event": "call", "model": handle.path, "seconds": seconds,
-                    "worker_seconds": worker_s,
+        layout = self.config.layout_name
+        self._steps.record(handle.key, shape, layout, seconds)
+        self.last_step = {"model": handle.path, "shape": list(shape), "layout": layout,
+                          "world_size": self.config.world_size, "seconds": seconds,
+                          "speedup": self._steps.speedup(handle.key, shape, layout)}
+        self._emit({"event": "call", **self.last_step, "worker_seconds": worker_s,
                     "bytes_copied": sum(copied.values()), "conditioning_bytes_copied": conditioning})
 
     def _request(self, message: dict, should_cancel: Optional[Callable[[], bool]] = None,
                  on_progress: Optional[ProgressFn] = None) -> list[dict]:
-        """Send one request to every worker and wait for all replies; raise on any failure."""
-        message["id"] = next(self._ids)
-        self._set_state("busy")
+        """One request to every worker (see requests.Exchange); the pool is busy meanwhile."""
+        self._set_state("busy", ACTIVITY.get(message["op"], message["op"]))
         try:
-            for worker in self._workers:
-                try:
-                    send(worker.conn, message)
-                except OSError:
-                    raise self._worker_died(worker, message["op"]) from None
-            replies, cancelled = self._collect(message, should_cancel, on_progress)
-        except (WorkerError, Cancelled):
-            raise
-        except BaseException:  # e.g. KeyboardInterrupt while waiting: the workers are mid-call
-            self._break(f"interrupted while waiting for the workers ({message['op']})")
-            raise
-        self._set_state("idle")
-        self._raise_failures(replies, message["op"])
-        if cancelled:
-            raise Cancelled("cancelled by the caller (the call finished before the workers saw it)")
+            replies = self._exchange.request(self._workers, message, should_cancel, on_progress)
+        finally:
+            if self._state == "busy":  # failures that did not break the pool leave it usable
+                self._set_state("idle")
         for rank, reply in enumerate(replies):
             if reply.get("memory"):
                 self._ranks[rank]["memory"] = reply["memory"]
         return replies
 
-    def _collect(self, message: dict, should_cancel, on_progress) -> tuple[list[dict], bool]:
-        pending = {worker.conn: worker for worker in self._workers}
-        replies: dict[int, dict] = {}
-        failed_at = cancel_at = None
-        while pending:
-            for conn in wait(list(pending), timeout=POLL_S):
-                worker = pending[conn]
-                try:
-                    reply = recv(conn)
-                except (EOFError, OSError):
-                    raise self._worker_died(worker, message["op"]) from None
-                if "progress" in reply:
-                    if on_progress is not None and reply.get("id") == message["id"]:
-                        on_progress(reply["progress"], reply.get("message", ""))
-                elif reply.get("id") == message["id"]:
-                    replies[worker.rank] = reply
-                    del pending[conn]
-            for worker in pending.values():
-                if not worker.alive():
-                    raise self._worker_died(worker, message["op"])
-            now = time.monotonic()
-            if pending and any(not reply["ok"] for reply in replies.values()):
-                failed_at = failed_at or now
-                if now - failed_at > self.error_grace_s:
-                    self._break(f"ranks {sorted(w.rank for w in pending.values())} did not answer after another "
-                                f"rank failed")
-                    raise self._remote_error(replies, message["op"], restarted=True)
-            if cancel_at is None and should_cancel is not None and pending and should_cancel():
-                self._control.set_cancel(True)
-                cancel_at = now
-            if pending and cancel_at is not None and now - cancel_at > self.cancel_grace_s:
-                self._break(f"the workers did not stop within {self.cancel_grace_s:.0f} s of a cancel")
-                raise Cancelled(f"cancelled; the workers did not stop within {self.cancel_grace_s:.0f} s, so the "
-                                f"pool restarts on the next call")
-        return [replies[rank] for rank in range(len(replies))], cancel_at is not None
-
-    def _raise_failures(self, replies: list[dict], op: str) -> None:
-        errors = {rank: reply for rank, reply in enumerate(replies) if not reply["ok"]}
-        if not errors:
-            return
-        if all(reply["error"] == "Cancelled" for reply in errors.values()) and len(errors) == len(replies):
-            raise Cancelled(errors[0]["message"])
-        # Ranks that failed differently (or not at all) may disagree about which collectives ran: restart.
-        consistent = len(errors) == len(replies) and len({reply["error"] for reply in errors.values()}) == 1
-        if not consistent:
-            self._break(f"ranks {sorted(errors)} of {len(replies)} failed during {op}")
-        raise self._remote_error(errors, op, restarted=not consistent)
-
-    def _remote_error(self, replies: dict[int, dict], op: str, restarted: bool) -> RemoteError:
-        rank, reply = next((rank, reply) for rank, reply in sorted(replies.items()) if not reply["ok"])
-        device = self.config.devices[rank]
-        text = f"worker rank {rank} on {device} failed during {op}: {reply['error']}: {reply['message']}"
-        if reply.get("oom"):
-            text += (f"\nout of memory on {device}: lower the resolution, frame count or batch, use more devices, "
-                     f"or load the weights in a smaller dtype (bf16 / fp8)")
-            if device == "cpu":
-                text += "; every CPU worker holds its own copy of the weights: free RAM or use fewer CPU workers"
-        if restarted:
-            text += "\n(the other ranks could not finish, so the pool restarts on the next call)"
-        text += f"\n--- worker traceback (rank {rank}) ---\n{reply.get('traceback', '')}"
-        return RemoteError(text, rank, device, reply["error"], reply["message"], reply.get("traceback", ""))
-
-    def _worker_died(self, worker: WorkerProcess, op: str) -> WorkerError:
-        if self._state == "closed":  # close() in another thread stopped it: not a crash, not the OOM killer
-            return PoolClosedError(f"the worker pool was closed during {op}")
-        cause = worker.exit_cause(wait_s=2.0)
-        tail = _tail_of(worker)
-        self._emit({"event": "worker_died", "rank": worker.rank, "device": worker.device, "cause": cause})
-        self._break(f"rank {worker.rank} died")
-        return WorkerError(f"worker rank {worker.rank} on {worker.device} (pid {worker.pid}) died during {op}: "
-                           f"{cause}; the pool restarts on the next call" + (f"\n{tail}" if tail else ""),
-                           worker.rank, worker.device)
-
     # ---- events ---------------------------------------------------------------------------------------------
-    def _set_state(self, state: str) -> None:
-        if state != self._state and self._state != "closed":  # closed is final, even if a call fails after it
-            self._state = state
-            self._emit({"event": "state", "state": state})
+    def _set_state(self, state: str, activity: Optional[str] = None) -> None:
+        if (state, activity) != (self._state, self._activity) and self._state != "closed":  # closed is final
+            self._state, self._activity = state, activity
+            self._emit({"event": "state", "state": state, "activity": self.activity})
 
     def _emit(self, event: dict) -> None:
         event.setdefault("time", time.time())
@@ -540,21 +485,28 @@ class WorkerPool:
 
 def _load_request(path, dtype, options: dict) -> LoadRequest:
     """The request with the checkpoint's header, read once here: a file that is not a checkpoint of a known family
-    fails now, before any worker reads it, and the workers do not read the header again. Its key is the model's
-    identity: the resolved path (one model through any symlink), the dtype "default" stands for, the options, and
-    the files' stamp (a file replaced on disk is another model)."""
+    fails now, before any worker reads it, and the workers do not read the header again."""
+    path = _resolved(path)
+    stamp = checkpoint_stamp(path)  # before the header: a file replaced in between is refused by the workers
+    return _request_for(path, dtype, options, read_checkpoint_header(path), stamp)
+
+
+def _request_for(path: str, dtype, options: dict, header, stamp: list) -> LoadRequest:
+    """The request of one model. Its key is the model's identity: the resolved path (one model through any
+    symlink), the dtype "default" stands for, the options, and the files' stamp (a file replaced on disk is another
+    model)."""
     from ..families.checkpoint import resolved_dtype_name
     from ..families.detect import detect
-    from ..families.header import checkpoint_stamp, read_checkpoint_header
-    path = os.path.realpath(os.path.expanduser(os.fspath(path)))
-    header = read_checkpoint_header(path)
     detection = detect(header)
     try:
         json.dumps(options)
     except TypeError as error:
         raise ValueError(f"load options must be JSON values (numbers, strings, lists, dicts): {error}") from None
-    dtype = resolved_dtype_name(dtype, header, detection.prefix)
-    return LoadRequest(path, dtype, dict(options), header, checkpoint_stamp(path))
+    return LoadRequest(path, resolved_dtype_name(dtype, header, detection.prefix), dict(options), header, stamp)
+
+
+def _resolved(path) -> str:
+    return os.path.realpath(os.path.expanduser(os.fspath(path)))
 
 
 def _model_entry(request: LoadRequest, info: ModelInfo, resident: bool,
@@ -580,17 +532,41 @@ def _quiet(progress: Optional[ProgressFn]) -> Optional[ProgressFn]:
     return relay
 
 
-def _tail_of(worker: WorkerProcess, inline: bool = False) -> str:
-    """The end of a worker's log; inline: named without its path (for errors raised after the folder is gone)."""
-    tail = worker.log_tail()
-    name = f"rank {worker.rank}'s log" if inline else worker.log_path
-    return f"--- last lines of {name} ---\n{tail}" if tail else ""
+def _stop(workers: list[WorkerProcess], graceful: bool) -> None:
+    """End and reap the workers (asked to exit, or killed); empties the list."""
+    stopping = list(workers)
+    workers.clear()
+    for worker in stopping:
+        if graceful and worker.alive():
+            try:
+                send(worker.conn, {"op": "exit", "id": 0})
+            except OSError:
+                pass
+        else:
+            worker.kill()
+    deadline = time.monotonic() + (5.0 if graceful else 0.0)
+    for worker in stopping:
+        worker.reap(wait_s=max(0.0, deadline - time.monotonic()) if graceful else 5.0)
 
 
-def _close_at_exit(pool_ref) -> None:
-    pool = pool_ref()
-    if pool is not None:
-        pool.close()
+def _release(owner_pid: int, workers: list[WorkerProcess], parts: tuple, run: RunFolder,
+             names: Optional[OwnerLock]) -> None:
+    """The pool's finalizer: holds no reference to the pool, so it also runs when the pool is garbage-collected.
+    A forked child inherits it: there it does nothing, the workers, segments and folder are the parent's."""
+    if os.getpid() != owner_pid:
+        return
+    _stop(workers, graceful=True)
+    for part in parts:
+        part.release()
+    release_retired()
+    run.remove()
+    _release_names(names)
+
+
+def _release_names(names: Optional[OwnerLock]) -> None:
+    """Drop the owner file of the pool's segments (after them: it proves them the pool's)."""
+    if names is not None:
+        names.release()
 
 
 def _forget_pools_in_child() -> None:

@@ -2,8 +2,8 @@
 tensors.
 
 The host creates and unlinks every segment; workers only attach. Each pool holds an owner file
-usp_<pid>_<token>_lock beside its segments (see ownership.py), so a later start can unlink what a killed pool left
-behind, and only that.
+usp_<pid>_<token>_lock beside its segments (see ownership.py), so a later start, or a worker whose host died, can
+unlink what a killed pool left behind, and only that. A segment /dev/shm cannot hold is a file (mappings.py).
 """
 from __future__ import annotations
 
@@ -13,21 +13,21 @@ import re
 import sys
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from .mappings import SHM_DIR, FileMapping, Mapping, create_mapping, is_file_mapping
 from .ownership import TOKEN_HEX, OwnerLock, owner_is_dead
 
 PREFIX = "usp_"
-SHM_DIR = "/dev/shm"  # where Linux shows POSIX shared memory; elsewhere stale segments are not listed
 _OWNED_NAME = re.compile(rf"^({PREFIX}\d+_[0-9a-f]{{{TOKEN_HEX}}}_)")  # group 1: the owner's prefix
 LOCK_PART = "lock"
 log = logging.getLogger("ulysses_sp.pool")
 
 # Mappings that could not be closed yet because tensors still view them; retried by release_retired().
-_retired: list[SharedMemory] = []
+_retired: list[Mapping] = []
 
 
 def owned_name(token: str, part: str) -> str:
@@ -42,7 +42,7 @@ def claim_names(token: str) -> Optional[OwnerLock]:
     return OwnerLock(os.path.join(SHM_DIR, owned_name(token, LOCK_PART)))
 
 
-def _as_tensor(shm: SharedMemory) -> torch.Tensor:
+def _as_tensor(shm: Mapping) -> torch.Tensor:
     # Through numpy, so the mapping holds a buffer export while any tensor views it: closing it then raises
     # BufferError instead of leaving tensors pointing at unmapped memory (torch.frombuffer keeps no export).
     return torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8))
@@ -51,18 +51,21 @@ def _as_tensor(shm: SharedMemory) -> torch.Tensor:
 class Segment:
     """One mapped segment and a uint8 tensor over all of it."""
 
-    def __init__(self, shm: SharedMemory, owner: bool):
+    def __init__(self, shm: Mapping, owner: bool):
         self.shm = shm
         self.owner = owner
         self.base: Optional[torch.Tensor] = _as_tensor(shm)
 
     @classmethod
-    def create(cls, token: str, part: str, size: int) -> "Segment":
-        # SharedMemory creates the segment with mode 0600 (owner only).
-        return cls(SharedMemory(name=owned_name(token, part), create=True, size=max(1, size)), owner=True)
+    def create(cls, token: str, part: str, size: int, spill_dir: Optional[Callable[[], str]] = None) -> "Segment":
+        """An owner-only segment with all its pages reserved; in the folder spill_dir() gives when /dev/shm is too
+        small."""
+        return cls(create_mapping(owned_name(token, part), max(1, size), spill_dir), owner=True)
 
     @classmethod
     def attach(cls, name: str) -> "Segment":
+        if is_file_mapping(name):
+            return cls(FileMapping(name), owner=False)
         return cls(_attach_untracked(name), owner=False)
 
     @property
@@ -114,7 +117,7 @@ def _attach_untracked(name: str) -> SharedMemory:
         resource_tracker.register = register
 
 
-def _close_or_retire(shm: SharedMemory) -> None:
+def _close_or_retire(shm: Mapping) -> None:
     try:
         shm.close()
     except BufferError:
@@ -131,15 +134,22 @@ def release_retired() -> None:
             pass
 
 
-def clean_stale_segments() -> list[str]:
+def owner_of(name: str) -> Optional[str]:
+    """The owner prefix usp_<pid>_<token>_ of one of a pool's names (what clean_stale_segments takes), or None."""
+    match = _OWNED_NAME.match(name)
+    return match.group(1) if match else None
+
+
+def clean_stale_segments(only: Optional[str] = None) -> list[str]:
     """Unlink the segments of pools whose owner file is unlocked (the pool died without closing); never those of a
-    live pool, whatever its PID namespace, nor names without an owner file. Returns the names removed."""
+    live pool, whatever its PID namespace, nor names without an owner file. only: that pool's alone (owner_of).
+    Returns the names removed."""
     if not os.path.isdir(SHM_DIR):
         return []
     owners: dict[str, list[str]] = {}
     for name in os.listdir(SHM_DIR):
         match = _OWNED_NAME.match(name)
-        if match:
+        if match and only in (None, match.group(1)):
             owners.setdefault(match.group(1), []).append(name)
     removed = []
     for owner, names in owners.items():

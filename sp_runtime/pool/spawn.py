@@ -111,13 +111,16 @@ def clean_stale_run_dirs() -> list[str]:
     """Remove the run folders of pools that died without closing (owner file unlocked); never a live pool's, nor a
     folder without an owner file. Returns the paths removed."""
     root = tempfile.gettempdir()
-    removed = []
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if _RUN_DIR.match(name) and owner_is_dead(os.path.join(path, OWNER_FILE)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+    paths = [os.path.join(root, name) for name in os.listdir(root) if _RUN_DIR.match(name)]
+    return [path for path in paths if remove_if_dead(path)]
+
+
+def remove_if_dead(run_dir: str) -> bool:
+    """Remove one pool's run folder when its owner file proves the pool dead (also: a worker whose host died)."""
+    if not owner_is_dead(os.path.join(run_dir, OWNER_FILE)):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
 
 
 def _loopback_interface() -> Optional[str]:

@@ -6,14 +6,12 @@ or until the pipe closes (the parent died). Tensors come and go through shared m
 """
 from __future__ import annotations
 
-import ctypes
 import datetime
 import gc
 import json
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -30,34 +28,14 @@ from ..groups import build_groups
 from .context import DeviceCache, WorkerCallContext, view_key
 from .control import ControlBlock
 from .errors import CPU_OUT_OF_MEMORY
+from .orphan import guard
 from .protocol import decode_tree, name_to_dtype, recv, send
 from .segments import Segment, release_retired
 
 PROGRESS_INTERVAL_S = 0.1
-WATCHDOG_INTERVAL_S = 0.5
-PR_SET_PDEATHSIG = 1
 NCCL_REMEDIES = ("usual remedies: set NCCL_P2P_DISABLE=1 (GPUs without working peer-to-peer, e.g. some consumer "
                  "cards or virtual machines), NCCL_IB_DISABLE=1 (no InfiniBand), use the same NVIDIA driver for all "
                  "GPUs, and set NCCL_DEBUG=INFO to see why")
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit when the pool's process dies, even in the middle of a long call."""
-    if sys.platform.startswith("linux"):
-        try:  # a belt: the kernel kills us when the spawning thread (the pool's long-lived spawner) ends
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:
-        os._exit(3)
-
-    def watch() -> None:
-        while True:
-            time.sleep(WATCHDOG_INTERVAL_S)
-            if os.getppid() != parent_pid:
-                os._exit(3)
-
-    threading.Thread(target=watch, name="usp-parent-watchdog", daemon=True).start()
 
 
 def error_reply(error: BaseException) -> dict:
@@ -96,6 +74,7 @@ class Worker:
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def start(self) -> None:
+        self.control.keep_beating(self.rank)  # the host's liveness watchdog reads it during every request
         self._setup_device()
         self._join_process_group()
         self.groups = build_groups(self.config)
@@ -129,7 +108,8 @@ class Worker:
             store = dist.FileStore(self.spec["store_path"], self.config.world_size)
             store.set_timeout(timeout)
             options = dict(backend=self.config.backend, store=store, rank=self.rank,
-                           world_size=self.config.world_size)
+                           world_size=self.config.world_size,
+                           timeout=datetime.timedelta(seconds=self.spec["collective_timeout_s"]))
             if self.device.type == "cuda":
                 options["device_id"] = self.device  # NCCL communicators are created now: failures show at start
             dist.init_process_group(**options)
@@ -271,7 +251,7 @@ class Worker:
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C belongs to the host, which decides what to stop
-    _die_with_parent(spec["parent_pid"])
+    guard(spec["parent_pid"], spec["control"], spec["run_dir"])
     conn = Connection(spec["fd"])
     try:
         worker = Worker(spec, conn)

@@ -1,0 +1,41 @@
+"""ModelSpec: what a node asks the pool owner for (pool layout, file, dtype, options and the LoRAs on top)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+from sp_runtime.config import SPConfig
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything that identifies one SP model: pool layout, file, dtype, options, and the LoRAs applied on top."""
+
+    devices: tuple[str, ...]
+    ulysses_degree: int
+    ring_degree: int
+    cfg_degree: int
+    path: str
+    dtype: str = "default"
+    options_json: str = "{}"
+    loras: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def create(cls, config: SPConfig, path: str, dtype: str = "default", options: Optional[dict] = None,
+               loras: tuple = ()) -> "ModelSpec":
+        return cls(tuple(config.devices), config.ulysses_degree, config.ring_degree, config.cfg_degree, path,
+                   dtype, json.dumps(options or {}, sort_keys=True), tuple(loras))
+
+    @property
+    def config(self) -> SPConfig:
+        return SPConfig(devices=list(self.devices), ulysses_degree=self.ulysses_degree,
+                        ring_degree=self.ring_degree, cfg_degree=self.cfg_degree)
+
+    @property
+    def options(self) -> dict:
+        return json.loads(self.options_json)
+
+    def with_lora(self, lora_path: str, strength: float) -> "ModelSpec":
+        return ModelSpec(self.devices, self.ulysses_degree, self.ring_degree, self.cfg_degree, self.path,
+                         self.dtype, self.options_json, self.loras + ((lora_path, float(strength)),))

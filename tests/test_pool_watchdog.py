@@ -1,0 +1,78 @@
+"""Hung ranks: a worker stopped (SIGSTOP) during a call or a load fails it within the watchdog time, naming that
+rank, and the pool restarts cleanly."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from sp_runtime.pool import WorkerError
+from test_pool_kit import alive, assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
+
+WATCHDOG_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return toy_checkpoint(tmp_path_factory.mktemp("toy"))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with open_pool(2, watchdog_s=WATCHDOG_S) as pool:
+        yield pool
+
+
+def call(model, seed=0, **extra):
+    inputs = toy_inputs(seed=seed)
+    return model(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"], **extra), inputs
+
+
+@contextlib.contextmanager
+def stopped_later(pid: int, delay_s: float):
+    """SIGSTOP pid after delay_s; afterwards SIGCONT it (if the pool has not killed it) so nothing stays stopped."""
+    timer = threading.Timer(delay_s, os.kill, (pid, signal.SIGSTOP))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+        if alive([pid]):
+            os.kill(pid, signal.SIGCONT)
+
+
+def assert_restarts_cleanly(pool, checkpoint, old_pids):
+    out, inputs = call(pool.load_model(checkpoint), seed=3)
+    assert_matches(out, reference(checkpoint)(**inputs))
+    assert set(pool.worker_pids).isdisjoint(old_pids) and alive(old_pids) == []
+
+
+def test_rank_stopped_during_a_call_is_named_within_the_watchdog(pool, checkpoint):
+    model = pool.load_model(checkpoint)
+    pids, restarts = pool.worker_pids, pool.restarts
+    started = time.monotonic()
+    with stopped_later(pids[1], 0.3), pytest.raises(WorkerError, match=r"rank 1 on cpu .*no progress") as caught:
+        call(model, toy_sleep=1.0)  # 2 blocks of 1 s: rank 0 waits for rank 1 in a collective meanwhile
+    elapsed = time.monotonic() - started
+    assert caught.value.rank == 1
+    assert elapsed < 0.3 + WATCHDOG_S + 2.0, f"the stopped rank was detected after {elapsed:.1f} s"
+    assert pool.state == "broken"
+    assert_restarts_cleanly(pool, checkpoint, pids)
+    assert pool.restarts == restarts + 1
+
+
+def test_rank_stopped_during_a_load_fails_the_load_naming_it(pool, checkpoint):
+    pool.unload_all()
+    pids = pool.worker_pids
+    started = time.monotonic()
+    with stopped_later(pids[0], 0.0), pytest.raises(WorkerError, match=r"rank 0 on cpu .*no progress for .* during load"):
+        time.sleep(0.1)
+        pool.load_model(checkpoint)
+    assert time.monotonic() - started < WATCHDOG_S + 2.5
+    assert_restarts_cleanly(pool, checkpoint, pids)
+
