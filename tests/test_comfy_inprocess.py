@@ -125,7 +125,7 @@ def test_worker_error_is_a_clear_node_error_and_the_next_run_works(sp_models, re
 
 def test_killed_worker_between_prompts_is_replaced(comfy_env, sp_models, references):
     import psutil
-    pool = next(iter(comfy_env["owner"]._pools.values())).pool
+    pool = next(iter(comfy_env["owner"]._pools.values()))
     victim = psutil.Process(pool.worker_pids[1])
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait(timeout=10)
