@@ -21,10 +21,10 @@ DEFAULT_HEAD_DIM = 128  # every released Wan model; q/k norms span all heads, so
 HEAD_DIM_METADATA_KEY = "ulysses_sp.head_dim"  # our tiny test checkpoints state theirs here
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 VACE_CLASS = "WanVACETransformer3DModel"
-ORIGINAL_CLASS = "WanModel"
+ORIGINAL_CLASS = "WanModel"  # config.json of the original Wan-AI release folders (original key names)
 CAMERA_ADAPTER = "control_adapter"  # Fun Camera's module (wan_camera), the same name in both layouts
 HUMO_AUDIO, HUMO_BLOCK_AUDIO = "audio_proj", "audio_cross_attn_wrapper"  # HuMo's modules (wan_humo), both layouts
-FUN_CONTROL_CHANNELS = 48  # noise 16 + control video 16 + image latent 16 (ComfyUI's WAN21_FunControl2V)  # config.json of the original Wan-AI release folders (original key names)
+FUN_CONTROL_CHANNELS = 48  # noise 16 + control video 16 + image latent 16 (ComfyUI's WAN21_FunControl2V)
 
 ORIGINAL_ANCHORS = ("patch_embedding.weight", "text_embedding.0.weight", "time_embedding.0.weight",
                     "time_projection.1.weight", "blocks.0.self_attn.q.weight", "head.head.weight", "head.modulation")
