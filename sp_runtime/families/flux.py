@@ -15,8 +15,8 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, Transform, WeightDtypes, build_empty_model, choose_dtypes, count_blocks,
-                         find_prefix, layout_keys, load_weights, row_split, shape_of, strip_prefix)
+from .checkpoint import (KeyPlan, Transform, WeightDtypes, count_blocks, find_prefix, layout_keys,
+                         load_checkpoint_model, row_split, shape_of, strip_prefix)
 from .header import Header, header_config, read_checkpoint_header
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rope_axes, rotary)
@@ -226,11 +226,9 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     config = dict(detection.config)
     if options and "axes_dims_rope" in options:
         config["axes_dims_rope"] = tuple(options["axes_dims_rope"])
-    dtypes = choose_dtypes(dtype, header, detection.prefix)
-    model = build_empty_model(FluxTransformer2DModel, config, dtypes)
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-    load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
-                 progress=progress)
+    model, dtypes = load_checkpoint_model(FluxTransformer2DModel, config,
+                                          header, detection, dtype, device, plan, progress)
     return model, detection, dtypes
 
 

@@ -16,8 +16,8 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, count_blocks, find_prefix,
-                         layout_keys, load_weights, shape_of, strip_prefix)
+from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, layout_keys, load_checkpoint_model,
+                         shape_of, strip_prefix)
 from .header import Header, header_config, read_checkpoint_header
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rotary)
@@ -153,11 +153,9 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     detection = detection or detect(header)
     if detection is None:
         raise ValueError(f"{path!r} is not a Flux.2 checkpoint")
-    dtypes = choose_dtypes(dtype, header, detection.prefix)
-    model = build_empty_model(Flux2Transformer2DModel, detection.config, dtypes)
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-    load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
-                 progress=progress)
+    model, dtypes = load_checkpoint_model(Flux2Transformer2DModel, detection.config,
+                                          header, detection, dtype, device, plan, progress)
     return model, detection, dtypes
 
 

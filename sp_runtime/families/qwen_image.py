@@ -14,8 +14,8 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, count_blocks, find_prefix,
-                         identity_plan, load_weights, shape_of, strip_prefix)
+from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, identity_plan, load_checkpoint_model,
+                         shape_of, strip_prefix)
 from .header import Header, header_config, read_checkpoint_header
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rope_axes, rotary, text_key_mask)
@@ -118,11 +118,9 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     if detection is None:
         raise ValueError(f"{path!r} is not a Qwen-Image checkpoint")
     detection = _with_options(detection, options or {})
-    dtypes = choose_dtypes(dtype, header, detection.prefix)
-    model = build_empty_model(QwenImageTransformer2DModel, detection.config, dtypes)
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-    load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
-                 ignore=(EDIT_2511_MARKER,), progress=progress)
+    model, dtypes = load_checkpoint_model(QwenImageTransformer2DModel, detection.config,
+                                          header, detection, dtype, device, plan, progress, ignore=(EDIT_2511_MARKER,))
     return model, detection, dtypes
 
 

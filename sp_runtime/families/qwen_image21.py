@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from ..attention import SeqShards
 from ..attention.ulysses import exchange_to_heads, exchange_to_tokens, gather_sequence
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, count_blocks, find_prefix,
-                         load_weights, row_split, shape_of, strip_prefix)
+from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, load_checkpoint_model, row_split,
+                         shape_of, strip_prefix)
 from .header import Header, header_config, read_checkpoint_header
 from .joint_dit import as_list, rope_axes, rotary, rotate, text_key_mask
 
@@ -127,11 +127,9 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     config = dict(detection.config)
     if options and "axes_dims_rope" in options:
         config["axes_dims_rope"] = tuple(options["axes_dims_rope"])
-    dtypes = choose_dtypes(dtype, header, detection.prefix)
-    model = build_empty_model(QwenImage21Transformer2DModel, config, dtypes)
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-    load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
-                 progress=progress)
+    model, dtypes = load_checkpoint_model(QwenImage21Transformer2DModel, config,
+                                          header, detection, dtype, device, plan, progress)
     return model, detection, dtypes
 
 
