@@ -9,7 +9,7 @@ import time
 import pytest
 
 from sp_runtime.pool import RemoteError, WorkerError
-from test_pool_kit import alive, assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
+from test_pool_kit import alive, assert_matches, call_toy, open_pool, reference, toy_checkpoint, toy_inputs
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +23,8 @@ def pool():
         yield pool
 
 
-def call(model, seed=0, **extra):
-    inputs = toy_inputs(seed=seed)
-    return model(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"], **extra), inputs
-
-
 def assert_works(pool, checkpoint):
-    out, inputs = call(pool.load_model(checkpoint), seed=11)
+    out, inputs = call_toy(pool.load_model(checkpoint), seed=11)
     assert_matches(out, reference(checkpoint)(**inputs))
     assert pool.state == "idle"
 
@@ -41,7 +36,7 @@ def test_sigkill_during_call_raises_quickly_then_recovers(pool, checkpoint):
     killer.start()
     started = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 1 on cpu .*SIGKILL") as caught:
-        call(model, toy_sleep=5.0)
+        call_toy(model, toy_sleep=5.0)
     assert time.monotonic() - started < 4.0  # the call would take 10 s: the death was noticed, not waited out
     killer.join()
     assert caught.value.rank == 1 and pool.state == "broken"
@@ -54,7 +49,7 @@ def test_exception_on_every_rank_keeps_the_pool(pool, checkpoint):
     model = pool.load_model(checkpoint)
     pids, restarts = pool.worker_pids, pool.restarts
     with pytest.raises(RemoteError, match="toy failure injected on every rank") as caught:
-        call(model, toy_fail_rank=-1)
+        call_toy(model, toy_fail_rank=-1)
     assert caught.value.error_type == "ValueError" and "toy.py" in caught.value.remote_traceback
     assert pool.state == "idle" and pool.worker_pids == pids
     assert_works(pool, checkpoint)
@@ -75,7 +70,7 @@ def test_exception_on_one_rank_restarts_the_pool(pool, checkpoint):
     model = pool.load_model(checkpoint)
     pids, restarts = pool.worker_pids, pool.restarts
     with pytest.raises(RemoteError, match=r"rank 1 .*toy failure injected on rank 1") as caught:
-        call(model, toy_fail_rank=1)
+        call_toy(model, toy_fail_rank=1)
     assert caught.value.rank == 1 and "restarts" in str(caught.value)
     assert alive(pids) == []  # rank 0 was stuck in a collective: killed
     assert_works(pool, checkpoint)

@@ -40,6 +40,12 @@ def toy_inputs(seed: int = 0, batch: int = 2, channels: int = 4, size=(10, 14), 
             "y": torch.randn(batch, y_dim, generator=generator)}
 
 
+def call_toy(model, seed: int = 0, **extra):
+    """One call of a toy SP model on seeded inputs: (output, the inputs used)."""
+    inputs = toy_inputs(seed=seed)
+    return model(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"], **extra), inputs
+
+
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
     """Max abs difference <= rel x output scale (max abs of the reference, at least 1)."""
     assert actual.shape == expected.shape and actual.dtype == expected.dtype

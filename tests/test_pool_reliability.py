@@ -20,7 +20,7 @@ from sp_runtime.pool import pool as pool_module
 from sp_runtime.pool.ownership import OwnerLock, new_token
 from sp_runtime.pool.segments import SHM_DIR, Segment, claim_names, clean_stale_segments
 from sp_runtime.pool.spawn import OWNER_FILE, clean_stale_run_dirs
-from test_pool_kit import alive, assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
+from test_pool_kit import alive, assert_matches, call_toy, open_pool, reference, toy_checkpoint, toy_inputs
 
 LINUX_SHM = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm to list segments")
 
@@ -34,11 +34,6 @@ def checkpoint(tmp_path_factory):
 def pool():
     with open_pool(2, error_grace_s=1.0) as pool:
         yield pool
-
-
-def call(model, seed=0, **extra):
-    inputs = toy_inputs(seed=seed)
-    return model(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"], **extra), inputs
 
 
 def a_dead_pid() -> int:
@@ -81,7 +76,7 @@ def test_two_pools_with_the_same_pid_never_collide(pool, checkpoint):
         assert ours and theirs and not ours & theirs and pool.log_dir != other.log_dir
         prefix = re.compile(rf"^usp_{os.getpid()}_[0-9a-f]{{8}}_")
         assert all(prefix.match(name) for name in ours | theirs)
-        out, inputs = call(other.load_model(checkpoint))
+        out, inputs = call_toy(other.load_model(checkpoint))
         assert_matches(out, reference(checkpoint)(**inputs))
 
 
@@ -111,7 +106,7 @@ def test_a_removed_run_folder_is_made_again_on_restart(pool, checkpoint):
     deadline = time.monotonic() + 5
     while pool.status()["ranks"][0]["alive"] and time.monotonic() < deadline:  # until it can be reaped
         time.sleep(0.05)
-    out, inputs = call(model, seed=3)  # restarts in a new folder
+    out, inputs = call_toy(model, seed=3)  # restarts in a new folder
     assert_matches(out, reference(checkpoint)(**inputs))
     assert os.path.isfile(os.path.join(pool.log_dir, "worker0.log"))
     assert os.path.isfile(os.path.join(pool.log_dir, OWNER_FILE))
@@ -120,7 +115,7 @@ def test_a_removed_run_folder_is_made_again_on_restart(pool, checkpoint):
 # ---- item 5: fork -------------------------------------------------------------------------------------------
 def test_a_forked_child_gets_an_error_and_leaves_the_parents_pool_alone(pool, checkpoint):
     model = pool.load_model(checkpoint)
-    busy = threading.Thread(target=call, args=(model,), kwargs={"toy_sleep": 0.5})
+    busy = threading.Thread(target=call_toy, args=(model,), kwargs={"toy_sleep": 0.5})
     busy.start()  # the pool's lock is held by this thread while the child is forked
     time.sleep(0.3)
     pid = os.fork()
@@ -129,14 +124,14 @@ def test_a_forked_child_gets_an_error_and_leaves_the_parents_pool_alone(pool, ch
         try:
             torch.set_num_threads(1)  # the parent's CPU thread pool did not survive the fork
             try:
-                call(model)
+                call_toy(model)
             except PoolForkedError as error:
                 assert "forked child" in str(error)
             else:
                 raise AssertionError("a forked child used its parent's workers")
             pool.close()  # what the exit hook does: must not touch the parent's workers, segments or folder
             with open_pool(1) as own:  # what the error says to do
-                out, inputs = call(own.load_model(checkpoint), seed=8)
+                out, inputs = call_toy(own.load_model(checkpoint), seed=8)
                 assert_matches(out, reference(checkpoint)(**inputs))
             code = 0
         except BaseException:  # noqa: BLE001 - shown in the test's output, then the exit status fails the test
@@ -155,7 +150,7 @@ def test_a_forked_child_gets_an_error_and_leaves_the_parents_pool_alone(pool, ch
     assert pool.state == "idle" and alive(pool.worker_pids) == pool.worker_pids
     assert all(os.path.exists(f"{SHM_DIR}/{name}") for name in pool.segment_names()) or not os.path.isdir(SHM_DIR)
     assert os.path.isdir(pool.log_dir)
-    out, inputs = call(model, seed=4)
+    out, inputs = call_toy(model, seed=4)
     assert_matches(out, reference(checkpoint)(**inputs))
 
 
@@ -185,7 +180,7 @@ def test_close_during_a_call_says_closed_not_oom(checkpoint, monkeypatch):
 
         def run():
             try:
-                call(model, toy_sleep=10.0)  # longer than close()'s 5 s grace
+                call_toy(model, toy_sleep=10.0)  # longer than close()'s 5 s grace
             except Exception as error:  # noqa: BLE001 - examined below
                 errors.append(error)
         caller = threading.Thread(target=run)
@@ -211,7 +206,7 @@ def test_a_short_start_timeout_is_named_exactly_and_names_no_deleted_log():
 def test_cpu_allocation_failure_gets_memory_advice(pool, checkpoint):
     model = pool.load_model(checkpoint)
     with pytest.raises(RemoteError, match=r"out of memory on cpu.*fewer CPU workers") as caught:
-        call(model, toy_alloc=2 ** 62)
+        call_toy(model, toy_alloc=2 ** 62)
     assert caught.value.out_of_memory
     assert pool.state == "idle"
 
@@ -228,7 +223,7 @@ def test_bad_reference_latents_fail_on_the_host(pool, checkpoint, refs, message)
     pool.add_listener(events.append)
     try:
         with pytest.raises(ValueError, match=message):
-            call(model, ref_latents=refs)
+            call_toy(model, ref_latents=refs)
     finally:
         pool.remove_listener(events.append)
     assert pool.stats["calls"] == calls and not [e for e in events if e.get("state") == "busy"]
