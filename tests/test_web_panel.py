@@ -1,6 +1,7 @@
-"""The Ulysses SP panel (web/ulysses_sp.js) in headless Chromium against a running ComfyUI: the sidebar tab shows
-the pool's devices, ranks, layout and model from GET /ulysses_sp/status, and updates from websocket events while a
-prompt samples.
+"""The Ulysses SP panel (web/ulysses_sp.js) in headless Chromium against a running ComfyUI: the sidebar tab draws
+the pool (layout grid, memory and compute bars per rank, models, a step-time chart that gains a point per step from
+the websocket events), shows a killed worker as failed and then the recovery, runs the doctor, and follows
+ComfyUI's light and dark palettes (screenshots go to the test's temporary folder, or SP_PANEL_SCREENSHOT).
 
 Needs COMFYUI_PATH, the `playwright` Python package and a Chromium at /usr/bin/chromium (Debian's `chromium`);
 skipped with the reason otherwise.
@@ -74,37 +75,93 @@ def open_panel(page):
     page.wait_for_selector("#ulysses-sp-panel", timeout=30_000)
 
 
-def test_panel_shows_an_empty_state_then_the_pool(server, page, tmp_path):
+POOL = "#ulysses-sp-panel .usp-pool[data-devices='cpu,cpu']"
+
+
+def set_theme(page, palette):
+    """ComfyUI's own colour palette setting ('dark' or 'light'); returns the panel's text colour under it."""
+    page.evaluate("async (id) => await window.comfyAPI.app.app.extensionManager.setting.set("
+                  "'Comfy.ColorPalette', id)", palette)
+    page.wait_for_timeout(500)
+    return page.evaluate("getComputedStyle(document.querySelector('#ulysses-sp-panel')).color")
+
+
+def test_panel_shows_an_empty_state_then_the_pool_drawn(server, page, tmp_path):
     open_panel(page)
     page.wait_for_selector("#ulysses-sp-panel .usp-empty:has-text('No Ulysses SP pool')", timeout=30_000)
     run_prompt(server, seed=1)
     page.click("#ulysses-sp-panel .usp-refresh")
-    # The refresh is asynchronous: wait until its render (with the ranks' call times) replaced the earlier one.
-    page.wait_for_function("() => [...document.querySelectorAll('#ulysses-sp-panel .usp-r-call')]"
-                           ".some((node) => node.textContent.endsWith(' ms'))", timeout=30_000)
-    pool = page.wait_for_selector("#ulysses-sp-panel .usp-pool[data-devices='cpu,cpu']", timeout=30_000)
-    text = pool.inner_text()
-    assert "layout u2 (gloo, 2 ranks)" in text
-    assert "tiny_qwen_image.safetensors [fp32]" in text
-    ranks = page.query_selector_all("#ulysses-sp-panel .usp-rank")
-    assert [rank.get_attribute("data-rank") for rank in ranks] == ["0", "1"]
-    part = lambda name: ranks[1].query_selector(f".usp-r-{name}").inner_text()  # noqa: E731
-    assert part("device") == "cpu" and part("pid").split()[1].isdigit() and "MiB" in part("memory")
-    assert part("state") == "alive" and part("call").endswith(" ms")
-    assert "last step:" in text and " ms" in text
-    page.screenshot(path=str(tmp_path / "panel.png"))
-    if os.environ.get("SP_PANEL_SCREENSHOT"):
-        page.screenshot(path=os.environ["SP_PANEL_SCREENSHOT"])
+    page.wait_for_selector(f"{POOL}[data-state='idle'] .usp-compute-bar", timeout=30_000)
+    pool = page.query_selector(POOL)
+    # the layout grid: one cell per rank with its device
+    assert pool.query_selector(".usp-grid").get_attribute("data-layout") == "u2"
+    cells = pool.query_selector_all(".usp-cell")
+    assert [cell.get_attribute("data-rank") for cell in cells] == ["0", "1"]
+    assert all("cpu" in cell.inner_text() for cell in cells)
+    # memory bars: RSS against the machine's memory (no address-space limit here), weights known
+    bars = pool.query_selector_all(".usp-mem-bar")
+    assert len(bars) == 2 and all(0 < float(bar.get_attribute("data-fraction")) < 1 for bar in bars)
+    assert all("weights" in bar.inner_text() and "/" in bar.inner_text() for bar in bars)
+    # compute bars: the slowest rank's bar is full, every bar names its time
+    compute = pool.query_selector_all(".usp-compute-bar")
+    assert max(float(bar.get_attribute("data-fraction")) for bar in compute) == 1.0
+    assert all(bar.inner_text().split(" ms")[0].replace(".", "").isdigit() for bar in compute)
+    assert "tiny_qwen_image.safetensors" in pool.query_selector(".usp-models").inner_text()
+    assert int(pool.query_selector(".usp-chart").get_attribute("data-points")) == 3  # steps=3 in the workflow
+    dark = set_theme(page, "dark")
+    page.screenshot(path=str(tmp_path / "panel_dark.png"))
+    light = set_theme(page, "light")
+    page.screenshot(path=str(tmp_path / "panel_light.png"))
+    assert dark != light, "the panel's text colour must follow ComfyUI's palette"
+    if os.environ.get("SP_PANEL_SCREENSHOT"):  # a folder outside the repository, for a person to look at
+        for palette in ("light", "dark"):
+            set_theme(page, palette)
+            page.screenshot(path=os.path.join(os.environ["SP_PANEL_SCREENSHOT"], f"panel_{palette}.png"))
 
 
-def test_panel_follows_websocket_events_while_sampling(server, page):
+def test_chart_gains_one_point_per_step_while_sampling(server, page):
     open_panel(page)
-    section = "#ulysses-sp-panel .usp-pool[data-devices='cpu,cpu']"
-    page.wait_for_selector(section, timeout=30_000)
-    before = int(page.get_attribute(section, "data-step-events"))
+    page.wait_for_selector(POOL, timeout=30_000)
+    before = int(page.get_attribute(POOL, "data-step-events"))
+    page.evaluate("""() => {  // every point count the chart shows, in order (each event renders the panel)
+        window.uspSeen = [];
+        const note = () => {
+            const chart = document.querySelector("#ulysses-sp-panel .usp-chart");
+            const value = chart && Number(chart.dataset.points);
+            if (value !== window.uspSeen[window.uspSeen.length - 1]) window.uspSeen.push(value);
+        };
+        new MutationObserver(note).observe(document.body, {childList: true, subtree: true});
+    }""")
     run_prompt(server, seed=2)  # 3 steps, no refresh: only the pushed events can change the panel
-    page.wait_for_function(f"document.querySelector(\"{section}\").dataset.stepEvents >= {before + 3}",
+    page.wait_for_function(f"document.querySelector(\"{POOL}\").dataset.stepEvents >= {before + 3}",
                            timeout=30_000)
+    seen = page.evaluate("window.uspSeen")
+    assert seen[-3:] == [1, 2, 3], f"points seen on the chart while sampling: {seen}"
+
+
+def test_a_killed_worker_shows_failed_then_recovery(server, page, tmp_path):
+    import signal
+    open_panel(page)
+    page.wait_for_selector(f"{POOL}[data-state='idle']", timeout=30_000)
+    victim = server.get_json("/ulysses_sp/status")["pools"][0]["pool"]["ranks"][1]["pid"]
+    assert victim in server.descendants()  # a worker of the server this test started
+    os.kill(victim, signal.SIGKILL)
+    page.wait_for_selector(f"{POOL}[data-state='failed']", timeout=30_000)  # the panel polls: no prompt needed
+    state = page.query_selector(f"{POOL} .usp-state").inner_text()
+    assert "rank 1 on cpu" in state and "the next prompt restarts the pool" in state
+    assert page.query_selector(f"{POOL} .usp-cell.usp-dead[data-rank='1']")
+    page.screenshot(path=str(tmp_path / "panel_failed.png"))
+    run_prompt(server, seed=4)
+    page.wait_for_selector(f"{POOL}[data-state='idle']", timeout=60_000)
+    assert "recovered after 1 restart" in page.query_selector(f"{POOL} .usp-state").inner_text()
+
+
+def test_doctor_button_shows_its_recommendation(server, page):
+    open_panel(page)
+    page.click("#ulysses-sp-panel .usp-doctor-run")
+    result = page.wait_for_selector("#ulysses-sp-panel .usp-doctor-result", timeout=300_000)
+    text = result.inner_text()
+    assert "doctor recommends" in text and "cpu, cpu" in text and "CPU workers share the same cores" in text
 
 
 def test_panel_unload_button_empties_the_model_list(server, page):

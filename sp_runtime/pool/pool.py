@@ -72,6 +72,7 @@ class WorkerPool:
         self._listeners: list[Listener] = []
         self._steps = steps
         self.last_step: Optional[dict] = None
+        self.last_error: Optional[dict] = None  # the last failed request or fault: {"text", "kind", "time"}
         self.restarts = 0
         self.stats = {"calls": 0, "last_call_s": None, "last_worker_s": None, "last_bytes_copied": 0,
                       "last_conditioning_bytes_copied": 0, "last_copied": {}, "bytes_copied_total": 0}
@@ -200,20 +201,27 @@ class WorkerPool:
     def status(self) -> dict:
         """JSON-ready snapshot: layout, state, per-rank device / pid / memory / models / calls, and call stats."""
         workers = list(self._workers)
+        resident = [self._models[key] for key in sorted(self._resident) if key in self._models]
+        weights = sum(info.weight_bytes for _, info in resident)
         ranks = []
         for rank, device in enumerate(self.config.devices):
             worker = workers[rank] if rank < len(workers) else None
             alive = worker is not None and worker.alive()
+            memory = rank_memory(device, worker.pid if alive else None, self._ranks[rank]["memory"])
+            if alive and weights:
+                memory["weights"] = weights
             ranks.append({"rank": rank, "device": device, "pid": worker.pid if worker else None, "alive": alive,
-                          "memory": rank_memory(device, worker.pid if alive else None, self._ranks[rank]["memory"]),
-                          "models": [_model_summary(*self._models[key]) for key in sorted(self._resident)
-                                     if key in self._models and alive],
+                          "exit_cause": None if alive or worker is None else worker.exit_cause(),
+                          "coords": dict(zip(("cfg", "ring", "ulysses"), self.config.coords(rank))),
+                          "memory": memory,
+                          "models": [_model_summary(*entry) for entry in resident if alive],
                           "calls": self._ranks[rank]["calls"],
                           "last_call_s": self._ranks[rank]["last_call_s"],
                           "blocks_done": self._control.counter(rank) if self._control and alive else None})
         return {"state": self._state, "activity": self.activity, "config": self.config.to_dict(),
                 "layout": self.config.layout_name, "backend": self.config.backend,
                 "world_size": self.config.world_size, "restarts": self.restarts, "log_dir": self._run.path,
+                "last_error": self.last_error,
                 "models": [_model_entry(request, info, key in self._resident, self._applied_loras.get(key))
                            for key, (request, info) in self._models.items()],
                 "shared_memory": self.segment_names(), "last_step": self.last_step, "ranks": ranks, **self.stats}
@@ -321,8 +329,10 @@ class WorkerPool:
         dead = [worker for worker in self._workers if not worker.alive()]
         if dead:
             for worker in dead:
-                self._emit({"event": "worker_died", "rank": worker.rank, "device": worker.device,
-                            "cause": worker.exit_cause()})
+                cause = worker.exit_cause()
+                self.last_error = {"text": f"worker rank {worker.rank} on {worker.device} {cause}",
+                                   "kind": "WorkerDied", "time": time.time()}
+                self._emit({"event": "worker_died", "rank": worker.rank, "device": worker.device, "cause": cause})
             self._state = "broken"
         if self._state == "broken":
             self._stop_workers(graceful=False)
@@ -444,6 +454,8 @@ class WorkerPool:
         self._steps.record(handle.key, shape, layout, seconds)
         self.last_step = {"model": handle.path, "shape": list(shape), "layout": layout,
                           "world_size": self.config.world_size, "seconds": seconds,
+                          "rank_seconds": [reply.get("seconds") for reply in replies],
+                          "baseline_s": self._steps.single_device(handle.key, shape),
                           "speedup": self._steps.speedup(handle.key, shape, layout)}
         self._emit({"event": "call", **self.last_step, "worker_seconds": worker_s,
                     "bytes_copied": sum(copied.values()), "conditioning_bytes_copied": conditioning})
@@ -454,6 +466,9 @@ class WorkerPool:
         self._set_state("busy", ACTIVITY.get(message["op"], message["op"]))
         try:
             replies = self._exchange.request(self._workers, message, should_cancel, on_progress)
+        except Exception as error:
+            self._note_error(error)
+            raise
         finally:
             if self._state == "busy":  # failures that did not break the pool leave it usable
                 self._set_state("idle")
@@ -461,6 +476,11 @@ class WorkerPool:
             if reply.get("memory"):
                 self._ranks[rank]["memory"] = reply["memory"]
         return replies
+
+    def _note_error(self, error: BaseException) -> None:
+        """Keep the failure for status() (the panel shows it with what to do); cancellations are not failures."""
+        if not isinstance(error, Cancelled):
+            self.last_error = {"text": str(error), "kind": type(error).__name__, "time": time.time()}
 
     # ---- events ---------------------------------------------------------------------------------------------
     def _set_state(self, state: str, activity: Optional[str] = None) -> None:

@@ -13,7 +13,8 @@ def rank_memory(device: str, pid: Optional[int], reported: dict) -> dict:
         return {}
     try:
         import psutil
-        memory = {"rss": psutil.Process(pid).memory_info().rss}
+        process = psutil.Process(pid)
+        memory = {"rss": process.memory_info().rss, **memory_limit(process)}
     except Exception:  # noqa: BLE001 - psutil missing or the process just ended
         return {}
     peak = peak_rss(pid)
@@ -35,3 +36,13 @@ def peak_rss(pid: int) -> Optional[int]:
     except (OSError, ValueError):
         return None
     return None
+
+
+def memory_limit(process) -> dict:
+    """What a CPU worker may use: its address-space limit when one is set (RLIMIT_AS), else the machine's memory."""
+    import psutil
+    if hasattr(psutil, "RLIMIT_AS"):
+        soft, _ = process.rlimit(psutil.RLIMIT_AS)
+        if soft != psutil.RLIM_INFINITY:
+            return {"limit": soft, "limit_kind": "address-space limit"}
+    return {"limit": psutil.virtual_memory().total, "limit_kind": "machine memory"}

@@ -21,14 +21,19 @@ class StepHistory:
             history.append(seconds)
             del history[:-STEP_HISTORY]
 
+    def median(self, model_key: str, shape: tuple, layout: str) -> Optional[float]:
+        with self._lock:
+            times = list(self._times.get((model_key, tuple(shape), layout), ()))
+        return statistics.median(times) if times else None
+
+    def single_device(self, model_key: str, shape: tuple) -> Optional[float]:
+        """Median step time of a one-device pool for this model and shape, when one ran here (the baseline)."""
+        return self.median(model_key, shape, SINGLE_DEVICE)
+
     def speedup(self, model_key: str, shape: tuple, layout: str) -> Optional[float]:
         """Median single-device step time over median step time at `layout`, when both were measured here."""
-        with self._lock:
-            single = list(self._times.get((model_key, tuple(shape), SINGLE_DEVICE), ()))
-            here = list(self._times.get((model_key, tuple(shape), layout), ()))
-        if not single or not here:
-            return None
-        return statistics.median(single) / statistics.median(here)
+        single, here = self.single_device(model_key, shape), self.median(model_key, shape, layout)
+        return None if single is None or here is None else single / here
 
 
 STEPS = StepHistory()

@@ -150,7 +150,8 @@ class Worker:
             return {}
         return {"allocated": torch.cuda.memory_allocated(self.device),
                 "reserved": torch.cuda.memory_reserved(self.device),
-                "peak": torch.cuda.max_memory_allocated(self.device)}
+                "peak": torch.cuda.max_memory_allocated(self.device),
+                "total": torch.cuda.mem_get_info(self.device)[1]}
 
     def op_load(self, message: dict) -> dict:
         request = LoadRequest.from_message(message["request"])
