@@ -161,14 +161,17 @@ function renderMemory(pool) {
       el("span", { className: "usp-muted" }, rank.alive === false ? "not running" : "no figures yet"));
     const fraction = figures.used / figures.limit;
     const weights = typeof figures.weights === "number" ? figures.weights / figures.limit : null;
-    const label = `${bytes(figures.used)} / ${bytes(figures.limit)}` +
-      (typeof figures.weights === "number" ? ` · weights ${bytes(figures.weights)}` : "");
-    const title = `${figures.kind}; peak ${bytes(figures.peak)}` +
-      (figures.reserved ? `, reserved ${bytes(figures.reserved)}` : "");
+    const label = `${bytes(figures.used)} / ${bytes(figures.limit)}`;
+    const title = `used / ${figures.kind}; peak ${bytes(figures.peak)}` +
+      (figures.reserved ? `, reserved ${bytes(figures.reserved)}` : "") +
+      (typeof figures.weights === "number" ? `; weights ${bytes(figures.weights)} (the darker part)` : "");
     return el("div", { className: "usp-row" }, el("span", { className: "usp-row-name" }, name),
       bar(fraction, "usp-mem-bar", label, { "data-rank": rank.rank ?? index, title }, weights));
   });
-  return el("div", { className: "usp-memory" }, el("div", { className: "usp-label" }, "memory per rank"), ...rows);
+  const weights = ranksOf(pool).map((rank) => rank.memory && rank.memory.weights).find((w) => typeof w === "number");
+  return el("div", { className: "usp-memory" }, el("div", { className: "usp-label" }, "memory per rank",
+    weights ? el("span", { className: "usp-muted usp-weights" }, ` · weights ${bytes(weights)} per rank (darker)`)
+      : null), ...rows);
 }
 
 function renderCompute(pool) {
