@@ -88,9 +88,11 @@ def test_worker_dead_while_idle_is_replaced_before_the_next_call(pool, checkpoin
         # until the kernel lets it be reaped (a killed process shows as a zombie a moment before that)
         while pool.status()["ranks"][0]["alive"] and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert "SIGKILL" in pool.status()["ranks"][0]["exit_cause"]  # the panel's "failed" text
         assert_works(pool, checkpoint)
     finally:
         pool.remove_listener(events.append)
     assert victim not in pool.worker_pids
     died = [event for event in events if event["event"] == "worker_died"]
     assert died and died[0]["rank"] == 0 and "SIGKILL" in died[0]["cause"]
+    assert pool.status()["last_error"]["kind"] == "WorkerDied"

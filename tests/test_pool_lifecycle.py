@@ -33,8 +33,25 @@ def test_start_and_status(pool):
     assert all(rank["alive"] and rank["memory"]["rss"] > 0 for rank in status["ranks"])
     if sys.platform.startswith("linux"):
         assert all(rank["memory"]["peak"] > 0 for rank in status["ranks"])  # peak RSS (VmHWM)
+    assert all(rank["memory"]["rss"] < rank["memory"]["limit"] for rank in status["ranks"])
+    assert [rank["coords"] for rank in status["ranks"]] == [{"cfg": 0, "ring": 0, "ulysses": 0},
+                                                            {"cfg": 0, "ring": 0, "ulysses": 1}]
+    assert status["last_error"] is None
     workers = {child.pid for child in psutil.Process().children()}
     assert set(pool.worker_pids) <= workers
+
+
+def test_cpu_memory_limit_is_the_address_space_limit_when_one_is_set():
+    import resource
+    from sp_runtime.pool.status import rank_memory
+    child = psutil.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (2 ** 33, 2 ** 33)))
+    try:
+        assert rank_memory("cpu", child.pid, {})["limit"] == 2 ** 33
+        assert rank_memory("cpu", os.getpid(), {})["limit_kind"] == "machine memory"
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS is Linux's VmHWM")
@@ -145,9 +162,11 @@ def test_calls_keep_step_history_and_speedup_over_a_single_device_run(pool, chec
     step = pool.status()["last_step"]
     assert step["layout"] == "u2" and step["shape"] == list(shape) and step["world_size"] == 2
     assert step["speedup"] is None and step["seconds"] > 0  # no single-device time of this model and shape yet
+    assert step["baseline_s"] is None and len(step["rank_seconds"]) == 2
     STEPS.record(model.key, shape, "1", 4 * step["seconds"])  # as a one-device pool of this process would
     model(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"])
     assert pool.last_step["speedup"] > 0 and pool.status()["activity"] == "idle"
+    assert pool.last_step["baseline_s"] == 4 * step["seconds"]  # the panel's dashed one-device line
 
 
 def test_step_history_keeps_recent_times_and_compares_medians():
@@ -159,6 +178,7 @@ def test_step_history_keeps_recent_times_and_compares_medians():
     for seconds in [100.0] * STEP_HISTORY + [0.5, 1.5]:  # only the most recent STEP_HISTORY count
         steps.record("m", (1, 4), "u2", seconds)
     assert steps.speedup("m", (1, 4), "u2") == pytest.approx(2.0 / 100.0)
+    assert steps.single_device("m", (1, 4)) == 2.0
     assert steps.speedup("m", (1, 8), "u2") is None  # another latent size is another comparison
 
 
