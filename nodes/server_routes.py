@@ -8,8 +8,7 @@ import logging
 
 from aiohttp import web
 
-from sp_runtime.cli.doctor import report_in_subprocess
-
+from .doctor_button import doctor_report
 from .pool_owner import OWNER
 
 log = logging.getLogger("ulysses_sp")
@@ -59,7 +58,7 @@ async def post_doctor(request: web.Request) -> web.Response:
     devices = pools[0]["devices"] if pools else ["cpu", "cpu"]
     family = next((model.get("family") for pool in pools for model in pool["models"]), None)
     try:
-        report = await _in_thread(report_in_subprocess, devices, family)
+        report = await _in_thread(doctor_report, devices, family)
     except Exception as error:  # noqa: BLE001 - shown in the panel
         return web.json_response({"error": str(error)}, status=500)
     return web.json_response({"devices": devices, "recommendation": report.get("recommendation"),

@@ -18,7 +18,6 @@ from ..config import SPConfig
 from .machine import DEFAULT_CPU_WORKERS, LoadMonitor, describe_machine, parse_devices, write_json
 from .recommend import MODELS, measure_throughput, recommend
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the folder holding sp_runtime
 NCCL_P2P_REMEDIES = [
     "NCCL then copies through host memory: expect lower all-to-all bandwidth (see the table) and prefer fewer ranks",
     "if NCCL hangs or fails at start: export NCCL_P2P_DISABLE=1 (forces the host-memory path)",
@@ -86,21 +85,6 @@ def run(args) -> int:
         out.line(f"wrote {write_json(args.json, report)}")
     failed = not report.get("workers", {}).get("ok", True) or "error" in report.get("all_to_all", {})
     return 1 if failed else 0
-
-
-def report_in_subprocess(devices: list[str], family: Optional[str] = None, timeout_s: float = 600.0) -> dict:
-    """The doctor's JSON report for these devices (no worker check: the caller's pool already shows that), run in a
-    fresh interpreter so that a hung probe cannot stall the caller (the panel's "run doctor" button)."""
-    family = family or ""
-    model = "flux" if family.startswith("flux") else "wan" if family.startswith("wan") else "qwen-image"
-    spec = f"cpu:{len(devices)}" if all(d.startswith("cpu") for d in devices) else ",".join(devices)
-    command = [sys.executable, "-m", "sp_runtime", "doctor", "--json", "-", "--skip-workers", "--repeats", "2",
-               "--devices", spec, "--model", model]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
-    if done.returncode not in (0, 1) or not done.stdout.strip():
-        raise RuntimeError(f"doctor exited with {done.returncode}: {(done.stderr or done.stdout).strip()[-800:]}")
-    return json.loads(done.stdout)
 
 
 class _Printer:
