@@ -1,5 +1,6 @@
 """Tiny random-weight HunyuanVideo 1.0 and 1.5 models (diffusers' HunyuanVideoTransformer3DModel and
-HunyuanVideo15Transformer3DModel: the real head size 128, 3 heads, few blocks, small text widths) and their files in
+HunyuanVideo15Transformer3DModel: the real head size 128, 3 heads, 1 + 1 (1.5: 2) blocks, 1 refiner block, MLP
+ratio 2, small text widths) and their files in
 Tencent's key layout (as Tencent's releases and Comfy-Org's repackaged files name them), with or without
 `model.diffusion_model.`, and as diffusers files. The package's API dispatches here.
 
@@ -14,13 +15,14 @@ import os
 
 import torch
 
-from .weights import cast_like_release, randomize_
+from .weights import cast_like_release, randomize_, save_folder
 
 HV_TINY = dict(in_channels=16, out_channels=16, num_attention_heads=3, attention_head_dim=128, num_layers=1,
-               num_single_layers=2, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+               num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
                guidance_embeds=True, text_embed_dim=32, pooled_projection_dim=24, rope_axes_dim=(16, 56, 56))
 HV15_TINY = dict(in_channels=65, out_channels=32, num_attention_heads=3, attention_head_dim=128, num_layers=2,
-                 num_refiner_layers=2, patch_size=1, patch_size_t=1, text_embed_dim=32, text_embed_2_dim=48,
+                 num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=32,
+                 text_embed_2_dim=48,
                  image_embed_dim=40, rope_axes_dim=(16, 56, 56))
 HV_VARIANTS = {"t2v": {}, "i2v": dict(in_channels=33), "skyreels_i2v": dict(in_channels=32),
                "no_guidance": dict(guidance_embeds=False)}
@@ -131,9 +133,13 @@ def _fuse(state: dict, out: dict, ours: str, theirs: str, qkv: str, suffix: str 
 
 def write_tiny_checkpoint(path: str, layout: str, dtype: str, seed: int, prefix: str, variant: str,
                           version: str = "1.0", qkv: str = "fused", **size) -> str:
-    """Build a tiny HunyuanVideo and save it: layout "original" (Tencent names) or "diffusers" (one file)."""
+    """Build a tiny HunyuanVideo and save it: layout "original" (Tencent names), "diffusers" (one file) or
+    "diffusers_folder"."""
     from safetensors.torch import save_file
     model = build_tiny_model(seed, version, variant or "t2v", **size)
+    if layout == "diffusers_folder":
+        save_folder(model, path, dtype, None)
+        return path
     state = tencent_state_dict(model, qkv) if layout == "original" else model.state_dict()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     save_file({prefix + key: value for key, value in cast_like_release(state, dtype).items()}, path)
