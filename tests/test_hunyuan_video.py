@@ -1,6 +1,6 @@
 """HunyuanVideo 1.0 and 1.5 under Ulysses SP: the pool's output equals diffusers' stock forward on one process
 (ComfyUI's call convention around it) at Ulysses degrees 1-4, Ring 2 and Ulysses 2 x Ring 2, for Tencent-layout files
-with and without `model.diffusion_model.` (1.5 also with q, k, v apart) and diffusers files; head size 128 with 3
+with and without `model.diffusion_model.` (1.5 also with q, k, v apart), diffusers files and folders; head size 128 with 3
 heads (2 and 4 do not divide them), token counts 35, 105 and 3 (fewer than ranks), batch 2; 1.0 T2V, I2V (33
 channels) and token replace, 1.5 text-to-video and image-to-video (SigLIP + ByT5 tokens). ComfyUI's own HunyuanVideo
 where COMFYUI_PATH is set; our key plan equals diffusers' converter at the 13B width."""
@@ -24,9 +24,10 @@ FILES = {  # name -> write_tiny_checkpoint arguments
     "t2v": dict(prefix=COMFY_PREFIX), "i2v": dict(variant="i2v"), "replace": dict(variant="no_guidance"),
     "diffusers": dict(layout="diffusers"),
     "v15": dict(version="1.5", prefix=COMFY_PREFIX), "v15_split": dict(version="1.5", qkv="split"),
+    "v15_folder": dict(version="1.5", layout="diffusers_folder"),
 }
 REFERENCE_OF = {"t2v": "t2v", "diffusers": "t2v", "i2v": "i2v", "replace": "replace", "v15": "v15",
-                "v15_split": "v15"}
+                "v15_split": "v15", "v15_folder": "v15"}
 
 
 def make_cases(channels: int, version: str = "1.0", seed: int = 4) -> dict:
@@ -71,7 +72,8 @@ def _write(path: str, layout: str = "original", prefix: str = "", variant: str =
 @pytest.fixture(scope="session")
 def hv_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hunyuan_video")
-    return {name: _write(str(folder / f"{name}.safetensors"), **arguments) for name, arguments in FILES.items()}
+    return {name: _write(str(folder / (name if "folder" in name else f"{name}.safetensors")), **arguments)
+            for name, arguments in FILES.items()}
 
 
 @pytest.fixture(scope="session")
@@ -95,7 +97,7 @@ def check_file(handle, name: str, references, label: str, cases=None) -> None:
 
 
 DEGREES_OF = {"t2v": (1, 2, 3, 4), "v15": (1, 2, 3, 4), "i2v": (1, 2), "replace": (1, 4), "diffusers": (1,),
-              "v15_split": (1,)}  # only loading differs between layouts; the variants at one degree > 1 each
+              "v15_split": (1,), "v15_folder": (1,)}  # only loading differs between layouts; the variants at one degree > 1 each
 
 
 def test_fp32_parity_every_file(family_pool, hv_files, hv_references):
@@ -138,7 +140,8 @@ def test_detection(hv_files):
                 "replace": ("hunyuan_video", "t2v", "original", ""),
                 "diffusers": ("hunyuan_video", "t2v", "diffusers", ""),
                 "v15": ("hunyuan_video15", "", "original", COMFY_PREFIX),
-                "v15_split": ("hunyuan_video15", "", "original", "")}
+                "v15_split": ("hunyuan_video15", "", "original", ""),
+                "v15_folder": ("hunyuan_video15", "", "diffusers", "")}
     for name, path in hv_files.items():
         header = read_checkpoint_header(path)
         found = [module.detect(header) for module in (hunyuan_video, hunyuan_video15)]
