@@ -285,3 +285,39 @@ def test_comfyui_parity(family_pool, tmp_path):
             assert_parity(handle(latent, timestep, context=context, **call), expected, "float32",
                           f"comfyui_hunyuan/{channels}/{name}")
         handle.unload()
+
+
+def test_lora_on_fused_layers_splits_like_the_weights(hv_files, tmp_path):
+    """LoRAs by ComfyUI's names (double block img_attn.qkv) and Tencent's (single block linear1: q, k, v and the
+    MLP rows) reach the split diffusers parameters through the loader's key plan; removing them is exact."""
+    from safetensors.torch import save_file
+    from sp_runtime.lora.apply import LoraState
+    path = hv_files["replace"]
+    model = hunyuan_video.load_model(path, "float32")[0]
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    width, mlp, rank, alpha, strength = 384, 768, 4, 2.0, 0.7
+    stems = {"diffusion_model.double_blocks.0.img_attn.qkv": 3 * width,
+             "diffusion_model.single_blocks.0.linear1": 3 * width + mlp}
+    lora, deltas = {}, {}
+    for stem, rows in stems.items():
+        up, down = torch.randn(rows, rank, generator=g), torch.randn(rank, width, generator=g)
+        lora.update({f"{stem}.lora_B.weight": up, f"{stem}.lora_A.weight": down, f"{stem}.alpha": torch.tensor(alpha)})
+        deltas[stem] = strength * alpha / rank * (up @ down)
+    lora_path = str(tmp_path / "hunyuan_lora.safetensors")
+    save_file(lora, lora_path)
+    state = LoraState(model, "hunyuan_video", path, torch.device("cpu"))
+    assert state.set([[lora_path, strength]])["parameters"] == 7
+    after = model.state_dict()
+    parts = {"diffusion_model.double_blocks.0.img_attn.qkv": [f"transformer_blocks.0.attn.to_{p}" for p in "qkv"],
+             "diffusion_model.single_blocks.0.linear1": [f"single_transformer_blocks.0.attn.to_{p}" for p in "qkv"]
+             + ["single_transformer_blocks.0.proj_mlp"]}
+    for stem, names in parts.items():
+        start = 0
+        for name in names:
+            rows = before[f"{name}.weight"].shape[0]
+            expected = before[f"{name}.weight"] + deltas[stem][start:start + rows]
+            assert relative_error(after[f"{name}.weight"], expected) <= 1e-6, name
+            start += rows
+    state.set([])
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
