@@ -321,3 +321,29 @@ def test_lora_on_fused_layers_splits_like_the_weights(hv_files, tmp_path):
             start += rows
     state.set([])
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("version, dtype", [("1.0", "bfloat16"), ("1.5", "bfloat16"), ("1.5", "float8_e4m3fn")])
+def test_low_precision_storage(tmp_path, version, dtype):
+    """bf16 and fp8 files (kept in fp8, computed in bf16) within their rounding of diffusers' stock forward on the
+    same weights and dtypes; in one process (the split is dtype-blind and checked in fp32 above)."""
+    from sp_runtime.families.base import LoadRequest
+    from sp_runtime.families.detect import load_worker_model
+    module = hunyuan_video15 if version == "1.5" else hunyuan_video
+    path = write_tiny_checkpoint(str(tmp_path / f"{dtype}.safetensors"), "original", dtype, SEED, COMFY_PREFIX, "",
+                                 version=version)
+    if dtype == "bfloat16":
+        reference = build_tiny_model(SEED, version).to(torch.bfloat16)
+    else:  # the same file through diffusers' own fp8 layerwise casting
+        reference = module.load_model(path)[0]
+    groups = build_groups(SPConfig(["cpu"]))
+    worker = load_worker_model(LoadRequest(path), torch.device("cpu"), groups, lambda *_: None)
+    assert (worker.info.weight_dtype, worker.info.compute_dtype) == (dtype, "bfloat16")
+    x, _, inputs = CASES["v15" if version == "1.5" else "t2v"]()["105_tokens"]
+    t = torch.tensor([704.0, 304.0])  # exact in bf16 (diffusers' 1.5 embeds timesteps in the compute dtype)
+    x, inputs = x.to(torch.bfloat16), {key: value.to(torch.bfloat16) if key == "context" else value
+                                       for key, value in inputs.items()}
+    out = torch.full(x.shape[:1] + (worker.info.out_channels,) + x.shape[2:], float("nan"), dtype=x.dtype)
+    with torch.no_grad():
+        worker.forward(x, t, inputs, out, LocalContext(groups))
+    assert_parity(out, module.reference_forward(reference, x, t, **inputs), dtype, f"hunyuan_{version}/{dtype}")

@@ -245,8 +245,9 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
     glyph_mask = torch.ones if txt_byt5 is not None else torch.zeros
     txt_byt5 = torch.zeros(batch, 1, config.text_embed_2_dim) if txt_byt5 is None else txt_byt5
     clip_fea = torch.zeros(batch, 1, config.image_embed_dim) if clip_fea is None else clip_fea
-    with torch.no_grad():
-        out = model(hidden_states=x.to(device, compute), timestep=timestep.reshape(-1).expand(batch).to(device),
+    with torch.no_grad():  # diffusers embeds the timestep in its own dtype: the compute dtype, as its pipeline
+        out = model(hidden_states=x.to(device, compute), timestep=timestep.reshape(-1).expand(batch).to(device,
+                                                                                                       compute),
                     encoder_hidden_states=context.to(device, compute),
                     encoder_attention_mask=torch.ones(batch, context.shape[1], device=device),
                     encoder_hidden_states_2=txt_byt5.to(device, compute),
