@@ -107,7 +107,8 @@ def test_fp32_parity_every_file(family_pool, hv_files, hv_references):
             continue
         handle = family_pool.load_model(path)
         assert handle.info.family == ("hunyuan_video15" if name.startswith("v15") else "hunyuan_video")
-        check_file(handle, name, hv_references, f"u{world}")
+        layout_only = len(DEGREES_OF[name]) == 1  # another key layout of a model checked in full
+        check_file(handle, name, hv_references, f"u{world}", ("105_tokens", "i2v_glyphs") if layout_only else None)
         handle.unload()
 
 
