@@ -194,10 +194,11 @@ def use_sp_attention(model) -> None:
         block.attn.set_processor(HunyuanSPAttnProcessor())
 
 
-def model_info(model, detection: Detection, dtypes: WeightDtypes, family: str = FAMILY) -> ModelInfo:
+def model_info(model, detection: Detection, dtypes: WeightDtypes, config_keys=CONFIG_KEYS) -> ModelInfo:
+    """What the host needs of a loaded HunyuanVideo (1.0 or 1.5: its own config keys)."""
     config = model.config
-    return ModelInfo(family=family, variant=detection.variant, in_channels=config.in_channels,
-                     out_channels=config.out_channels, x_ndim=5, config=config_entries(config, CONFIG_KEYS),
+    return ModelInfo(family=detection.family, variant=detection.variant, in_channels=config.in_channels,
+                     out_channels=config.out_channels, x_ndim=5, config=config_entries(config, config_keys),
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
 
 
@@ -358,8 +359,8 @@ def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx) -> _Call:
     hidden = embed_patches(model, ctx.to_device("x", x), tokens, dtype)
     sigma = per_item(ctx.to_device("timestep", timestep.reshape(-1), torch.float32), batch)
     embed = model.time_text_embed
-    pooled = embed.text_embedder(per_item(ctx.to_device("y", inputs["y"], dtype), batch)[:, :config.
-                                                                                         pooled_projection_dim])
+    y = per_item(ctx.to_device("y", inputs["y"], dtype), batch)
+    pooled = embed.text_embedder(y[:, :config.pooled_projection_dim])  # ComfyUI cuts y to the model's width
     guidance = _guidance_term(embed, inputs.get("guidance"), batch, dtype, ctx)
     temb = time_embedding(embed, sigma, dtype) + pooled + guidance
     replace_temb, replaced = temb, 0

@@ -19,13 +19,13 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
+from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn
 from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, layout_keys, load_checkpoint_model,
                          shape_of, strip_prefix)
 from .header import Header, header_config, read_checkpoint_header
 from .hunyuan_keys import REFINER_STEM, hunyuan_key_plan
-from .hunyuan_video import (VideoAttention, comfy_attributes, comfy_names, check_latent, embed_patches, per_item,
-                            refined_text, time_embedding, use_sp_attention, video_tokens)
+from .hunyuan_video import (VideoAttention, check_latent, comfy_attributes, comfy_names, embed_patches, model_info,
+                            per_item, refined_text, time_embedding, use_sp_attention, video_tokens)
 from .joint_dit import rope_axes, text_key_mask
 
 FAMILY = "hunyuan_video15"
@@ -174,10 +174,7 @@ class HunyuanVideo15Worker:
     def __init__(self, model, detection: Detection, dtypes: WeightDtypes):
         self.model = model
         self.dtypes = dtypes
-        config = model.config
-        self.info = ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
-                              out_channels=config.out_channels, x_ndim=5, config=config_entries(config, CONFIG_KEYS),
-                              weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+        self.info = model_info(model, detection, dtypes, CONFIG_KEYS)
 
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
                 ctx) -> None:
@@ -219,14 +216,15 @@ def _text_stream(model, inputs: dict, sigma: torch.Tensor, batch: int, dtype: to
 
 def _check_inputs(config, x: torch.Tensor, inputs: dict, patch) -> None:
     check_latent(x, config.in_channels, patch, "this HunyuanVideo 1.5")
-    widths = {"context": (config.text_embed_dim, "the Qwen2.5-VL tokens"),
-              "txt_byt5": (config.text_embed_2_dim, "the ByT5 tokens"),
-              "clip_fea": (config.image_embed_dim, "the SigLIP image tokens")}
-    for name, (width, what) in widths.items():
+    streams = {"context": (config.text_embed_dim, "the Qwen2.5-VL tokens"),
+               "txt_byt5": (config.text_embed_2_dim, "the ByT5 tokens"),
+               "clip_fea": (config.image_embed_dim, "the SigLIP image tokens")}
+    for name, (width, what) in streams.items():
         value = inputs.get(name)
-        if (value is None and name == "context") or (value is not None and (value.dim() != 3 or
-                                                                             value.shape[-1] != width)):
-            raise ValueError(f"HunyuanVideo 1.5 needs {name} [B, L, {width}] ({what}); got "
+        if value is None and name != "context":
+            continue  # ComfyUI leaves glyph and image tokens out when the prompt has none
+        if value is None or value.dim() != 3 or value.shape[-1] != width:
+            raise ValueError(f"HunyuanVideo 1.5 takes {name} [B, L, {width}] ({what}); got "
                              f"{None if value is None else list(value.shape)}")
     if inputs.get("ref_latent") is not None:
         raise ValueError("ref_latent is not supported by the sequence-parallel HunyuanVideo 1.5")
