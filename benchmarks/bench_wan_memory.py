@@ -2,8 +2,8 @@
 degree 1, 2, 4.
 
 A small-but-not-tiny random-weight model (4 heads of 128, the real text widths, 512 text tokens for Wan, 256 for
-HunyuanVideo) runs one call on a video latent through the worker pool at each degree. Activation memory of a rank = its peak during the call minus
-what it held just before (weights, inputs, caches):
+HunyuanVideo) runs one call on a video latent through the worker pool at each degree. Activation memory of a rank =
+its peak during the call minus what it held just before (weights, inputs, caches):
 - CPU workers: peak RSS (Linux VmHWM, reset through /proc/<pid>/clear_refs before the call) minus RSS before it.
   Workers run with a fixed glibc mmap threshold so freed tensors go back to the OS and RSS tracks live memory.
 - CUDA workers: torch.cuda.max_memory_allocated during the call (the pool resets it per call) minus allocated.

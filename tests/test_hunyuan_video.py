@@ -1,9 +1,9 @@
 """HunyuanVideo 1.0 and 1.5 under Ulysses SP: the pool's output equals diffusers' stock forward on one process
 (ComfyUI's call convention around it) at Ulysses degrees 1-4, Ring 2 and Ulysses 2 x Ring 2, for Tencent-layout files
-with and without `model.diffusion_model.` (1.5 also with q, k, v apart), diffusers files and folders; head size 128 with 3
-heads (2 and 4 do not divide them), token counts 35, 105 and 3 (fewer than ranks), batch 2; 1.0 T2V, I2V (33
-channels) and token replace, 1.5 text-to-video and image-to-video (SigLIP + ByT5 tokens). ComfyUI's own HunyuanVideo
-where COMFYUI_PATH is set; our key plan equals diffusers' converter at the 13B width."""
+with and without `model.diffusion_model.` (1.5 also with q, k, v apart), diffusers files and folders; head size
+128 with 3 heads (2 and 4 do not divide them), token counts 35, 105 and 3 (fewer than ranks), batch 2; 1.0 T2V, I2V
+(33 channels) and token replace, 1.5 text-to-video and image-to-video (SigLIP + ByT5 tokens). ComfyUI's own
+HunyuanVideo where COMFYUI_PATH is set; our key plan equals diffusers' converter at the 13B width."""
 from __future__ import annotations
 
 import pytest
@@ -96,8 +96,9 @@ def check_file(handle, name: str, references, label: str, cases=None) -> None:
                           "float32", f"hunyuan_{label}/{name}/{case}")
 
 
+# Only loading differs between key layouts; each variant runs at one degree > 1
 DEGREES_OF = {"t2v": (1, 2, 3, 4), "v15": (1, 2, 3, 4), "i2v": (1, 2), "replace": (1, 4), "diffusers": (1,),
-              "v15_split": (1,), "v15_folder": (1,)}  # only loading differs between layouts; the variants at one degree > 1 each
+              "v15_split": (1,), "v15_folder": (1,)}
 
 
 def test_fp32_parity_every_file(family_pool, hv_files, hv_references):
