@@ -136,7 +136,7 @@ def test_the_cases_exercise_what_they_claim(hv_references):
     assert relative_error(text_only, refs["v15"]["i2v_glyphs"]) > 100 * FP32_TOL
 
 
-def test_detection(hv_files):
+def test_detection(hv_files, tmp_path):
     expected = {"t2v": ("hunyuan_video", "t2v", "original", COMFY_PREFIX),
                 "i2v": ("hunyuan_video", "i2v", "original", ""),
                 "replace": ("hunyuan_video", "t2v", "original", ""),
@@ -152,6 +152,9 @@ def test_detection(hv_files):
         assert (detection.family, detection.variant, detection.layout, detection.prefix) == expected[name]
         assert (detection.config["num_attention_heads"], detection.config["attention_head_dim"]) == (3, 128)
         assert detection.config["rope_axes_dim"] == (16, 56, 56)
+    skyreels = _write(str(tmp_path / "skyreels.safetensors"), variant="skyreels_i2v")
+    assert hunyuan_video.detect(read_checkpoint_header(skyreels)).variant == "skyreels_i2v"
+    assert hunyuan_video.COMFY.model_class("skyreels_i2v") == "HunyuanVideoSkyreelsI2V"
 
 
 def _release_header(version: str) -> Header:
