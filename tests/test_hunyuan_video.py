@@ -1,5 +1,5 @@
 """HunyuanVideo 1.0 and 1.5 under Ulysses SP: the pool's output equals diffusers' stock forward on one process
-(ComfyUI's call convention around it) at Ulysses degrees 1-4, Ring 2 and Ulysses 2 x Ring 2, for Tencent-layout files
+(ComfyUI's call convention around it) at Ulysses degrees 1-4, Ring 2, Ulysses 2 x Ring 2 and CFG 2, for Tencent-layout files
 with and without `model.diffusion_model.` (1.5 also with q, k, v apart), diffusers files and folders; head size
 128 with 3 heads (2 and 4 do not divide them), token counts 35, 105 and 3 (fewer than ranks), batch 2; 1.0 T2V, I2V
 (33 channels) and token replace, 1.5 text-to-video and image-to-video (SigLIP + ByT5 tokens). ComfyUI's own
@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_support import FP32_TOL, LocalContext, assert_parity, relative_error
+from family_support import FP32_TOL, LocalContext, assert_parity, merge_rank_outputs, relative_error, run_family_cases
 from sp_runtime.config import SPConfig
 from sp_runtime.families import hunyuan_video, hunyuan_video15
 from sp_runtime.families.header import Header, read_checkpoint_header
 from sp_runtime.groups import build_groups
+from sp_runtime.local_ranks import run_distributed
 from sp_runtime.pool import WorkerPool
 from sp_runtime.tiny_models import COMFY_PREFIX, randomize_
 from sp_runtime.tiny_models.hunyuan_video import build_tiny_model, write_tiny_checkpoint
@@ -119,6 +120,17 @@ def test_ring_layouts(hv_files, hv_references, layout):
         for name in ("replace", "v15"):
             check_file(workers.load_model(hv_files[name]), name, hv_references, str(layout),
                        ("105_tokens", "3_tokens_batch_1", "i2v_glyphs"))
+
+
+def test_cfg_parallel_splits_the_batch(hv_files, hv_references):
+    """u1 x cfg2 (one spawn, both versions): each CFG rank computes one half of the batch and writes only it."""
+    loads = [(hv_files[name], "default", [CASES[kind]()[case]]) for name, kind, case in
+             (("replace", "replace", "105_tokens"), ("v15", "v15", "i2v_glyphs"))]
+    results = run_distributed(run_family_cases, 2, {"cfg_degree": 2}, loads, timeout=240)
+    for load, (kind, case) in enumerate((("replace", "105_tokens"), ("v15", "i2v_glyphs"))):
+        merged = merge_rank_outputs([rank[load][0] for rank in results])
+        assert_parity(comparable(merged, kind), comparable(hv_references[kind][case], kind), "float32",
+                      f"hunyuan_cfg2/{kind}")
 
 
 def test_the_cases_exercise_what_they_claim(hv_references):
