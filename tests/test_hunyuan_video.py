@@ -1,9 +1,10 @@
 """HunyuanVideo 1.0 and 1.5 under Ulysses SP: the pool's output equals diffusers' stock forward on one process
-(ComfyUI's call convention around it) at Ulysses degrees 1-4, Ring 2, Ulysses 2 x Ring 2 and CFG 2, for Tencent-layout files
-with and without `model.diffusion_model.` (1.5 also with q, k, v apart), diffusers files and folders; head size
-128 with 3 heads (2 and 4 do not divide them), token counts 35, 105 and 3 (fewer than ranks), batch 2; 1.0 T2V, I2V
-(33 channels) and token replace, 1.5 text-to-video and image-to-video (SigLIP + ByT5 tokens). ComfyUI's own
-HunyuanVideo where COMFYUI_PATH is set; our key plan equals diffusers' converter at the 13B width."""
+(ComfyUI's call convention around it) at Ulysses degrees 1-4, Ring 2, Ulysses 2 x Ring 2 and CFG 2, for
+Tencent-layout files with and without `model.diffusion_model.` (1.5 also with q, k, v apart), diffusers files and
+folders; head size 128 with 3 heads (2 and 4 do not divide them), token counts 35, 105 and 3 (fewer than ranks),
+batch 2; 1.0 T2V, I2V (33 channels) and token replace, 1.5 text-to-video and image-to-video (SigLIP + ByT5
+tokens). ComfyUI's own HunyuanVideo where COMFYUI_PATH is set; our key plan equals diffusers' converter at the 13B
+width."""
 from __future__ import annotations
 
 import pytest
