@@ -1,14 +1,16 @@
-"""Per-rank activation memory of the sequence-parallel Wan forward at Ulysses degree 1, 2, 4.
+"""Per-rank activation memory of the sequence-parallel video forwards (Wan, HunyuanVideo 1.0 / 1.5) at Ulysses
+degree 1, 2, 4.
 
-A small-but-not-tiny random-weight Wan (4 heads of 128, real text width 4096 and 512 text tokens) runs one call on a
-video latent through the worker pool at each degree. Activation memory of a rank = its peak during the call minus
-what it held just before (weights, inputs, caches):
+A small-but-not-tiny random-weight model (4 heads of 128, the real text widths, 512 text tokens for Wan, 256 for
+HunyuanVideo) runs one call on a video latent through the worker pool at each degree. Activation memory of a rank =
+its peak during the call minus what it held just before (weights, inputs, caches):
 - CPU workers: peak RSS (Linux VmHWM, reset through /proc/<pid>/clear_refs before the call) minus RSS before it.
   Workers run with a fixed glibc mmap threshold so freed tensors go back to the OS and RSS tracks live memory.
 - CUDA workers: torch.cuda.max_memory_allocated during the call (the pool resets it per call) minus allocated.
 
     python benchmarks/bench_wan_memory.py                      # CPU, writes benchmarks/results/wan_memory_cpu.json
     python benchmarks/bench_wan_memory.py --device cuda        # GPUs 0..3, writes wan_memory_cuda.json
+    python benchmarks/bench_wan_memory.py --family hunyuan_video15   # writes hunyuan_video15_memory_cpu.json
 
 Times in the output are for orientation only: measure them on a quiet machine.
 """
@@ -30,8 +32,12 @@ from sp_runtime.config import SPConfig  # noqa: E402
 from sp_runtime.pool import WorkerPool  # noqa: E402
 from sp_runtime.tiny_models import write_tiny_checkpoint  # noqa: E402
 
-MODEL = dict(num_attention_heads=4, attention_head_dim=128, ffn_dim=2048, num_layers=2, text_dim=4096)
-TEXT_TOKENS = 512
+HEADS = dict(num_attention_heads=4, attention_head_dim=128)
+MODELS = {"wan": dict(HEADS, ffn_dim=2048, num_layers=2, text_dim=4096),
+          "hunyuan_video": dict(HEADS, text_embed_dim=4096, pooled_projection_dim=768),
+          "hunyuan_video15": dict(HEADS, text_embed_dim=3584)}
+TEXT_TOKENS = {"wan": 512, "hunyuan_video": 256, "hunyuan_video15": 256}
+DEFAULT_SHAPES = {"wan": [9, 40, 64], "hunyuan_video": [9, 40, 64], "hunyuan_video15": [9, 20, 32]}  # 5760 tokens
 MIB = 2 ** 20
 WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}  # big frees return to the OS: RSS = live memory
 
@@ -39,11 +45,12 @@ WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}  # big frees return to t
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--family", default="wan", choices=sorted(MODELS))
     parser.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--shape", type=int, nargs=3, default=[9, 40, 64], metavar=("T", "H", "W"),
-                        help="latent frames, height, width (default 9 x 40 x 64: 5760 video tokens)")
+    parser.add_argument("--shape", type=int, nargs=3, default=None, metavar=("T", "H", "W"),
+                        help="latent frames, height, width (default: 5760 video tokens, 9 x 40 x 64 for patch 2)")
     parser.add_argument("--variant", default="t2v", choices=("t2v", "ti2v"),
-                        help="ti2v: 48 channels with per-frame timesteps (per-token modulation)")
+                        help="Wan ti2v: 48 channels with per-frame timesteps (per-token modulation)")
     parser.add_argument("--output", default=None)
     return parser.parse_args()
 
@@ -53,28 +60,34 @@ def reset_peak(pid: int) -> None:
         handle.write("5")  # resets VmHWM to the current RSS
 
 
-def call_inputs(variant: str, shape, seed: int = 0):
+def call_inputs(family: str, variant: str, shape, seed: int = 0):
+    """(x, timestep, kwargs) of one ComfyUI call of the family."""
     generator = torch.Generator().manual_seed(seed)
-    channels = 48 if variant == "ti2v" else 16
+    channels = {"hunyuan_video15": 65}.get(family, 48 if variant == "ti2v" else 16)
     frames = shape[0]
     x = torch.randn(1, channels, *shape, generator=generator)
     timestep = torch.tensor([[0.0] + [700.0] * (frames - 1)]) if variant == "ti2v" else torch.tensor([700.0])
-    context = torch.randn(1, TEXT_TOKENS, MODEL["text_dim"], generator=generator)
-    return x, timestep, context
+    model = MODELS[family]
+    context = torch.randn(1, TEXT_TOKENS[family], model.get("text_dim") or model["text_embed_dim"],
+                          generator=generator)
+    if family == "hunyuan_video":
+        return x, timestep, {"context": context, "y": torch.randn(1, 768, generator=generator),
+                             "guidance": torch.tensor([6.0])}
+    return x, timestep, {"context": context}
 
 
-def measure(path: str, degree: int, device: str, variant: str, shape) -> dict:
+def measure(path: str, degree: int, device: str, family: str, variant: str, shape) -> dict:
     devices = [f"cuda:{rank}" for rank in range(degree)] if device == "cuda" else ["cpu"] * degree
-    x, timestep, context = call_inputs(variant, shape)
+    x, timestep, inputs = call_inputs(family, variant, shape)
     with WorkerPool(SPConfig(devices), env=WORKER_ENV) as pool:
         handle = pool.load_model(path)
-        handle(x, timestep, context=context)  # warm-up: lazy initialisation, input caches, allocator pools
+        handle(x, timestep, **inputs)  # warm-up: lazy initialisation, input caches, allocator pools
         if device == "cpu":
             before = [entry["memory"]["rss"] for entry in pool.status()["ranks"]]
             for pid in pool.worker_pids:
                 reset_peak(pid)
         started = time.perf_counter()
-        handle(x, timestep, context=context)
+        handle(x, timestep, **inputs)
         seconds = time.perf_counter() - started
         ranks = []
         for entry in pool.status()["ranks"]:  # CPU: RSS and peak RSS (VmHWM); CUDA: the workers' own figures
@@ -93,14 +106,17 @@ def measure(path: str, degree: int, device: str, variant: str, shape) -> dict:
 
 def main() -> None:
     args = parse_args()
-    tokens = args.shape[0] * (-(-args.shape[1] // 2)) * (-(-args.shape[2] // 2))
-    output = args.output or os.path.join(ROOT, "benchmarks", "results", f"wan_memory_{args.device}.json")
-    with tempfile.TemporaryDirectory(prefix="bench_wan_") as folder:
-        path = write_tiny_checkpoint("wan", os.path.join(folder, "wan_small.safetensors"), variant=args.variant,
-                                     **MODEL)
+    family, shape = args.family, args.shape or DEFAULT_SHAPES[args.family]
+    patch = 1 if family == "hunyuan_video15" else 2
+    tokens = shape[0] * (-(-shape[1] // patch)) * (-(-shape[2] // patch))
+    output = args.output or os.path.join(ROOT, "benchmarks", "results", f"{family}_memory_{args.device}.json")
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as folder:
+        variant = {"variant": args.variant} if family == "wan" else {}
+        path = write_tiny_checkpoint(family, os.path.join(folder, f"{family}_small.safetensors"), **variant,
+                                     **MODELS[family])
         results = []
         for degree in args.degrees:
-            result = measure(path, degree, args.device, args.variant, args.shape)
+            result = measure(path, degree, args.device, family, args.variant, shape)
             print(f"degree {degree}: activation per rank max {result['max_activation_mib']:.1f} MiB, "
                   f"mean {result['mean_activation_mib']:.1f} MiB, call {result['call_s']:.2f} s", flush=True)
             results.append(result)
@@ -108,11 +124,12 @@ def main() -> None:
     for result in results:
         result["fraction_of_first"] = result["max_activation_mib"] / base if base else None
     report = {
-        "what": "per-rank activation memory of one Wan forward (peak during the call minus memory held before)",
-        "model": {**MODEL, "variant": args.variant, "dim": MODEL["num_attention_heads"] * MODEL["attention_head_dim"],
-                  "dtype": "float32"},
-        "latent": {"batch": 1, "frames": args.shape[0], "height": args.shape[1], "width": args.shape[2],
-                   "video_tokens": tokens, "text_tokens": TEXT_TOKENS},
+        "what": f"per-rank activation memory of one {family} forward (peak during the call minus memory held "
+                f"before)",
+        "model": {**MODELS[family], "family": family, "variant": args.variant if family == "wan" else "t2v",
+                  "dim": HEADS["num_attention_heads"] * HEADS["attention_head_dim"], "dtype": "float32"},
+        "latent": {"batch": 1, "frames": shape[0], "height": shape[1], "width": shape[2],
+                   "video_tokens": tokens, "text_tokens": TEXT_TOKENS[family]},
         "device": args.device, "machine": describe_machine(), "results": results,
         "note": "call_s was measured on a shared machine; re-measure timings on a quiet one",
     }

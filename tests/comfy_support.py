@@ -67,40 +67,63 @@ COMFY_TINY_UNET = {
 COMFY_TINY_UNET["wan"] = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16,
                               dim=96, ffn_dim=128, freq_dim=256, text_dim=TEXT_DIM, out_dim=16, num_heads=6,
                               num_layers=2, window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
-COMFY_CONFIG_CLASS = {"qwen_image": "QwenImage", "flux": "Flux", "wan": "WAN21_T2V"}
+COMFY_TINY_UNET["hunyuan_video"] = dict(image_model="hunyuan_video", in_channels=16, out_channels=16,
+                                        vec_in_dim=POOLED_DIM, context_in_dim=TEXT_DIM, hidden_size=384, mlp_ratio=2.0,
+                                        num_heads=3, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56],
+                                        theta=256, patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True,
+                                        byt5=False, meanflow=False)
+COMFY_CONFIG_CLASS = {"qwen_image": "QwenImage", "flux": "Flux", "wan": "WAN21_T2V", "hunyuan_video": "HunyuanVideo"}
+TINY_SIZES = {"hunyuan_video": {"num_refiner_layers": 2}}  # ComfyUI's HunyuanVideo has 2 refiner blocks, fixed
 
 
 def write_tiny(family: str, folder: str, **kwargs) -> str:
     from sp_runtime.tiny_models import write_tiny_checkpoint
     os.makedirs(folder, exist_ok=True)
+    kwargs = {**TINY_SIZES.get(family, {}), **kwargs}
     path = os.path.join(folder, f"tiny_{family}{'_' + kwargs['variant'] if kwargs.get('variant') else ''}"
                                 f"{'_' + kwargs['layout'] if kwargs.get('layout') else ''}.safetensors")
     return write_tiny_checkpoint(family, path, **kwargs)
 
 
 def comfy_reference_model(family: str, path: str):
-    """ComfyUI's own network of the family, built in this process with the file's weights (strict load)."""
+    """ComfyUI's own network of the family, built in this process with the file's weights (strict load, after
+    the key renames ComfyUI applies when it loads the file)."""
     import torch
     import comfy.model_patcher
     import comfy.supported_models
     import comfy.utils
-    config = getattr(comfy.supported_models, COMFY_CONFIG_CLASS[family])(dict(COMFY_TINY_UNET[family]))
+    config = getattr(comfy.supported_models, COMFY_CONFIG_CLASS[family])(newer_comfy_fields(COMFY_TINY_UNET[family]))
     config.set_inference_dtype(torch.float32, None)
     model = config.get_model({})
-    model.diffusion_model.load_state_dict(comfy.utils.load_torch_file(path), strict=True)
+    state = config.process_unet_state_dict(comfy.utils.load_torch_file(path))
+    model.diffusion_model.load_state_dict(state, strict=True)
     cpu = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
 
 
+def newer_comfy_fields(unet_config: dict) -> dict:
+    """A HunyuanVideo unet_config with the HunyuanVideo 1.5 fields newer ComfyUI versions require, off."""
+    if unet_config.get("image_model") != "hunyuan_video":
+        return dict(unet_config)
+    import dataclasses
+    import comfy.ldm.hunyuan_video.model as comfy_hunyuan
+    fields = {field.name for field in dataclasses.fields(comfy_hunyuan.HunyuanVideoParams)}
+    newer = dict(use_cond_type_embedding=False, vision_in_dim=None, meanflow_sum=False)
+    return {**unet_config, **{key: value for key, value in newer.items() if key in fields}}
+
+
 def conditioning(family: str, seed: int, batch: int = 1):
-    """Hand-made CONDITIONING as a text encoder node would give it (Flux: pooled output and guidance too); the
-    same tensors as the SPRandomConditioning node (text first, then pooled, from one seeded generator)."""
+    """Hand-made CONDITIONING as a text encoder node would give it (Flux: pooled output and guidance too;
+    HunyuanVideo: pooled output, ComfyUI's default guidance 6); the same tensors as the SPRandomConditioning node
+    (text first, then pooled, from one seeded generator)."""
     import torch
     generator = torch.Generator().manual_seed(seed)
     text = torch.randn(batch, TEXT_TOKENS, TEXT_DIM, generator=generator)
     extra = {}
     if family == "flux":
         extra = {"pooled_output": torch.randn(batch, POOLED_DIM, generator=generator), "guidance": 3.5}
+    if family == "hunyuan_video":
+        extra = {"pooled_output": torch.randn(batch, POOLED_DIM, generator=generator)}
     return [[text, extra]]
 
 

@@ -13,8 +13,8 @@ import comfy_support as cs
 
 pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 
-FAMILIES = ["qwen_image", "flux", "wan"]
-FRAMES = {"wan": 3}  # video latents [B, 16, T, H, W]; the image families get [B, 16, H, W]
+FAMILIES = ["qwen_image", "flux", "wan", "hunyuan_video"]
+FRAMES = {"wan": 3, "hunyuan_video": 3}  # video latents [B, 16, T, H, W]; the image families get [B, 16, H, W]
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_sp_lora_node_refuses_models_from_other_loaders(references):
 
 # LoRA modules per family, in the naming a trainer would write for it: diffusers / peft names for Qwen-Image,
 # kohya names of ComfyUI's (original) weights with an alpha for Flux (fused qkv and linear1) and Wan.
-# name -> (rows, columns) of its weight in the tiny models (width 96, MLP 384, Wan FFN 128)
+# name -> (rows, columns) of its weight in the tiny models (width 96, MLP 384, Wan FFN 128; HunyuanVideo 384, 768)
 COMFY_LORA_MODULES = {
     "qwen_image": {f"transformer_blocks.{b}.{name}": (96, 384 if name == "img_mlp.net.2" else 96)
                    for b in range(2) for name in ("attn.to_q", "attn.to_v", "img_mlp.net.2")},
@@ -162,6 +162,9 @@ COMFY_LORA_MODULES = {
              "lora_unet_single_blocks_1_linear1": (672, 96), "lora_unet_single_blocks_0_linear2": (96, 480)},
     "wan": {"lora_unet_blocks_0_self_attn_q": (96, 96), "lora_unet_blocks_1_cross_attn_k": (96, 96),
             "lora_unet_blocks_1_ffn_2": (96, 128)},
+    "hunyuan_video": {"lora_unet_double_blocks_0_img_attn_qkv": (1152, 384),
+                      "lora_unet_double_blocks_0_txt_mlp_2": (384, 768),
+                      "lora_unet_single_blocks_0_linear1": (1920, 384)},
 }
 
 

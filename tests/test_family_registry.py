@@ -22,7 +22,9 @@ def test_every_family_module_provides_the_contract(family):
 
 def test_comfyui_knows_the_model_families():
     assert {family for family in FAMILIES if comfy_host(family)} == {"qwen_image", "qwen_image21", "flux", "flux2",
-                                                                     "wan"}
+                                                                     "wan", "hunyuan_video", "hunyuan_video15"}
+    assert comfy_host("hunyuan_video").model_class("i2v") == "HunyuanVideoI2V"
+    assert comfy_host("hunyuan_video15").model_class("") == "HunyuanVideo15"
     assert comfy_host("flux2").model_class("klein") == "Flux2"
     assert comfy_host("qwen_image21").model_class("image") == "QwenImage21"
     assert comfy_host("flux").model_class("schnell") == "FluxSchnell"

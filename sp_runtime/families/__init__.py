@@ -30,6 +30,8 @@ FAMILIES = {
     "flux": "sp_runtime.families.flux",
     "flux2": "sp_runtime.families.flux2",
     "wan": "sp_runtime.families.wan",
+    "hunyuan_video": "sp_runtime.families.hunyuan_video",
+    "hunyuan_video15": "sp_runtime.families.hunyuan_video15",
     "toy": "sp_runtime.families.toy",              # the pool's test model
     "synthetic": "sp_runtime.families.synthetic",  # random weights drawn on the workers (benchmark presets)
 }

@@ -231,6 +231,12 @@ def _rows(start: int, length: int) -> Transform:
     return lambda tensor: tensor.narrow(0, start, length)
 
 
+def swap_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """The two halves of a tensor's rows swapped: (shift, scale) modulation rows <-> diffusers' (scale, shift)."""
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first])
+
+
 def identity_plan(keys: Iterable[str]) -> dict[str, list[tuple[str, Transform]]]:
     """A plan for checkpoints whose keys already are the model's keys (diffusers layout)."""
     return {key: [(key, None)] for key in keys}

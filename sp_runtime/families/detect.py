@@ -17,7 +17,7 @@ OTHER_KINDS = {
     "Chroma": ("distilled_guidance_layer.in_proj.weight", "distilled_guidance_layer.in_proj.bias"),
     "Qwen-Image 2.1": ("txt_in.text_norm.weight",),
     "Wan": ("head.modulation", "condition_embedder.time_proj.weight"),
-    "HunyuanVideo": ("txt_in.individual_token_refiner.blocks.0.adaLN_modulation.1.bias",),
+    "HunyuanImage 2.1": ("byt5_in.fc1.weight",),
     "SD3 / SD3.5": ("joint_blocks.0.context_block.attn.qkv.weight",),
     "SDXL / SD1.x UNet": ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
     "LTX-Video": ("patchify_proj.weight",),

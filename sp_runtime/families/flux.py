@@ -16,7 +16,7 @@ import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, Transform, WeightDtypes, count_blocks, find_prefix, layout_keys,
-                         load_checkpoint_model, row_split, shape_of, strip_prefix)
+                         load_checkpoint_model, row_split, shape_of, strip_prefix, swap_halves)
 from .header import Header, header_config, read_checkpoint_header
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rope_axes, rotary)
@@ -184,7 +184,7 @@ def _convert(module: str, kind: str, hidden: int) -> list[tuple[str, Transform]]
     if module in _TOP:
         return [(f"{_TOP[module]}.{kind}", None)]
     if module == "final_layer.adaLN_modulation.1":  # (shift, scale) -> diffusers' (scale, shift)
-        return [(f"norm_out.linear.{kind}", _swap_halves)]
+        return [(f"norm_out.linear.{kind}", swap_halves)]
     stem, _, rest = module.partition(".")
     index, _, inner = rest.partition(".")
     if not index.isdigit():
@@ -202,11 +202,6 @@ def _convert(module: str, kind: str, hidden: int) -> list[tuple[str, Transform]]
         if inner == "linear1":
             return row_split(prefix, _SINGLE_FUSED, kind, (hidden,) * 3 + (MLP_RATIO * hidden,))
     return []
-
-
-def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
-    first, second = tensor.chunk(2, dim=0)
-    return torch.cat([second, first])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,10 +15,11 @@ import torch.nn.functional as F
 Box = tuple[int, int, int, int, int, int]  # frames [f0, f1), rows [r0, r1), cols [c0, c1) of the token grid
 
 
-def conv_patch_embed(conv: torch.nn.Conv3d, patches: torch.Tensor) -> torch.Tensor:
-    """A Conv3d patch embedding (kernel == stride) as a float32 linear over flattened patches (ComfyUI runs it in
-    float32)."""
-    return F.linear(patches.float(), conv.weight.flatten(1).float(), conv.bias.float())
+def conv_patch_embed(conv: torch.nn.Conv3d, patches: torch.Tensor, dtype: torch.dtype = torch.float32
+                     ) -> torch.Tensor:
+    """A Conv3d patch embedding (kernel == stride) as a linear over flattened patches, computed in `dtype`
+    (ComfyUI runs Wan's in float32, HunyuanVideo's in the model's dtype)."""
+    return F.linear(patches.to(dtype), conv.weight.flatten(1).to(dtype), conv.bias.to(dtype))
 
 
 def pad_to_patch_3d(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:

@@ -43,7 +43,8 @@ def family_plans(family: str, model: torch.nn.Module) -> tuple[PlanFn, WeightPla
     and the weight_plan its loader reads checkpoints with."""
     module = family_module(family) if family in FAMILIES else None
     if not hasattr(module, "weight_plan"):
-        raise ValueError(f"LoRA is not supported for {family!r} models (supported: Qwen-Image, Flux, Wan)")
+        supported = [name for name in FAMILIES if hasattr(family_module(name), "weight_plan")]
+        raise ValueError(f"LoRA is not supported for {family!r} models (supported: {', '.join(supported)})")
     return (lambda keys: module.original_plan(keys, model.config)), module.weight_plan
 
 

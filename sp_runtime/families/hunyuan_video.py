@@ -1,0 +1,448 @@
+"""HunyuanVideo 1.0 (T2V, I2V v1 concat, I2V v2 token replace, SkyReels I2V) under Ulysses SP: detection from the
+header, loading into diffusers' HunyuanVideoTransformer3DModel, and ComfyUI's
+`diffusion_model(x, timestep, context, y, guidance, attention_mask, guiding_frame_index)`.
+
+ComfyUI's call: x [B, C, T, H, W] (16 channels; I2V v1 33 = noise + image latent + mask; SkyReels 32), timestep =
+sigma x 1000 [B], context [B, L, 4096] (LLaVA-Llama tokens), y [B, 768] (CLIP-L pooled), guidance [B] raw (6.0;
+embedded as guidance x 1000), attention_mask [B, L] text keep-mask, guiding_frame_index [B] (I2V v2: the first
+frame's tokens are modulated with the embedding of this timestep). Returns [B, 16, T, H, W].
+
+SP plan: every rank patch-embeds only its balanced share of the video tokens and takes the rotary (frame, row,
+column) factors of those; the text (LLaVA tokens through the token refiner) is computed whole on every rank
+(replicated; sp_attention hands each rank its heads of it); the double-stream blocks attend jointly over all image
+tokens and the text, the single-stream blocks likewise on [image, text]; each rank writes its own output tokens.
+Token replace modulates the first frame's tokens, wherever they fall, through diffusers' token-replace blocks.
+
+Where ComfyUI and diffusers differ we follow ComfyUI: the refiner's pooled text is the plain mean of all tokens
+(padding included), and the token-replace embedding gets the guidance term and also modulates the final layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Iterable, Optional
+
+import torch
+
+from ..attention import SeqShards, sp_attention
+from ..groups import SeqParallel
+from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
+from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, layout_keys, load_checkpoint_model,
+                         shape_of, strip_prefix)
+from .header import Header, header_config, read_checkpoint_header
+from .hunyuan_keys import REFINER_STEM, comfy_name, hunyuan_key_plan
+from .joint_dit import rope_axes, rotary, rotate, text_key_mask
+from .video_tokens import VideoGrid, conv_patch_embed
+
+FAMILY = "hunyuan_video"
+DESCRIPTION = "HunyuanVideo 1.0 (T2V, I2V concat / token replace, SkyReels I2V)"
+ROPE_THETA = 256
+VARIANTS = {16: "t2v", 33: "i2v", 32: "skyreels_i2v"}  # by input channels, as ComfyUI's supported_models
+CONFIG_KEYS = ("in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "num_layers",
+               "num_single_layers", "num_refiner_layers", "mlp_ratio", "patch_size", "patch_size_t",
+               "guidance_embeds", "text_embed_dim", "pooled_projection_dim", "rope_axes_dim")
+# ComfyUI's module names (after hunyuan_keys.comfy_name) and diffusers' of the facts a header shows
+ARCHITECTURE_KEYS = {
+    "embed": ("img_in.proj.weight", "x_embedder.proj.weight"),
+    "head_norm": ("double_blocks.0.img_attn.norm.query_norm.scale", "transformer_blocks.0.attn.norm_q.weight"),
+    "mlp": ("double_blocks.0.img_mlp.0.weight", "transformer_blocks.0.ff.net.0.proj.weight"),
+    "out": ("final_layer.linear.weight", "proj_out.weight"),
+    "double_blocks": ("double_blocks", "transformer_blocks"),
+    "single_blocks": ("single_blocks", "single_transformer_blocks"),
+    "refiner_blocks": (REFINER_STEM, "context_embedder.token_refiner.refiner_blocks"),
+    "text": ("txt_in.input_embedder.weight", "context_embedder.proj_in.weight"),
+    "pooled": ("vector_in.in_layer.weight", "time_text_embed.text_embedder.linear_1.weight"),
+    "guidance": ("guidance_in.in_layer.weight", "time_text_embed.guidance_embedder.linear_1.weight"),
+}
+ORIGINAL_ANCHORS = (f"{REFINER_STEM}.0.norm1.weight", "img_in.proj.weight", "final_layer.linear.weight")
+DIFFUSERS_ANCHORS = ("context_embedder.token_refiner.refiner_blocks.0.norm1.weight", "x_embedder.proj.weight",
+                     "time_text_embed.timestep_embedder.linear_1.weight", "proj_out.weight")
+VERSION_15_KEYS = ("cond_type_embedding.weight", "cond_type_embed.weight")  # HunyuanVideo 1.5 (its own family)
+UNSUPPORTED_INPUTS = {"ref_latent": "reference latents (HunyuanVideo custom / 'custom' image-to-video guidance)",
+                      "txt_byt5": "ByT5 glyph text (HunyuanImage 2.1)"}
+
+
+def _comfy_unet_config(info: ModelInfo) -> dict:
+    patch = [info.config["patch_size_t"], info.config["patch_size"], info.config["patch_size"]]
+    return {"in_channels": info.in_channels, "out_channels": info.out_channels, "patch_size": patch}
+
+
+def comfy_attributes(info: ModelInfo) -> dict:
+    """What ComfyUI's HunyuanVideo classes read from diffusion_model: the patch and img_in.proj.weight.shape (1.5's
+    concat_cond sizes the image condition from it); plain objects, no weights."""
+    config = info.config
+    patch = [config["patch_size_t"], config["patch_size"], config["patch_size"]]
+    shape = torch.Size((config["num_attention_heads"] * config["attention_head_dim"], info.in_channels, *patch))
+    return {"patch_size": patch, "img_in": SimpleNamespace(proj=SimpleNamespace(weight=SimpleNamespace(shape=shape)))}
+
+
+COMFY = ComfyHost(model_classes={"i2v": "HunyuanVideoI2V", "skyreels_i2v": "HunyuanVideoSkyreelsI2V",
+                                 "": "HunyuanVideo"},
+                  unet_config=_comfy_unet_config, attributes=comfy_attributes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Detection
+
+def detect(header: Header) -> Optional[Detection]:
+    """HunyuanVideo 1.0 from its header alone; None for other files (HunyuanVideo 1.5, HunyuanImage 2.1 ...)."""
+    if any(key.endswith(VERSION_15_KEYS) for key in header.tensors):
+        return None
+    folder_config = header_config(header)
+    if folder_config is not None:
+        if folder_config.get("_class_name") != "HunyuanVideoTransformer3DModel":
+            return None
+        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
+        return _detection(header, "diffusers", "", {**config, "rope_axes_dim": tuple(config["rope_axes_dim"])})
+    for layout, anchors in (("original", ORIGINAL_ANCHORS), ("diffusers", DIFFUSERS_ANCHORS)):
+        prefix = find_prefix(header.tensors, anchors)
+        if prefix is not None:
+            keys = comfy_names(strip_prefix(header.tensors, prefix)) if layout == "original" else \
+                strip_prefix(header.tensors, prefix)
+            config = architecture(keys, layout)
+            return None if config is None else _detection(header, layout, prefix, config)
+    return None
+
+
+def comfy_names(tensors: dict) -> dict:
+    """Header entries under ComfyUI's module names (Tencent's renamed)."""
+    return {comfy_name(key): value for key, value in tensors.items()}
+
+
+def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
+    return Detection(family=FAMILY, variant=VARIANTS.get(config["in_channels"], ""), layout=layout, prefix=prefix,
+                     config=config, files=header.source.files)
+
+
+def architecture(keys: dict, layout: str) -> Optional[dict]:
+    """HunyuanVideoTransformer3DModel config from a header (keys without prefix, ComfyUI or diffusers names);
+    None for a 2-D patch (HunyuanImage 2.1)."""
+    names = layout_keys(ARCHITECTURE_KEYS, layout)
+    embed = shape_of(keys, names["embed"])
+    if len(embed) != 5:
+        return None
+    hidden, in_channels, patch_t, patch, patch_w = embed
+    head_dim = shape_of(keys, names["head_norm"])[0]
+    if patch != patch_w or hidden % head_dim:
+        raise ValueError(f"HunyuanVideo patch {embed[2:]} / width {hidden} with head size {head_dim}: unsupported "
+                         f"variant")
+    return {
+        "in_channels": in_channels,
+        "out_channels": shape_of(keys, names["out"])[0] // (patch_t * patch * patch),
+        "num_attention_heads": hidden // head_dim,
+        "attention_head_dim": head_dim,
+        "num_layers": count_blocks(keys, names["double_blocks"]),
+        "num_single_layers": count_blocks(keys, names["single_blocks"]),
+        "num_refiner_layers": count_blocks(keys, names["refiner_blocks"]),
+        "mlp_ratio": shape_of(keys, names["mlp"])[0] / hidden,
+        "patch_size": patch,
+        "patch_size_t": patch_t,
+        "guidance_embeds": names["guidance"] in keys,
+        "text_embed_dim": shape_of(keys, names["text"])[1],
+        "pooled_projection_dim": shape_of(keys, names["pooled"])[1],
+        "rope_axes_dim": rope_axes(head_dim),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
+    """How a checkpoint's keys (prefix stripped) become parameters: Tencent / ComfyUI names through original_plan,
+    diffusers names as they are (None)."""
+    return original_plan(keys, detection.config) if detection.layout == "original" else None
+
+
+def original_plan(keys: Iterable[str], config) -> KeyPlan:
+    """Tencent / ComfyUI key names -> parameters of the model of `config` (LoRAs use these names too)."""
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    return hunyuan_key_plan(keys, hidden, int(hidden * config["mlp_ratio"]), "time_text_embed")
+
+
+def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
+               detection: Optional[Detection] = None, options: Optional[dict] = None,
+               progress: Optional[ProgressFn] = None, header: Optional[Header] = None
+               ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
+    """A diffusers HunyuanVideoTransformer3DModel with the checkpoint's weights, built with token-replace blocks
+    (the same weights as the plain blocks; with no token to replace they compute the plain blocks)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    header = header or read_checkpoint_header(path)
+    detection = detection or detect(header)
+    if detection is None or detection.family != FAMILY:
+        raise ValueError(f"{path!r} is not a HunyuanVideo 1.0 checkpoint")
+    config = {**detection.config, "image_condition_type": "token_replace"}
+    plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
+    model, dtypes = load_checkpoint_model(HunyuanVideoTransformer3DModel, config, header, detection, dtype, device,
+                                          plan, progress)
+    return model, detection, dtypes
+
+
+def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
+         ) -> "HunyuanVideoWorker":
+    """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
+    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
+                                          request.header)
+    use_sp_attention(model)
+    return HunyuanVideoWorker(model, detection, dtypes)
+
+
+def use_sp_attention(model) -> None:
+    """Sequence-parallel joint attention in the double- and single-stream blocks; the token refiner keeps its stock
+    attention (the text is whole on every rank)."""
+    for block in [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", ())]:
+        block.attn.set_processor(HunyuanSPAttnProcessor())
+
+
+def model_info(model, detection: Detection, dtypes: WeightDtypes, config_keys=CONFIG_KEYS) -> ModelInfo:
+    """What the host needs of a loaded HunyuanVideo (1.0 or 1.5: its own config keys)."""
+    config = model.config
+    return ModelInfo(family=detection.family, variant=detection.variant, in_channels=config.in_channels,
+                     out_channels=config.out_channels, x_ndim=5, config=config_entries(config, config_keys),
+                     weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sequence-parallel pieces shared with HunyuanVideo 1.5
+
+@dataclass
+class VideoAttention:
+    """Passed to HunyuanSPAttnProcessor as `image_rotary_emb`: the split, this rank's rotary (cos, sin) and the
+    text keep-mask (bool [B, L] or None)."""
+
+    seq: SeqParallel
+    shards: SeqShards
+    rope: tuple[torch.Tensor, torch.Tensor]
+    text_mask: Optional[torch.Tensor]
+
+
+class HunyuanSPAttnProcessor:
+    """Joint attention of diffusers' HunyuanVideo (1.0 and 1.5) blocks through sp_attention: this rank's image
+    tokens (rotated) and all text tokens (not rotated), image first as ComfyUI and diffusers order them.
+
+    Double blocks project the text with add_*_proj; single blocks (no add_q_proj) with the same projections as
+    the image. Returns (image out, text out), projected where the block has output projections.
+    """
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
+                 attention_mask: Optional[torch.Tensor] = None, image_rotary_emb: Optional[VideoAttention] = None):
+        plan = image_rotary_emb
+        if not isinstance(plan, VideoAttention):
+            raise TypeError("HunyuanSPAttnProcessor runs inside the sequence-parallel HunyuanVideo forward only")
+        image = _qkv(attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
+        if attn.add_q_proj is None:
+            text = _qkv(attn, encoder_hidden_states, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
+        else:
+            text = _qkv(attn, encoder_hidden_states, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
+                        (attn.norm_added_q, attn.norm_added_k))
+        image[0], image[1] = rotate(image[0], plan.rope), rotate(image[1], plan.rope)
+        image_out, text_out = sp_attention(*image, plan.seq, plan.shards, text=text, text_mask=plan.text_mask,
+                                           text_first=False)
+        dtype = image[0].dtype
+        image_out, text_out = image_out.flatten(2, 3).to(dtype), text_out.flatten(2, 3).to(dtype)
+        if getattr(attn, "to_out", None) is not None:
+            image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
+        if getattr(attn, "to_add_out", None) is not None:
+            text_out = attn.to_add_out(text_out.contiguous())
+        return image_out, text_out
+
+
+def _qkv(attn, states: torch.Tensor, projections, norms) -> list[torch.Tensor]:
+    q, k, v = (projection(states).unflatten(2, (attn.heads, -1)) for projection in projections)
+    return [norms[0](q), norms[1](k), v]
+
+
+@dataclass(frozen=True)
+class VideoTokens:
+    """This rank's share [lo, hi) of the video tokens and their rotary factors."""
+
+    grid: VideoGrid
+    shards: SeqShards
+    lo: int
+    hi: int
+    rope: tuple[torch.Tensor, torch.Tensor]
+
+    def first_frame_tokens(self) -> int:
+        """How many of this rank's tokens lie in the first latent frame (they lead its range)."""
+        return max(0, min(self.hi, self.grid.per_frame) - self.lo)
+
+    def write(self, out: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Unpatchify this rank's output tokens [B, n, C*pt*ph*pw] (features (c, pt, ph, pw), as HunyuanVideo's
+        final projection orders them) into out [B, C, T, H, W]."""
+        channels = out.shape[1]
+        tokens = tokens.unflatten(-1, (channels, -1)).transpose(-1, -2).flatten(-2)  # -> (pt, ph, pw, c)
+        self.grid.write(out, tokens.to(out.dtype).cpu(), self.lo)
+
+
+def video_tokens(x: torch.Tensor, patch: tuple[int, int, int], seq: SeqParallel, axes, device) -> VideoTokens:
+    """The token split of latent x [B, C, T, H, W] (whole patches) and this rank's rotary (frame, row, column)."""
+    grid = VideoGrid.of(tuple(x.shape[2:]), patch)
+    shards = SeqShards.balanced(grid.count, seq.degree)
+    lo, hi = shards.range(seq.rank)
+    rope = rotary(grid.positions(lo, hi, device).float(), axes, ROPE_THETA)
+    return VideoTokens(grid, shards, lo, hi, rope)
+
+
+def embed_patches(model, latent: torch.Tensor, tokens: VideoTokens, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's patches of latent [B, C, T, H, W] through x_embedder (in the compute dtype, as ComfyUI)."""
+    return conv_patch_embed(model.x_embedder.proj, tokens.grid.patches(latent, tokens.lo, tokens.hi), dtype)
+
+
+def check_latent(x: torch.Tensor, channels: int, patch: tuple[int, int, int], name: str) -> None:
+    """A [B, C, T, H, W] latent of whole patches (ComfyUI's HunyuanVideo models need them too)."""
+    if x.dim() != 5 or x.shape[1] != channels:
+        raise ValueError(f"x has shape {list(x.shape)}; {name} takes [B, {channels}, T, H, W]")
+    if any(size % p for size, p in zip(x.shape[2:], patch)):
+        raise ValueError(f"x has frames, height, width {list(x.shape[2:])}, not multiples of {name}'s patch "
+                         f"{list(patch)}: use a latent of whole patches (e.g. an image size divisible by 16)")
+
+
+def refined_text(refiner, context: torch.Tensor, sigma: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """The token refiner on the whole text, as ComfyUI runs it: pooled over every token (padding too) and every
+    token attending to the kept ones. diffusers' refiners pool over kept tokens only and mask padded queries
+    (1.5: into NaN rows), so their blocks run here with a keys-only mask."""
+    embedding = refiner.time_text_embed(sigma, context.mean(dim=1))
+    hidden = refiner.proj_in(context)
+    mask = None if keep is None else keep[:, None, None, :]
+    for block in refiner.token_refiner.refiner_blocks:
+        hidden = block(hidden, embedding, mask)
+    return hidden
+
+
+def time_embedding(embedder, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """diffusers' sinusoidal projection + MLP of timestep-like values [B] (ComfyUI's timestep_embedding, factor 1)."""
+    return embedder.timestep_embedder(embedder.time_proj(values).to(dtype))
+
+
+def per_item(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """An input with one row per batch item; a batch-1 (or 0-D) input serves every item."""
+    tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    return tensor.expand(batch, *tensor.shape[1:]) if tensor.shape[0] == 1 else tensor
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sequence-parallel forward
+
+class HunyuanVideoWorker:
+    """A loaded HunyuanVideo 1.0 in one worker; forward() is ComfyUI's diffusion_model call over the Ulysses group."""
+
+    def __init__(self, model, detection: Detection, dtypes: WeightDtypes):
+        self.model = model
+        self.dtypes = dtypes
+        self.info = model_info(model, detection, dtypes)
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
+                ctx) -> None:
+        call = _prepare_call(self.model, self.dtypes.compute, x, timestep, inputs, ctx)
+        call.tokens.write(out, _run_blocks(self.model, call, ctx))
+
+
+@dataclass
+class _Call:
+    """One call's inputs on this rank, ready for the blocks."""
+
+    tokens: VideoTokens
+    hidden: torch.Tensor           # [b, n, dim] this rank's embedded patches
+    text: torch.Tensor             # [b, L, dim] the refined text, whole
+    temb: torch.Tensor             # [b, dim]
+    replace_temb: torch.Tensor     # [b, dim] the first frame's (token replace), or temb
+    replaced: int                  # this rank's first-frame tokens modulated by replace_temb (0: none)
+    attention: VideoAttention
+
+
+def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx) -> _Call:
+    config = model.config
+    patch = (config.patch_size_t, config.patch_size, config.patch_size)
+    _check_inputs(config, x, inputs, patch)
+    batch = x.shape[0]
+    tokens = video_tokens(x, patch, ctx.groups.seq, config.rope_axes_dim, ctx.device)
+    hidden = embed_patches(model, ctx.to_device("x", x), tokens, dtype)
+    sigma = per_item(ctx.to_device("timestep", timestep.reshape(-1), torch.float32), batch)
+    embed = model.time_text_embed
+    y = per_item(ctx.to_device("y", inputs["y"], dtype), batch)
+    pooled = embed.text_embedder(y[:, :config.pooled_projection_dim])  # ComfyUI cuts y to the model's width
+    guidance = _guidance_term(embed, inputs.get("guidance"), batch, dtype, ctx)
+    temb = time_embedding(embed, sigma, dtype) + pooled + guidance
+    replace_temb, replaced = temb, 0
+    if inputs.get("guiding_frame_index") is not None:
+        index = per_item(ctx.to_device("guiding_frame_index", inputs["guiding_frame_index"].reshape(-1),
+                                       torch.float32), batch)
+        replace_temb, replaced = time_embedding(embed, index, dtype) + pooled + guidance, tokens.first_frame_tokens()
+    context = per_item(ctx.to_device("context", inputs["context"], dtype), batch)
+    keep = text_key_mask(inputs.get("attention_mask"), batch, context.shape[1])
+    keep = None if keep is None else keep.to(ctx.device)
+    text = refined_text(model.context_embedder, context, sigma, keep)
+    attention = VideoAttention(ctx.groups.seq, tokens.shards, tokens.rope, keep)
+    return _Call(tokens, hidden, text, temb, replace_temb, replaced, attention)
+
+
+def _guidance_term(embed, guidance, batch: int, dtype: torch.dtype, ctx):
+    """The embedded guidance (x 1000, ComfyUI's timestep_embedding factor), or 0 when the model has no guidance
+    embedding or the call gives none (ComfyUI leaves it out then)."""
+    if embed.guidance_embedder is None or guidance is None:
+        return 0
+    values = per_item(ctx.to_device("guidance", guidance.reshape(-1), torch.float32), batch) * 1000
+    return embed.guidance_embedder(embed.time_proj(values).to(dtype))
+
+
+def _check_inputs(config, x: torch.Tensor, inputs: dict, patch) -> None:
+    check_latent(x, config.in_channels, patch, "this HunyuanVideo")
+    context = inputs.get("context")
+    if context is None or context.dim() != 3 or context.shape[-1] != config.text_embed_dim:
+        shape = None if context is None else list(context.shape)
+        raise ValueError(f"HunyuanVideo needs context [B, L, {config.text_embed_dim}] (the text encoder's tokens); "
+                         f"got {shape}")
+    y = inputs.get("y")
+    if y is None or y.dim() != 2 or y.shape[-1] < config.pooled_projection_dim:
+        raise ValueError(f"HunyuanVideo needs y [B, {config.pooled_projection_dim}] (the CLIP pooled output); got "
+                         f"{None if y is None else list(y.shape)}")
+    for name, what in UNSUPPORTED_INPUTS.items():
+        if inputs.get(name) is not None:
+            raise ValueError(f"{name} ({what}) is not supported by the sequence-parallel HunyuanVideo")
+
+
+def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
+    """The double- and single-stream blocks and the output head on this rank's tokens: [b, n, C*pt*ph*pw]."""
+    hidden, text = call.hidden, call.text
+    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+        ctx.check_cancel()
+        hidden, text = block(hidden, text, call.temb, None, call.attention, call.replace_temb, call.replaced)
+    return model.proj_out(final_norm(model.norm_out, hidden, call.temb, call.replace_temb, call.replaced))
+
+
+def final_norm(norm_out, hidden: torch.Tensor, temb: torch.Tensor, replace_temb: torch.Tensor, replaced: int
+               ) -> torch.Tensor:
+    """The output AdaLayerNorm; ComfyUI's final layer modulates token-replace tokens with their own embedding."""
+    if not replaced:
+        return norm_out(hidden, temb)
+    return torch.cat([norm_out(hidden[:, :replaced], replace_temb), norm_out(hidden[:, replaced:], temb)], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Single-process reference (tests): diffusers' stock forward, ComfyUI's call convention around it
+
+def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, y: torch.Tensor,
+                      guidance: Optional[torch.Tensor] = None, guiding_frame_index=None, **_ignored) -> torch.Tensor:
+    """ComfyUI's HunyuanVideo diffusion_model(...) computed by diffusers' own forward and processors on one process.
+
+    Where diffusers' forward follows Tencent rather than ComfyUI, this equals ComfyUI only when: no padding mask
+    (the refiner's pooled text), no guidance embedding with token replace, and frames after the first (diffusers'
+    final layer ignores the token-replace modulation).
+    """
+    compute, device = model.proj_out.weight.dtype, model.proj_out.weight.device
+    batch = x.shape[0]
+    guidance = None if guidance is None else guidance.reshape(-1).expand(batch).to(device, torch.float32) * 1000
+    if model.config.guidance_embeds and guidance is None:
+        raise ValueError("diffusers' HunyuanVideo with a guidance embedding needs guidance")
+    if (guiding_frame_index is not None) != (model.config.image_condition_type == "token_replace"):
+        raise ValueError("build the reference with image_condition_type='token_replace' exactly for calls with "
+                         "guiding_frame_index")
+    if guiding_frame_index is not None and bool((guiding_frame_index != 0).any()):
+        raise ValueError("diffusers' token replace embeds timestep 0 for the first frame: guiding_frame_index 0 only")
+    with torch.no_grad():
+        out = model(hidden_states=x.to(device, compute), timestep=timestep.reshape(-1).expand(batch).to(device),
+                    encoder_hidden_states=context.to(device, compute),
+                    encoder_attention_mask=torch.ones(batch, context.shape[1], device=device),
+                    pooled_projections=y[:, :model.config.pooled_projection_dim].to(device, compute),
+                    guidance=guidance, return_dict=False)[0]
+    return out.to(x.dtype).cpu()

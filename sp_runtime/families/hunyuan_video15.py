@@ -1,0 +1,254 @@
+"""HunyuanVideo 1.5 (480p / 720p, T2V and I2V) under Ulysses SP: detection from the header, the Tencent / ComfyUI
+key layouts -> diffusers' HunyuanVideo15Transformer3DModel, and ComfyUI's
+`diffusion_model(x, timestep, context, txt_byt5, clip_fea, attention_mask)` (ComfyUI 0.3.71 or newer).
+
+ComfyUI's call: x [B, 65, T, H, W] (noise 32 + image latent 32 + mask 1; zeros for text-to-video), timestep =
+sigma x 1000 [B], context [B, L, 3584] (Qwen2.5-VL tokens), txt_byt5 [B, Lb, 1472] (ByT5 glyph tokens, when the
+prompt quotes text), clip_fea [B, 729, 1152] (SigLIP image tokens, image-to-video), attention_mask [B, L] (only when
+some Qwen token is padding). Returns [B, 32, T, H, W].
+
+SP plan as HunyuanVideo 1.0's (hunyuan_video): video tokens split, each rank embedding its own share with its
+rotary slice; the text stream [SigLIP, ByT5, Qwen tokens], each with its condition-type embedding, is computed whole
+on every rank (replicated; sp_attention gives each rank its heads of it); 54 double-stream blocks; each rank writes
+its own output tokens. The super-resolution (meanflow) model is refused: it reads the sampler's sigma schedule from
+transformer_options, which the pool does not carry.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+
+from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn
+from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, layout_keys, load_checkpoint_model,
+                         shape_of, strip_prefix)
+from .header import Header, header_config, read_checkpoint_header
+from .hunyuan_keys import REFINER_STEM, hunyuan_key_plan
+from .hunyuan_video import (VideoAttention, check_latent, comfy_attributes, comfy_names, embed_patches, model_info,
+                            per_item, refined_text, time_embedding, use_sp_attention, video_tokens)
+from .joint_dit import rope_axes, text_key_mask
+
+FAMILY = "hunyuan_video15"
+DESCRIPTION = "HunyuanVideo 1.5 (480p / 720p, T2V, I2V)"
+CONFIG_KEYS = ("in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "num_layers",
+               "num_refiner_layers", "mlp_ratio", "patch_size", "patch_size_t", "text_embed_dim", "text_embed_2_dim",
+               "image_embed_dim", "rope_axes_dim")
+ARCHITECTURE_KEYS = {
+    "embed": ("img_in.proj.weight", "x_embedder.proj.weight"),
+    "head_norm": ("double_blocks.0.img_attn.norm.query_norm.scale", "transformer_blocks.0.attn.norm_q.weight"),
+    "mlp": ("double_blocks.0.img_mlp.0.weight", "transformer_blocks.0.ff.net.0.proj.weight"),
+    "out": ("final_layer.linear.weight", "proj_out.weight"),
+    "double_blocks": ("double_blocks", "transformer_blocks"),
+    "single_blocks": ("single_blocks", "single_transformer_blocks"),
+    "refiner_blocks": (REFINER_STEM, "context_embedder.token_refiner.refiner_blocks"),
+    "text": ("txt_in.input_embedder.weight", "context_embedder.proj_in.weight"),
+    "byt5": ("byt5_in.fc1.weight", "context_embedder_2.linear_1.weight"),
+    "image": ("vision_in.proj.0.weight", "image_embedder.norm_in.weight"),
+    "guidance": ("guidance_in.in_layer.weight", "time_embed.guidance_embedder.linear_1.weight"),
+    "meanflow": ("time_r_in.in_layer.weight", "time_embed.timestep_embedder_r.linear_1.weight"),
+}
+ORIGINAL_ANCHORS = ("cond_type_embedding.weight", f"{REFINER_STEM}.0.norm1.weight", "img_in.proj.weight",
+                    "final_layer.linear.weight")
+DIFFUSERS_ANCHORS = ("cond_type_embed.weight", "x_embedder.proj.weight", "context_embedder_2.linear_1.weight",
+                     "proj_out.weight")
+TEXT, BYT5, IMAGE = 0, 1, 2  # condition types (rows of cond_type_embed)
+
+
+def _comfy_unet_config(info: ModelInfo) -> dict:
+    return {"in_channels": info.in_channels, "out_channels": info.out_channels,
+            "vision_in_dim": info.config["image_embed_dim"]}
+
+
+COMFY = ComfyHost(model_classes={"": "HunyuanVideo15"}, unet_config=_comfy_unet_config, attributes=comfy_attributes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Detection
+
+def detect(header: Header) -> Optional[Detection]:
+    """HunyuanVideo 1.5 from its header alone; None for other files."""
+    folder_config = header_config(header)
+    if folder_config is not None:
+        if folder_config.get("_class_name") != "HunyuanVideo15Transformer3DModel":
+            return None
+        if folder_config.get("use_meanflow"):
+            raise ValueError(_meanflow_refusal(header.path))
+        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
+        return _detection(header, "diffusers", "", {**config, "rope_axes_dim": tuple(config["rope_axes_dim"])})
+    for layout, anchors in (("original", ORIGINAL_ANCHORS), ("diffusers", DIFFUSERS_ANCHORS)):
+        prefix = find_prefix(header.tensors, anchors)
+        if prefix is not None:
+            tensors = strip_prefix(header.tensors, prefix)
+            keys = comfy_names(tensors) if layout == "original" else tensors
+            return _detection(header, layout, prefix, architecture(keys, layout, header.path))
+    return None
+
+
+def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
+    return Detection(family=FAMILY, variant="", layout=layout, prefix=prefix, config=config,
+                     files=header.source.files)
+
+
+def _meanflow_refusal(path: str) -> str:
+    return (f"{path!r} is a HunyuanVideo 1.5 super-resolution (meanflow) model, which the sequence-parallel "
+            f"HunyuanVideo 1.5 does not run yet (it reads the sampler's sigma schedule inside the model call); "
+            f"load it with ComfyUI's own loader")
+
+
+def architecture(keys: dict, layout: str, path: str = "") -> dict:
+    """HunyuanVideo15Transformer3DModel config from a header (keys without prefix, ComfyUI or diffusers names)."""
+    names = layout_keys(ARCHITECTURE_KEYS, layout)
+    if names["meanflow"] in keys:
+        raise ValueError(_meanflow_refusal(path))
+    if names["guidance"] in keys or count_blocks(keys, names["single_blocks"]):
+        raise ValueError(f"{path!r} is a HunyuanVideo 1.5 variant with a guidance embedding or single-stream blocks, "
+                         f"which diffusers' HunyuanVideo 1.5 (and so ulysses-sp) does not have")
+    hidden, in_channels, patch_t, patch, patch_w = shape_of(keys, names["embed"])
+    head_dim = shape_of(keys, names["head_norm"])[0]
+    if patch != patch_w or hidden % head_dim:
+        raise ValueError(f"HunyuanVideo 1.5 patch ({patch_t}, {patch}, {patch_w}) / width {hidden} with head size "
+                         f"{head_dim}: unsupported variant")
+    return {
+        "in_channels": in_channels,
+        "out_channels": shape_of(keys, names["out"])[0] // (patch_t * patch * patch),
+        "num_attention_heads": hidden // head_dim,
+        "attention_head_dim": head_dim,
+        "num_layers": count_blocks(keys, names["double_blocks"]),
+        "num_refiner_layers": count_blocks(keys, names["refiner_blocks"]),
+        "mlp_ratio": shape_of(keys, names["mlp"])[0] / hidden,
+        "patch_size": patch,
+        "patch_size_t": patch_t,
+        "text_embed_dim": shape_of(keys, names["text"])[1],
+        "text_embed_2_dim": shape_of(keys, names["byt5"])[1],
+        "image_embed_dim": shape_of(keys, names["image"])[0],
+        "rope_axes_dim": rope_axes(head_dim),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
+    """Tencent / ComfyUI names through original_plan; diffusers names as they are (None)."""
+    return original_plan(keys, detection.config) if detection.layout == "original" else None
+
+
+def original_plan(keys: Iterable[str], config) -> KeyPlan:
+    """Tencent / ComfyUI key names -> parameters of the model of `config` (LoRAs use these names too)."""
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    return hunyuan_key_plan(keys, hidden, 0, "time_embed")
+
+
+def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
+               detection: Optional[Detection] = None, options: Optional[dict] = None,
+               progress: Optional[ProgressFn] = None, header: Optional[Header] = None
+               ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
+    """A diffusers HunyuanVideo15Transformer3DModel with the checkpoint's weights (stock attention processors)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    header = header or read_checkpoint_header(path)
+    detection = detection or detect(header)
+    if detection is None or detection.family != FAMILY:
+        raise ValueError(f"{path!r} is not a HunyuanVideo 1.5 checkpoint")
+    plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
+    model, dtypes = load_checkpoint_model(HunyuanVideo15Transformer3DModel, detection.config, header, detection,
+                                          dtype, device, plan, progress)
+    return model, detection, dtypes
+
+
+def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
+         ) -> "HunyuanVideo15Worker":
+    """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
+    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
+                                          request.header)
+    use_sp_attention(model)
+    return HunyuanVideo15Worker(model, detection, dtypes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sequence-parallel forward
+
+class HunyuanVideo15Worker:
+    """A loaded HunyuanVideo 1.5 in one worker; forward() is ComfyUI's diffusion_model call over the Ulysses group."""
+
+    def __init__(self, model, detection: Detection, dtypes: WeightDtypes):
+        self.model = model
+        self.dtypes = dtypes
+        self.info = model_info(model, detection, dtypes, CONFIG_KEYS)
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
+                ctx) -> None:
+        model, dtype, config = self.model, self.dtypes.compute, self.model.config
+        patch = (config.patch_size_t, config.patch_size, config.patch_size)
+        _check_inputs(config, x, inputs, patch)
+        tokens = video_tokens(x, patch, ctx.groups.seq, config.rope_axes_dim, ctx.device)
+        hidden = embed_patches(model, ctx.to_device("x", x), tokens, dtype)
+        sigma = per_item(ctx.to_device("timestep", timestep.reshape(-1), torch.float32), x.shape[0])
+        temb = time_embedding(model.time_embed, sigma, dtype)
+        text, keep = _text_stream(model, inputs, sigma, x.shape[0], dtype, ctx)
+        attention = VideoAttention(ctx.groups.seq, tokens.shards, tokens.rope, keep)
+        for block in model.transformer_blocks:
+            ctx.check_cancel()
+            hidden, text = block(hidden, text, temb, None, attention)
+        tokens.write(out, model.proj_out(model.norm_out(hidden, temb)))
+
+
+def _text_stream(model, inputs: dict, sigma: torch.Tensor, batch: int, dtype: torch.dtype, ctx
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """ComfyUI's text stream [SigLIP image tokens, ByT5 tokens, refined Qwen tokens], each with its condition-type
+    embedding, and its keep-mask (None: every token kept); the mask covers the Qwen tokens."""
+    context = per_item(ctx.to_device("context", inputs["context"], dtype), batch)
+    keep = text_key_mask(inputs.get("attention_mask"), batch, context.shape[1])
+    keep = None if keep is None else keep.to(ctx.device)
+    types = model.cond_type_embed.weight.to(dtype)
+    parts = [refined_text(model.context_embedder, context, sigma, keep) + types[TEXT]]
+    if inputs.get("txt_byt5") is not None:
+        glyphs = per_item(ctx.to_device("txt_byt5", inputs["txt_byt5"], dtype), batch)
+        parts.insert(0, model.context_embedder_2(glyphs) + types[BYT5])
+    if inputs.get("clip_fea") is not None:
+        image = per_item(ctx.to_device("clip_fea", inputs["clip_fea"], dtype), batch)
+        parts.insert(0, model.image_embedder(image) + types[IMAGE])
+    text = torch.cat(parts, dim=1)
+    if keep is not None and text.shape[1] > keep.shape[1]:
+        keep = torch.cat([keep.new_ones(batch, text.shape[1] - keep.shape[1]), keep], dim=1)
+    return text, keep
+
+
+def _check_inputs(config, x: torch.Tensor, inputs: dict, patch) -> None:
+    check_latent(x, config.in_channels, patch, "this HunyuanVideo 1.5")
+    streams = {"context": (config.text_embed_dim, "the Qwen2.5-VL tokens"),
+               "txt_byt5": (config.text_embed_2_dim, "the ByT5 tokens"),
+               "clip_fea": (config.image_embed_dim, "the SigLIP image tokens")}
+    for name, (width, what) in streams.items():
+        value = inputs.get(name)
+        if value is None and name != "context":
+            continue  # ComfyUI leaves glyph and image tokens out when the prompt has none
+        if value is None or value.dim() != 3 or value.shape[-1] != width:
+            raise ValueError(f"HunyuanVideo 1.5 takes {name} [B, L, {width}] ({what}); got "
+                             f"{None if value is None else list(value.shape)}")
+    if inputs.get("ref_latent") is not None:
+        raise ValueError("ref_latent is not supported by the sequence-parallel HunyuanVideo 1.5")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Single-process reference (tests): diffusers' stock forward, ComfyUI's call convention around it
+
+def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
+                      txt_byt5: Optional[torch.Tensor] = None, clip_fea: Optional[torch.Tensor] = None,
+                      **_ignored) -> torch.Tensor:
+    """ComfyUI's HunyuanVideo 1.5 diffusion_model(...) computed by diffusers' own forward on one process; inputs
+    ComfyUI leaves out are given to diffusers as fully masked (all-zero image embeddings: text-to-video)."""
+    compute, device = model.proj_out.weight.dtype, model.proj_out.weight.device
+    batch, config = x.shape[0], model.config
+    glyph_mask = torch.ones if txt_byt5 is not None else torch.zeros
+    txt_byt5 = torch.zeros(batch, 1, config.text_embed_2_dim) if txt_byt5 is None else txt_byt5
+    clip_fea = torch.zeros(batch, 1, config.image_embed_dim) if clip_fea is None else clip_fea
+    with torch.no_grad():  # diffusers embeds the timestep in its own dtype: the compute dtype, as its pipeline
+        out = model(hidden_states=x.to(device, compute), timestep=timestep.reshape(-1).expand(batch).to(device,
+                                                                                                       compute),
+                    encoder_hidden_states=context.to(device, compute),
+                    encoder_attention_mask=torch.ones(batch, context.shape[1], device=device),
+                    encoder_hidden_states_2=txt_byt5.to(device, compute),
+                    encoder_attention_mask_2=glyph_mask(batch, txt_byt5.shape[1], device=device),
+                    image_embeds=clip_fea.to(device, compute), return_dict=False)[0]
+    return out.to(x.dtype).cpu()
