@@ -29,6 +29,7 @@ FAMILIES = {
     "qwen_image21": "sp_runtime.families.qwen_image21",
     "flux": "sp_runtime.families.flux",
     "flux2": "sp_runtime.families.flux2",
+    "z_image": "sp_runtime.families.z_image",
     "wan": "sp_runtime.families.wan",
     "hunyuan_video": "sp_runtime.families.hunyuan_video",
     "hunyuan_video15": "sp_runtime.families.hunyuan_video15",

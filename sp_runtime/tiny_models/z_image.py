@@ -1,0 +1,66 @@
+"""Tiny random-weight Z-Image models (diffusers' ZImageTransformer2DModel: real head size 128, 5 heads, 1 refiner
+block per stream, 2 main blocks) and their files in ComfyUI's key layout (fused `attention.qkv`, `attention.out`,
+`q_norm` / `k_norm`, `x_embedder`, `final_layer`), as diffusers single files and as diffusers folders. The package's
+API dispatches here; the ComfyUI writer fuses what the loader's key plan splits, written separately so that a round
+trip checks both."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .weights import cast_like_release, randomize_, save_folder
+
+Z_IMAGE_TINY = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=640, n_layers=2,
+                    n_refiner_layers=1, n_heads=5, n_kv_heads=5, cap_feat_dim=32, rope_theta=256.0, t_scale=1000.0,
+                    axes_dims=(32, 48, 48), axes_lens=(1536, 512, 512))
+_RENAMES = {"all_x_embedder.2-1.": "x_embedder.", "all_final_layer.2-1.": "final_layer.",
+            ".attention.to_out.0.": ".attention.out.", ".attention.norm_q.": ".attention.q_norm.",
+            ".attention.norm_k.": ".attention.k_norm."}
+
+
+def tiny_config(**size) -> dict:
+    config = dict(Z_IMAGE_TINY)
+    unknown = set(size) - set(config)
+    if unknown:
+        raise ValueError(f"unknown size options {sorted(unknown)} for z_image; known: {sorted(config)}")
+    config.update(size)
+    if "n_heads" in size and "n_kv_heads" not in size:
+        config["n_kv_heads"] = config["n_heads"]
+    return config
+
+
+def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
+    from diffusers import ZImageTransformer2DModel
+    model = ZImageTransformer2DModel.from_config(tiny_config(**size))
+    randomize_(model, seed)
+    return model.eval().requires_grad_(False)
+
+
+def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """ComfyUI's names: q, k, v rows stacked into attention.qkv, the other renames of _RENAMES."""
+    state = {key: value.detach() for key, value in model.state_dict().items()}
+    out = {}
+    for key, value in state.items():
+        if key.endswith(".attention.to_q.weight"):
+            stem = key[:-len("to_q.weight")]
+            out[stem + "qkv.weight"] = torch.cat([state[stem + f"to_{part}.weight"] for part in "qkv"])
+        elif not key.endswith((".attention.to_k.weight", ".attention.to_v.weight")):
+            for ours, theirs in _RENAMES.items():
+                key = key.replace(ours, theirs)
+            out[key] = value
+    return out
+
+
+def write_tiny_checkpoint(path: str, layout: str, dtype: str, seed: int, prefix: str,
+                          max_shard_size: Optional[str], **size) -> str:
+    from safetensors.torch import save_file
+    model = build_tiny_model(seed, **size)
+    if layout == "diffusers_folder":
+        save_folder(model, path, dtype, max_shard_size)
+        return path
+    state = original_state_dict(model) if layout == "original" else model.state_dict()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file({prefix + key: value for key, value in cast_like_release(state, dtype).items()}, path)
+    return path
