@@ -22,11 +22,13 @@ def test_every_family_module_provides_the_contract(family):
 
 def test_comfyui_knows_the_model_families():
     assert {family for family in FAMILIES if comfy_host(family)} == {"qwen_image", "qwen_image21", "flux", "flux2",
-                                                                     "wan", "hunyuan_video", "hunyuan_video15"}
+                                                                     "wan", "hunyuan_video", "hunyuan_video15",
+                                                                     "z_image"}
     assert comfy_host("hunyuan_video").model_class("i2v") == "HunyuanVideoI2V"
     assert comfy_host("hunyuan_video15").model_class("") == "HunyuanVideo15"
     assert comfy_host("flux2").model_class("klein") == "Flux2"
     assert comfy_host("qwen_image21").model_class("image") == "QwenImage21"
+    assert comfy_host("z_image").model_class("image") == "ZImage"
     assert comfy_host("flux").model_class("schnell") == "FluxSchnell"
     assert comfy_host("wan").model_class("i2v_concat") == "WAN21_T2V"
 
