@@ -207,29 +207,34 @@ class JointAttention:
 
 @dataclass
 class ImageSequence:
-    """This rank's part of the image sequence: the output latent's tokens, then every reference latent's."""
+    """This rank's part of the image sequence: the output latent's tokens (frame after frame), then every reference
+    latent's."""
 
     tokens: torch.Tensor                            # [B, hi - lo, C*p*p] patch tokens of this rank
     rope: tuple[torch.Tensor, torch.Tensor]         # their rotary (cos, sin)
     split: TokenSplit
-    grid: TokenGrid                                 # the output latent's token grid
+    grid: TokenGrid                                 # the token grid of one output frame
 
     def write(self, out: torch.Tensor, result: torch.Tensor) -> None:
-        """Unpatchify this rank's output tokens (result [B, hi - lo, C*p*p]) into out [B, C, H, W]."""
+        """Unpatchify this rank's output tokens (result [B, hi - lo, C*p*p]) into out [B, C, H, W] or, frame by
+        frame, [B, C, T, H, W]."""
         first, stop = self.split.output_range
-        if stop > first:
-            self.grid.write(out, result[:, :stop - first].to(out.dtype).cpu(), first)
+        count = self.grid.count
+        for frame in range(first // count, -(-stop // count)):
+            lo, hi = max(first, frame * count), min(stop, (frame + 1) * count)
+            target = out[:, :, frame] if out.dim() == 5 else out
+            self.grid.write(target, result[:, lo - first:hi - first].to(out.dtype).cpu(), lo - frame * count)
 
 
 def image_sequence(latents: Sequence[torch.Tensor], placements: Sequence[tuple[int, int, int]], seq: SeqParallel,
                    axes: Sequence[int], patch: int, centred: bool, id_dtype: torch.dtype,
-                   theta: int = ROPE_THETA) -> ImageSequence:
-    """Patch tokens and rotary of this rank's share of [output latent, *reference latents].
+                   theta: int = ROPE_THETA, output_frames: int = 1) -> ImageSequence:
+    """Patch tokens and rotary of this rank's share of [output frames, *reference latents].
 
-    latents: [B or 1, C, H, W] on the device, the output latent first (a batch-1 reference serves every item);
-    placements: the (index, row offset, col offset) of each latent; rotary axes past these three (Flux.2's fourth,
-    the text position) are 0 for images. Every rank patchifies the (small) latents whole and embeds only its own
-    tokens.
+    latents: [B or 1, C, H, W] on the device, the output latent's `output_frames` frames first (a batch-1 reference
+    serves every item); placements: the (index, row offset, col offset) of each latent; rotary axes past these three
+    (Flux.2's fourth, the text position) are 0 for images. Every rank patchifies the (small) latents whole and embeds
+    only its own tokens.
     """
     batch = latents[0].shape[0]
     token_parts, id_parts = [], []
@@ -240,7 +245,7 @@ def image_sequence(latents: Sequence[torch.Tensor], placements: Sequence[tuple[i
         id_parts.append(grid_ids(grid, index, row_offset, col_offset, centred, id_dtype, latent.device))
     ids = F.pad(torch.cat(id_parts), (0, len(axes) - 3))
     output_grid = TokenGrid.of(latents[0].shape[-2], latents[0].shape[-1], patch)
-    split = TokenSplit.of(ids.shape[0], output_grid.count, seq)
+    split = TokenSplit.of(ids.shape[0], output_grid.count * output_frames, seq)
     return ImageSequence(slice_tokens(token_parts, split.lo, split.hi), rotary(ids[split.lo:split.hi], axes, theta),
                          split, output_grid)
 

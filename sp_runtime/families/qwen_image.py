@@ -1,10 +1,14 @@
-"""Qwen-Image (and Qwen-Image-Edit) under Ulysses SP: detection from the header, loading into diffusers'
-QwenImageTransformer2DModel, and ComfyUI's `diffusion_model(x, timestep, context, attention_mask, ref_latents)`.
+"""Qwen-Image (Edit, Layered) under Ulysses SP: detection from the header, loading into diffusers'
+QwenImageTransformer2DModel, and ComfyUI's `diffusion_model(x, timestep, context, attention_mask, ref_latents,
+additional_t_cond)`.
 
 ComfyUI and diffusers name Qwen-Image's weights the same way, so a ComfyUI file needs no key conversion beyond
 dropping a `model.diffusion_model.` prefix. Qwen-Image, Qwen-Image-Edit and Edit-2509 share one architecture: their
 headers look alike and the call (reference latents or not) decides; Edit-2511 files carry ComfyUI's
 `__index_timestep_zero__` marker (diffusers folders: `zero_cond_t` in config.json), or pass option variant="edit_2511".
+Qwen-Image-Layered files carry `time_text_embed.addition_t_embedding` (a learned offset of the time embedding chosen by
+`additional_t_cond`, 0 by default as in ComfyUI); their latents hold the RGBA layers as frames [B, C, T, H, W], whose
+tokens follow one another frame by frame at rotary index 0 .. T-1, as ComfyUI places any multi-frame Qwen latent.
 """
 from __future__ import annotations
 
@@ -36,9 +40,10 @@ EDIT_2511_MARKER = "__index_timestep_zero__"  # ComfyUI's flag tensor in Qwen-Im
 LAYERED_MARKER = "time_text_embed.addition_t_embedding.weight"
 REF_METHODS = ("index", "index_timestep_zero", "negative_index")  # others place references side by side
 CONFIG_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim", "num_attention_heads",
-               "joint_attention_dim", "axes_dims_rope", "zero_cond_t")
+               "joint_attention_dim", "axes_dims_rope", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
 VARIANT_IMAGE = "image"         # Qwen-Image, Qwen-Image-Edit, Edit-2509 (one architecture)
 VARIANT_EDIT_2511 = "edit_2511"  # reference tokens modulated with timestep 0 by default
+VARIANT_LAYERED = "layered"     # Qwen-Image-Layered: additional_t_cond, layers as frames
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -53,13 +58,13 @@ def detect(header: Header) -> Optional[Detection]:
     if prefix is None:
         return None
     keys = strip_prefix(header.tensors, prefix)
-    if LAYERED_MARKER in keys or (folder_config or {}).get("use_layer3d_rope"):
-        raise ValueError(f"{header.path!r} is Qwen-Image-Layered, which is not supported (only Qwen-Image and "
-                         f"Qwen-Image-Edit load)")
     config = _folder_config(folder_config) if folder_config else architecture(keys)
     if EDIT_2511_MARKER in keys:
         config["zero_cond_t"] = True
-    variant = VARIANT_EDIT_2511 if config.get("zero_cond_t") else VARIANT_IMAGE
+    if LAYERED_MARKER in keys:
+        config["use_additional_t_cond"] = config["use_layer3d_rope"] = True
+    variant = (VARIANT_LAYERED if config.get("use_additional_t_cond") else
+               VARIANT_EDIT_2511 if config.get("zero_cond_t") else VARIANT_IMAGE)
     return Detection(family=FAMILY, variant=variant, layout="diffusers", prefix=prefix, config=config,
                      files=header.source.files)
 
@@ -130,8 +135,11 @@ def _with_options(detection: Detection, options: dict) -> Detection:
     if "axes_dims_rope" in options:
         config["axes_dims_rope"] = tuple(options["axes_dims_rope"])
     variant = options.get("variant") or detection.variant
-    if variant not in (VARIANT_IMAGE, VARIANT_EDIT_2511):
+    if variant not in (VARIANT_IMAGE, VARIANT_EDIT_2511, VARIANT_LAYERED):
         raise ValueError(f"Qwen-Image variant {variant!r} is unknown; use {VARIANT_IMAGE!r} or {VARIANT_EDIT_2511!r}")
+    if (variant == VARIANT_LAYERED) != (detection.variant == VARIANT_LAYERED):
+        raise ValueError(f"variant {variant!r} does not fit this {detection.variant!r} file: Qwen-Image-Layered is "
+                         f"told by its weights (time_text_embed.addition_t_embedding), not by an option")
     config["zero_cond_t"] = variant == VARIANT_EDIT_2511
     return replace(detection, variant=variant, config=config)
 
@@ -208,7 +216,7 @@ class QwenImageWorker:
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
                 ctx) -> None:
         call = _prepare_call(self, x, timestep, inputs, ctx)
-        call.image.write(out[:, :, 0] if out.dim() == 5 else out, _run_blocks(self.model, call, ctx))
+        call.image.write(out, _run_blocks(self.model, call, ctx))
 
 
 @dataclass
@@ -221,21 +229,24 @@ class _Call:
     joint: JointAttention
     mask: Optional[torch.Tensor]    # bool [b, L] or None
     zero_refs: bool                 # Edit-2511: reference tokens modulated at timestep 0
+    t_cond: Optional[torch.Tensor]  # Layered: long [b], the addition_t_embedding row; None for other variants
 
 
 def _prepare_call(worker: QwenImageWorker, x, timestep, inputs, ctx) -> _Call:
     _check_unsupported(inputs)
     height, width = _check_latent(worker.model, x)
+    frames = _frames(ctx.to_device("x", x, worker.dtypes.compute))
     context = inputs.get("context")
     if context is None or context.dim() != 3:
         raise ValueError("Qwen-Image needs context [batch, text tokens, features] (the text encoder output)")
     refs = [_as_4d(ref, "ref_latents") for ref in as_list(inputs.get("ref_latents"))]
     method = inputs.get("ref_latents_method") or worker.default_ref_method
     placements = reference_placements(method, (height, width), [r.shape[-2:] for r in refs], PATCH, REF_METHODS)
-    latents = [_as_4d(ctx.to_device(name, latent, worker.dtypes.compute), name) for name, latent in
-               [("x", x)] + [(f"ref_latents.{n}", ref) for n, ref in enumerate(refs)]]
-    image = image_sequence(latents, [(0, 0, 0), *placements], ctx.groups.seq, worker.axes, PATCH, centred=True,
-                           id_dtype=x.dtype)
+    refs = [_as_4d(ctx.to_device(f"ref_latents.{n}", ref, worker.dtypes.compute), "ref_latents")
+            for n, ref in enumerate(refs)]
+    frame_places = [(frame, 0, 0) for frame in range(len(frames))]  # ComfyUI: frames at index 0 .. T-1
+    image = image_sequence(frames + refs, frame_places + placements, ctx.groups.seq, worker.axes, PATCH,
+                           centred=True, id_dtype=x.dtype, output_frames=len(frames))
 
     text = ctx.to_device("context", context, worker.dtypes.compute)
     length = text.shape[1]
@@ -249,11 +260,29 @@ def _prepare_call(worker: QwenImageWorker, x, timestep, inputs, ctx) -> _Call:
     sigma = sigma.expand(x.shape[0]) if sigma.numel() == 1 else sigma
     joint = JointAttention(ctx.groups.seq, image.split.shards, image.rope, rotary(text_ids, worker.axes), mask,
                            length)
-    return _Call(image, text, sigma, joint, mask, method == "index_timestep_zero" and bool(refs))
+    return _Call(image, text, sigma, joint, mask, method == "index_timestep_zero" and bool(refs),
+                 _time_condition(worker.model, inputs.get("additional_t_cond"), x.shape[0], ctx))
+
+
+def _time_condition(model, value, batch: int, ctx) -> Optional[torch.Tensor]:
+    """Layered's additional_t_cond as long [batch] (0 when not given, as ComfyUI); None for models without it
+    (ComfyUI reads past it there too)."""
+    if not model.config.use_additional_t_cond:
+        return None
+    if value is None:
+        return torch.zeros(batch, dtype=torch.long, device=ctx.device)
+    value = torch.as_tensor(value).reshape(-1)
+    if value.numel() not in (1, batch) or value.is_floating_point() or bool(((value < 0) | (value > 1)).any()):
+        raise ValueError(f"additional_t_cond must be 0 or 1 per batch item (Qwen-Image-Layered's two time "
+                         f"embeddings); got {value.tolist()}")
+    return ctx.to_device("additional_t_cond", value.long().expand(batch))
 
 
 def _check_latent(model, x: torch.Tensor) -> tuple[int, int]:
-    _, channels, height, width = _as_4d(x, "x").shape
+    if x.dim() not in (4, 5):
+        raise ValueError(f"x has shape {tuple(x.shape)}; Qwen-Image takes [B, C, T, H, W] (T = 1, or the layers of "
+                         f"Qwen-Image-Layered)")
+    channels, height, width = x.shape[1], x.shape[-2], x.shape[-1]
     if channels * PATCH * PATCH != model.config.in_channels:
         raise ValueError(f"x has {channels} channels but this Qwen-Image takes "
                          f"{model.config.in_channels // (PATCH * PATCH)}")
@@ -264,13 +293,14 @@ def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
     """img_in .. proj_out on this rank's tokens; returns its output tokens [b, hi - lo, C*p*p]."""
     hidden = model.img_in(call.image.tokens)
     text = model.txt_in(model.txt_norm(call.text))
-    sigma, modulate_index = call.sigma, None
+    sigma, modulate_index, t_cond = call.sigma, None, call.t_cond
     if call.zero_refs:
         sigma = torch.cat([sigma, sigma * 0])
+        t_cond = None if t_cond is None else t_cond.repeat(2)
         split = call.image.split
         positions = torch.arange(split.lo, split.hi, device=hidden.device)
         modulate_index = (positions >= split.outputs).int()[None].expand(hidden.shape[0], -1)
-    temb = model.time_text_embed(sigma, hidden)
+    temb = model.time_text_embed(sigma, hidden, t_cond)
     for block in model.transformer_blocks:
         ctx.check_cancel()
         block.zero_cond_t = call.zero_refs  # diffusers' blocks read this flag for the text modulation
@@ -282,11 +312,14 @@ def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
 
 
 def _check_unsupported(inputs: dict) -> None:
-    if inputs.get("additional_t_cond") is not None:
-        raise ValueError("additional_t_cond (Qwen-Image-Layered) is not supported")
     for name in ("control", "eligen_entity_prompt_emb", "eligen_entity_masks"):
         if inputs.get(name) is not None:
             raise ValueError(f"{name} is not supported by the sequence-parallel Qwen-Image")
+
+
+def _frames(latent: torch.Tensor) -> list[torch.Tensor]:
+    """[B, C, T, H, W] (ComfyUI's Qwen latents) or [B, C, H, W] -> its T frames [B, C, H, W] (views)."""
+    return list(latent.unbind(2)) if latent.dim() == 5 else [latent]
 
 
 def _as_4d(latent: torch.Tensor, name: str) -> torch.Tensor:
@@ -305,8 +338,10 @@ def _as_4d(latent: torch.Tensor, name: str) -> torch.Tensor:
 
 def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
                       attention_mask: Optional[torch.Tensor] = None, ref_latents=None,
-                      ref_latents_method: Optional[str] = None, dtype: str = "default", **_ignored) -> torch.Tensor:
-    """ComfyUI's Qwen-Image diffusion_model(...) computed by diffusers' own forward on one process.
+                      ref_latents_method: Optional[str] = None, additional_t_cond=None, dtype: str = "default",
+                      **_ignored) -> torch.Tensor:
+    """ComfyUI's Qwen-Image diffusion_model(...) computed by diffusers' own forward on one process (Layered: the
+    frames of x packed one after the other, additional_t_cond 0 unless given).
 
     The only departure from the stock call is the rotary position lookup: diffusers' tables are addressed with
     ComfyUI's position ids (diffusers centres odd grids one step differently and starts the text after the largest
@@ -318,21 +353,28 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
         model = load_model(model_or_path, dtype)[0]
     compute = model.proj_out.weight.dtype
     device = model.proj_out.weight.device
-    latent = _as_4d(x, "x")
+    frames = list(x.unbind(2)) if x.dim() == 5 else [x]
+    batch = x.shape[0]
     refs = [_as_4d(ref, "ref_latents") for ref in as_list(ref_latents)]
     method = ref_latents_method or ("index_timestep_zero" if model.config.zero_cond_t else "index")
-    height, width = latent.shape[-2:]
+    height, width = x.shape[-2:]
     packed, shapes, id_parts = [], [], []
-    placements = [(0, 0, 0)] + reference_placements(method, (height, width), [r.shape[-2:] for r in refs], PATCH,
-                                                    REF_METHODS)
-    for part, (index, row_offset, col_offset) in zip([latent, *refs], placements):
-        part = part.expand(latent.shape[0], *part.shape[1:])
+    placements = [(index, 0, 0) for index in range(len(frames))] + reference_placements(
+        method, (height, width), [r.shape[-2:] for r in refs], PATCH, REF_METHODS)
+    for part, (index, row_offset, col_offset) in zip([*frames, *refs], placements):
+        part = part.expand(batch, *part.shape[1:])
         tokens, grid = reference_pack(part.to(device, compute), PATCH)
         packed.append(tokens)
         shapes.append((1, grid.rows, grid.cols))
         id_parts.append(grid_ids(grid, index, row_offset, col_offset, True, x.dtype, device))
-    zero_refs = method == "index_timestep_zero" and bool(refs)
     grid = TokenGrid.of(height, width, PATCH)
+    shapes = [(len(frames), grid.rows, grid.cols)] + shapes[len(frames):]
+    zero_refs = method == "index_timestep_zero" and bool(refs)
+    t_cond = None
+    if model.config.use_additional_t_cond:
+        t_cond = torch.zeros(batch, dtype=torch.long) if additional_t_cond is None else \
+            torch.as_tensor(additional_t_cond).reshape(-1).long().expand(batch)
+        t_cond = t_cond.to(device)
     mask = None if attention_mask is None else attention_mask.to(device)
     if mask is not None and mask.is_floating_point():
         mask = mask == 0 if bool((mask < 0).any()) else mask != 0
@@ -345,18 +387,21 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
         with torch.no_grad():
             tokens = model(hidden_states=torch.cat(packed, dim=1), encoder_hidden_states=context.to(device, compute),
                            encoder_hidden_states_mask=mask,
-                           timestep=timestep.reshape(-1).expand(latent.shape[0]).to(device, compute),
-                           img_shapes=[shapes] * latent.shape[0], return_dict=False)[0]
+                           timestep=timestep.reshape(-1).expand(batch).to(device, compute),
+                           img_shapes=[shapes] * batch, additional_t_cond=t_cond, return_dict=False)[0]
     finally:
         model.pos_embed, model.zero_cond_t = saved[0], saved[1]
         for block, flag in zip(model.transformer_blocks, saved[2]):
             block.zero_cond_t = flag
-    result = reference_unpack(tokens[:, :grid.count], grid).to(x.dtype).cpu()
-    return result[:, :, None] if x.dim() == 5 else result
+    count = grid.count
+    result = torch.stack([reference_unpack(tokens[:, index * count:(index + 1) * count], grid)
+                          for index in range(len(frames))], dim=2).to(x.dtype).cpu()
+    return result if x.dim() == 5 else result[:, :, 0]
 
 
 class _ComfyPositions(torch.nn.Module):
-    """Stands in for diffusers' QwenEmbedRope: its own complex tables, looked up at ComfyUI's position ids."""
+    """Stands in for diffusers' QwenEmbedRope / QwenEmbedLayer3DRope: its own complex tables, looked up at ComfyUI's
+    position ids."""
 
     def __init__(self, table, image_ids: torch.Tensor, text_start: int):
         super().__init__()

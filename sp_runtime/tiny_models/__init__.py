@@ -28,7 +28,8 @@ HUNYUAN_VERSIONS = {"hunyuan_video": "1.0", "hunyuan_video15": "1.5"}
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
 
 QWEN_TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
-                 num_attention_heads=6, joint_attention_dim=32, axes_dims_rope=(4, 6, 6), zero_cond_t=False)
+                 num_attention_heads=6, joint_attention_dim=32, axes_dims_rope=(4, 6, 6), zero_cond_t=False,
+                 use_additional_t_cond=False, use_layer3d_rope=False)
 FLUX_TINY = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=2, num_single_layers=2,
                  attention_head_dim=16, num_attention_heads=6, joint_attention_dim=32, pooled_projection_dim=24,
                  guidance_embeds=True, axes_dims_rope=(4, 6, 6))
@@ -165,7 +166,8 @@ def write_tiny_checkpoint(family: str, path: str, layout: str = "original", dtyp
     layout: "original" (ComfyUI key names), "diffusers" (one file, diffusers names), "diffusers_folder"
     (config.json + weights via diffusers' save_pretrained; max_shard_size e.g. "100KB" writes shards + index).
     prefix: prepended to every key of a file, e.g. "model.diffusion_model." as in ComfyUI's full checkpoints.
-    variant: "edit_2511" (Qwen: ComfyUI's marker tensor / zero_cond_t), "schnell" (Flux without guidance),
+    variant: "edit_2511" (Qwen: ComfyUI's marker tensor / zero_cond_t), "layered" (Qwen-Image-Layered's
+    addition_t_embedding), "schnell" (Flux without guidance),
     "fill" (Flux with 384 input features).
     """
     from safetensors.torch import save_file
@@ -202,6 +204,8 @@ def _variant_size(family: str, variant: str, layout: str) -> dict:
         return {}
     if family == "qwen_image" and variant == "edit_2511":
         return {"zero_cond_t": True} if layout == "diffusers_folder" else {}
+    if family == "qwen_image" and variant == "layered":
+        return {"use_additional_t_cond": True, "use_layer3d_rope": True}
     if family == "flux" and variant == "schnell":
         return {"guidance_embeds": False}
     if family == "flux" and variant == "fill":
