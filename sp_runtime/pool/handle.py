@@ -92,15 +92,16 @@ def validate_call(info: ModelInfo, x: Any, timestep: Any, kwargs: dict) -> torch
 
 
 def _check_reference(label: str, ref: Any, x: torch.Tensor, info: ModelInfo, name: str) -> None:
-    """A reference latent is laid out like x (a 4-D one next to a one-frame 5-D x too); a bad one would fail on
-    only the ranks whose tokens it reaches, so it is refused here, before any worker sees the call."""
+    """A reference latent is laid out like x (a 4-D one next to a 5-D x too; one frame next to Qwen-Image-Layered's
+    layer frames); a bad one would fail on only the ranks whose tokens it reaches, so it is refused here, before any
+    worker sees the call."""
     if not isinstance(ref, torch.Tensor) or not ref.is_floating_point():
         raise ValueError(f"{label} must be a floating-point latent tensor, got "
                          f"{ref.dtype if isinstance(ref, torch.Tensor) else type(ref).__name__}")
-    frames_ok = ref.dim() == 4 or (ref.dim() == 5 and x.dim() == 5 and ref.shape[2] == x.shape[2])
+    frames_ok = ref.dim() == 4 or (ref.dim() == 5 and x.dim() == 5 and ref.shape[2] in (1, x.shape[2]))
     if not frames_ok or ref.shape[1] != info.in_channels or ref.numel() == 0:
         raise ValueError(f"{label} has shape {list(ref.shape)} but the {name} model takes reference latents "
-                         f"[B, {info.in_channels}, H, W]" + (f" or [B, {info.in_channels}, {x.shape[2]}, H, W]"
+                         f"[B, {info.in_channels}, H, W]" + (f" or [B, {info.in_channels}, 1 or {x.shape[2]}, H, W]"
                                                             if x.dim() == 5 else "")
                          + ": encode the reference image with this model's VAE")
 
