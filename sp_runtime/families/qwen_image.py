@@ -86,12 +86,15 @@ def architecture(keys: dict) -> dict:
         "joint_attention_dim": shape_of(keys, "txt_in.weight")[1],
         "axes_dims_rope": rope_axes(head_dim),
         "zero_cond_t": False,
+        "use_additional_t_cond": False,
+        "use_layer3d_rope": False,
     }
 
 
 def _folder_config(config: dict) -> dict:
     known = {key: config[key] for key in CONFIG_KEYS if key in config}
-    known.setdefault("zero_cond_t", False)
+    for flag in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
+        known.setdefault(flag, False)
     if "axes_dims_rope" in known:
         known["axes_dims_rope"] = tuple(known["axes_dims_rope"])
     return known
