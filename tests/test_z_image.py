@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from family_support import FP32_TOL, LocalContext, assert_parity, relative_error
+from family_support import FP32_TOL, PARITY_LOG, LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
 from sp_runtime.families import flux, flux2, qwen_image, qwen_image21, z_image
 from sp_runtime.families.header import read_checkpoint_header
@@ -130,6 +130,7 @@ def test_30_heads_exact_at_degrees_3_5_6_8():
     """The real head count (30 x 128) at degrees that do not divide it, on one spawn of 8 ranks."""
     for rank, errors in enumerate(run_distributed(_joint_split_at_30_heads, 8, timeout=300, threads=1)):
         assert set(errors) == {d for d in (3, 5, 6, 8) if rank < d}
+        PARITY_LOG.extend((f"z_image_30_heads/d{degree}", "float32", error) for degree, error in errors.items())
         assert all(error <= FP32_TOL for error in errors.values()), (rank, errors)
 
 
