@@ -310,7 +310,8 @@ class ZImageWorker:
 
 def _check_inputs(config, x: torch.Tensor, inputs: dict) -> torch.Tensor:
     for name in UNSUPPORTED_INPUTS:
-        if inputs.get(name) is not None and not (isinstance(inputs[name], (list, tuple)) and not inputs[name]):
+        value = inputs.get(name)
+        if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0):  # ComfyUI's default []
             raise ValueError(f"{name} (Z-Image Omni / Ming-Image / NewBie inputs) is not supported by the "
                              f"sequence-parallel Z-Image")
     if x.dim() != 4 or x.shape[1] != config.in_channels:
