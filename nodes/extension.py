@@ -4,12 +4,13 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from . import server_routes
+from .checkpoint_loader import SPCheckpointLoader
 from .loader import SPModelLoader
 from .lora import SPLoraLoader
 from .pool_control import SPPoolControl
 from .smoke_conditioning import SPRandomConditioning
 
-NODES = [SPModelLoader, SPLoraLoader, SPPoolControl, SPRandomConditioning]
+NODES = [SPModelLoader, SPCheckpointLoader, SPLoraLoader, SPPoolControl, SPRandomConditioning]
 
 
 class UlyssesSPExtension(ComfyExtension):

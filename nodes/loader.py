@@ -52,6 +52,46 @@ def load_sp_model(spec: ModelSpec):
     return build_sp_model(comfy_model_config(handle.request.header, info), proxy, proxy.dtype)
 
 
+def pool_inputs() -> list:
+    """The inputs every SP loader shares after its file choice: weight dtype, devices, degrees and options."""
+    return [
+        io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default",
+                       tooltip="Weight dtype in the workers; default keeps the file's own (fp8 files "
+                               "stay fp8, quantized files (scaled fp8, mixed precision, GGUF) stay "
+                               "quantized; both compute in bf16). fp32 / bf16 / fp16 dequantize once."),
+        io.String.Input("devices", default="auto",
+                        tooltip="'auto' = every visible GPU; GPU indices such as '0,1,2,3' or '0-3'; "
+                                "'cpu:2' = two CPU workers."),
+        io.Int.Input("ulysses_degree", default=0, min=0, max=64,
+                     tooltip="Ranks that split each sequence with Ulysses all-to-all; 0 = all devices "
+                             "left after ring and CFG."),
+        io.Int.Input("ring_degree", default=1, min=1, max=64,
+                     tooltip="Ring-attention groups (for more devices than heads)."),
+        io.Boolean.Input("cfg_parallel", default=False,
+                         tooltip="Run cond and uncond on two halves of the devices (needs CFG > 1)."),
+        io.Combo.Input("attention", options=ATTENTION_BACKENDS, default="sdpa", optional=True,
+                       tooltip="Attention kernel in the workers: sdpa (torch, default); flash / flash2 / "
+                               "flash3 (flash-attn, must be installed); sage (SageAttention, approximate); "
+                               "auto = flash-attn if installed, else sdpa."),
+        io.Boolean.Input("fp8_exchange", default=False, optional=True,
+                         tooltip="Send the Ulysses all-to-alls as fp8 with per-token scales: about half "
+                                 "the bytes (helps over PCIe), small error."),
+        io.Boolean.Input("compile", default=False, optional=True,
+                         tooltip="torch.compile the transformer blocks in the workers (the first step "
+                                 "compiles, minutes)."),
+    ]
+
+
+def sp_model_spec(path: str, weight_dtype: str, devices: str, ulysses_degree: int, ring_degree: int,
+                  cfg_parallel: bool, attention: str = "sdpa", fp8_exchange: bool = False,
+                  compile: bool = False) -> ModelSpec:
+    """The ModelSpec the pool_inputs() values ask for (options left at their defaults are not named)."""
+    config = config_from_inputs(devices, ulysses_degree, ring_degree, cfg_parallel)
+    options = {"attention": attention, "fp8_exchange": fp8_exchange, "compile": compile}
+    defaults = {"attention": "sdpa", "fp8_exchange": False, "compile": False}
+    return ModelSpec.create(config, path, weight_dtype, {k: v for k, v in options.items() if v != defaults[k]})
+
+
 class SPModelLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -65,40 +105,12 @@ class SPModelLoader(io.ComfyNode):
                 io.Combo.Input("unet_name", options=model_files(),
                                tooltip="A file from ComfyUI's models/diffusion_models (or unet) folder: "
                                        ".safetensors (float, fp8, scaled fp8, mixed precision) or .gguf."),
-                io.Combo.Input("weight_dtype", options=WEIGHT_DTYPES, default="default",
-                               tooltip="Weight dtype in the workers; default keeps the file's own (fp8 files "
-                                       "stay fp8, quantized files (scaled fp8, mixed precision, GGUF) stay "
-                                       "quantized; both compute in bf16). fp32 / bf16 / fp16 dequantize once."),
-                io.String.Input("devices", default="auto",
-                                tooltip="'auto' = every visible GPU; GPU indices such as '0,1,2,3' or '0-3'; "
-                                        "'cpu:2' = two CPU workers."),
-                io.Int.Input("ulysses_degree", default=0, min=0, max=64,
-                             tooltip="Ranks that split each sequence with Ulysses all-to-all; 0 = all devices "
-                                     "left after ring and CFG."),
-                io.Int.Input("ring_degree", default=1, min=1, max=64,
-                             tooltip="Ring-attention groups (for more devices than heads)."),
-                io.Boolean.Input("cfg_parallel", default=False,
-                                 tooltip="Run cond and uncond on two halves of the devices (needs CFG > 1)."),
-                io.Combo.Input("attention", options=ATTENTION_BACKENDS, default="sdpa", optional=True,
-                               tooltip="Attention kernel in the workers: sdpa (torch, default); flash / flash2 / "
-                                       "flash3 (flash-attn, must be installed); sage (SageAttention, approximate); "
-                                       "auto = flash-attn if installed, else sdpa."),
-                io.Boolean.Input("fp8_exchange", default=False, optional=True,
-                                 tooltip="Send the Ulysses all-to-alls as fp8 with per-token scales: about half "
-                                         "the bytes (helps over PCIe), small error."),
-                io.Boolean.Input("compile", default=False, optional=True,
-                                 tooltip="torch.compile the transformer blocks in the workers (the first step "
-                                         "compiles, minutes)."),
+                *pool_inputs(),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, unet_name, weight_dtype, devices, ulysses_degree, ring_degree, cfg_parallel,
-                attention="sdpa", fp8_exchange=False, compile=False) -> io.NodeOutput:
+    def execute(cls, unet_name, **pool_values) -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        config = config_from_inputs(devices, ulysses_degree, ring_degree, cfg_parallel)
-        options = {"attention": attention, "fp8_exchange": fp8_exchange, "compile": compile}
-        defaults = {"attention": "sdpa", "fp8_exchange": False, "compile": False}
-        spec = ModelSpec.create(config, path, weight_dtype, {k: v for k, v in options.items() if v != defaults[k]})
-        return io.NodeOutput(load_sp_model(spec))
+        return io.NodeOutput(load_sp_model(sp_model_spec(path, **pool_values)))

@@ -43,3 +43,18 @@ def save_folder(model: torch.nn.Module, path: str, dtype: str, max_shard_size: O
         raise ValueError("diffusers folders are written in float dtypes only (fp8 files are single files)")
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.to(target).save_pretrained(path, safe_serialization=True, **kwargs)
+
+
+def pack_all_in_one(diffusion_path: str, path: str, parts: dict[str, torch.Tensor],
+                    metadata: Optional[dict] = None) -> str:
+    """An all-in-one checkpoint as ComfyUI's "Load Checkpoint" takes: a diffusion file's tensors (written with
+    COMFY_PREFIX) and `parts` (text encoder / VAE entries under their own prefixes) in one file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(diffusion_path, framework="pt") as handle:
+        state = {key: handle.get_tensor(key) for key in handle.keys()}
+        metadata = {**(handle.metadata() or {}), **(metadata or {})}
+    if not all(key.startswith(COMFY_PREFIX) for key in state):
+        raise ValueError(f"{diffusion_path!r} must keep its diffusion model under {COMFY_PREFIX!r}")
+    save_file({**state, **parts}, path, metadata=metadata)
+    return path

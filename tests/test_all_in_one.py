@@ -1,0 +1,62 @@
+"""All-in-one checkpoints (diffusion model under `model.diffusion_model.` beside a text encoder and a VAE, as
+ComfyUI's "Load Checkpoint" takes them): the pool finds, loads and runs only the diffusion part, equal to diffusers'
+model of the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from family_support import assert_parity
+from sp_runtime.config import SPConfig
+from sp_runtime.families import flux, qwen_image, wan
+from sp_runtime.families.detect import detect
+from sp_runtime.pool import WorkerPool
+from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_runtime.tiny_models.weights import pack_all_in_one
+from test_family_layouts import make_cases
+
+SEED = 5
+FAMILIES = {"qwen_image": qwen_image, "flux": flux, "wan": wan}
+
+
+def other_parts() -> dict[str, torch.Tensor]:
+    """Text encoder and VAE entries as all-in-one files hold them (bf16 and fp8 text encoders, a scaled-fp8
+    marker, a VAE whose keys share names with nothing in the diffusion model)."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "text_encoders.clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight":
+            torch.randn(8, 8, generator=g).bfloat16(),
+        "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight":
+            torch.randn(64, 64, generator=g).to(torch.float8_e4m3fn),
+        "text_encoders.t5xxl.transformer.scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn),
+        "vae.decoder.conv_in.weight": torch.randn(8, 4, 3, 3, generator=g).half(),
+        "vae.encoder.mid.attn_1.q.weight": torch.randn(512, 512, generator=g).half(),  # the file's largest tensor
+    }
+
+
+@pytest.fixture(scope="module")
+def all_in_one_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("all_in_one")
+    files = {}
+    for family in FAMILIES:
+        diffusion = write_tiny_checkpoint(family, str(folder / f"{family}_unet.safetensors"), seed=SEED,
+                                          prefix=COMFY_PREFIX)
+        files[family] = pack_all_in_one(diffusion, str(folder / f"{family}.safetensors"), other_parts())
+    return files
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_detection_reads_the_diffusion_part_only(family, all_in_one_files):
+    detection = detect(all_in_one_files[family])
+    assert (detection.family, detection.prefix, detection.quant) == (family, COMFY_PREFIX, "")
+
+
+def test_pool_runs_the_diffusion_part_of_all_in_one_files(all_in_one_files):
+    with WorkerPool(SPConfig(["cpu"] * 2)) as pool:
+        for family, module in FAMILIES.items():
+            handle = pool.load_model(all_in_one_files[family], dtype="default")
+            assert handle.info.weight_dtype == "float32"  # the diffusion part's precision, not the bf16/fp8 parts'
+            model = build_tiny_model(family, SEED)
+            for name, (x, t, inputs) in make_cases(family).items():
+                expected = module.reference_forward(model, x, t, **inputs)
+                assert_parity(handle(x, t, **inputs), expected, "float32", f"all_in_one/{family}/{name}")
