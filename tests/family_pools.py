@@ -1,18 +1,30 @@
-"""pytest plugin of the model-family tests: one worker pool per Ulysses degree (1-4), shared by test_qwen_image and
-test_flux (both declare `pytest_plugins = ["family_pools"]`). Session scope lets pytest run every degree-1 test of
-both modules, then every degree-2 test, ..., so each pool starts once."""
+"""pytest plugin of the model-family tests: one worker pool per Ulysses degree (1-4) and one per Ring / hybrid /
+CFG layout, shared by the family test modules (each declares `pytest_plugins = ["family_pools"]`). Session scope
+lets pytest run every degree-1 test of all modules, then every degree-2 test, ..., so each pool starts once (and
+only one pool of each fixture is up at a time)."""
 import pytest
 
 from sp_runtime.config import SPConfig
 from sp_runtime.pool import WorkerPool
 
 DEGREES = (1, 2, 3, 4)
+LAYOUTS = {"u1r2": (2, dict(ulysses_degree=1, ring_degree=2)),
+           "u2r2": (4, dict(ulysses_degree=2, ring_degree=2)),
+           "u2cfg2": (4, dict(ulysses_degree=2, cfg_degree=2))}
 
 
 @pytest.fixture(scope="session", params=DEGREES, ids=lambda degree: f"degree{degree}")
 def family_pool(request):
     with WorkerPool(SPConfig(["cpu"] * request.param)) as workers:
         yield workers
+
+
+@pytest.fixture(scope="session", params=sorted(LAYOUTS))
+def layout_pool(request):
+    """(layout name, pool) for Ring only, Ulysses x Ring and Ulysses x CFG-parallel."""
+    world_size, degrees = LAYOUTS[request.param]
+    with WorkerPool(SPConfig(["cpu"] * world_size, **degrees)) as workers:
+        yield request.param, workers
 
 
 def pytest_terminal_summary(terminalreporter):

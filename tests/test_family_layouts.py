@@ -7,16 +7,13 @@ import pytest
 import torch
 
 from family_support import assert_parity
-from sp_runtime.config import SPConfig
 from sp_runtime.families import flux, qwen_image, wan
-from sp_runtime.pool import WorkerPool
 from sp_runtime.tiny_models import build_tiny_model, write_tiny_checkpoint
+
+pytest_plugins = ["family_pools"]  # the shared layout pools (u1r2, u2r2, u2cfg2)
 
 SEED = 5
 FAMILIES = {"qwen_image": qwen_image, "flux": flux, "wan": wan}
-LAYOUTS = {"u1r2": (2, dict(ulysses_degree=1, ring_degree=2)),
-           "u2r2": (4, dict(ulysses_degree=2, ring_degree=2)),
-           "u2cfg2": (4, dict(ulysses_degree=2, cfg_degree=2))}
 
 
 def make_cases(family: str) -> dict:
@@ -57,16 +54,14 @@ def references():
     return refs
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_family_forward_equals_single_process(layout, checkpoints, references):
-    world_size, degrees = LAYOUTS[layout]
-    with WorkerPool(SPConfig(["cpu"] * world_size, **degrees)) as pool:
-        for family in FAMILIES:
-            handle = pool.load_model(checkpoints[family])
-            for name, (x, t, inputs) in make_cases(family).items():
-                out = handle(x, t, **inputs)
-                assert_parity(out, references[family][name], "float32", f"{layout}/{family}/{name}")
-            pool.unload(handle)
+def test_family_forward_equals_single_process(layout_pool, checkpoints, references):
+    layout, pool = layout_pool
+    for family in FAMILIES:
+        handle = pool.load_model(checkpoints[family])
+        for name, (x, t, inputs) in make_cases(family).items():
+            out = handle(x, t, **inputs)
+            assert_parity(out, references[family][name], "float32", f"{layout}/{family}/{name}")
+        pool.unload(handle)
 
 
 def test_the_cases_can_fail(references):

@@ -7,12 +7,13 @@ import torch
 
 from ..groups import SeqParallel
 from .hybrid import hybrid_attention
+from .key_shards import attention_over_key_shards
 from .local import joint_local_attention, local_attention
 from .ring import ring_attention
 from .shards import SeqShards
 from .ulysses import ulysses_attention
 
-__all__ = ["SeqShards", "local_attention", "joint_local_attention", "sp_attention", "ulysses_attention",
+__all__ = ["SeqShards", "attention_over_key_shards", "local_attention", "joint_local_attention", "sp_attention", "ulysses_attention",
            "ring_attention", "hybrid_attention"]
 
 

@@ -14,6 +14,7 @@ import torch
 
 from . import flux2 as tiny_flux2
 from . import hunyuan_video as tiny_hunyuan
+from . import ltx2 as tiny_ltx2
 from . import qwen_image21 as tiny_qwen21
 from . import wan as tiny_wan
 from . import z_image as tiny_z_image
@@ -23,7 +24,7 @@ __all__ = ["COMFY_PREFIX", "FAMILIES", "LAYOUTS", "build_tiny_model", "original_
            "tiny_config", "write_tiny_checkpoint"]
 
 FAMILIES = ("qwen_image", "flux", "wan", "qwen_image21", "flux2", "hunyuan_video", "hunyuan_video15",
-            "z_image")  # the last six: see their modules
+            "z_image", "ltx2")  # the last seven: see their modules
 HUNYUAN_VERSIONS = {"hunyuan_video": "1.0", "hunyuan_video15": "1.5"}
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
 
@@ -50,6 +51,8 @@ def tiny_config(family: str, **size) -> dict:
         return tiny_hunyuan.tiny_config(HUNYUAN_VERSIONS[family], **size)
     if family == "z_image":
         return tiny_z_image.tiny_config(**size)
+    if family == "ltx2":
+        return tiny_ltx2.tiny_config(**size)
     config = dict(QWEN_TINY if family == "qwen_image" else FLUX_TINY)
     unknown = set(size) - set(config)
     if unknown:
@@ -73,6 +76,8 @@ def build_tiny_model(family: str, seed: int = 0, **size) -> torch.nn.Module:
         return tiny_hunyuan.build_tiny_model(seed, HUNYUAN_VERSIONS[family], **size)
     if family == "z_image":
         return tiny_z_image.build_tiny_model(seed, **size)
+    if family == "ltx2":
+        return tiny_ltx2.build_tiny_model(seed, **size)
     from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel
     cls = QwenImageTransformer2DModel if family == "qwen_image" else FluxTransformer2DModel
     model = cls.from_config(tiny_config(family, **size))
@@ -95,6 +100,8 @@ def original_state_dict(family: str, model: torch.nn.Module) -> dict[str, torch.
         return tiny_hunyuan.tencent_state_dict(model)
     if family == "z_image":
         return tiny_z_image.original_state_dict(model)
+    if family == "ltx2":
+        return tiny_ltx2.original_state_dict(model)
     state = {key: value.detach() for key, value in model.state_dict().items()}
     if family == "qwen_image":
         return state  # ComfyUI uses diffusers' names for Qwen-Image
@@ -185,6 +192,8 @@ def write_tiny_checkpoint(family: str, path: str, layout: str = "original", dtyp
                                                   **size)
     if family == "z_image":
         return tiny_z_image.write_tiny_checkpoint(path, layout, dtype, seed, prefix, max_shard_size, **size)
+    if family == "ltx2":
+        return tiny_ltx2.write_tiny_checkpoint(path, layout, dtype, seed, prefix, variant, **size)
     size = {**_variant_size(family, variant, layout), **size}
     model = build_tiny_model(family, seed, **size)
     if layout == "diffusers_folder":

@@ -1,0 +1,380 @@
+"""LTX-2 (audio + video) under Ulysses SP: loading into diffusers' LTX2VideoTransformer3DModel (plus the two text
+connectors ComfyUI keeps in the diffusion model) and the pool call for ComfyUI's LTXAV model.
+
+Pool call (what the host's proxy makes of ComfyUI's `diffusion_model([vx, ax], (v_t, a_t), context, frame_rate)`):
+x [B, 1, N] is the video latent [B, 128, F, H, W] and the audio latent [B, 8, T, 16] flattened per item and
+concatenated (input `latent_shapes` gives both shapes); timestep the video sigma [B] or per video token [B, Nv];
+`audio_timestep` the audio sigma [B] or [B, T] (default: the video's); context the text encoder output
+[B, L, caption_channels] (the connectors run here) or the connectors' output [B, L', 2 x caption_channels];
+`frame_rate` (default 25). The output is packed like x: the video and audio velocities.
+
+SP plan: video tokens are split over the sequence group (balanced shards); every rank patch-embeds, modulates and
+writes only its own. Audio tokens are few (25 per second against thousands of video tokens per frame), so every rank
+holds all of them: splitting them would cost an exchange per attention for almost no compute. Video self-attention
+goes through sp_attention (Ulysses / Ring); text cross-attention, audio self-attention and audio-to-video attention
+(video queries, audio keys) are local; video-to-audio attention (audio queries over the split video keys) merges the
+ranks' partial results by log-sum-exp (attention_over_key_shards), so the audio stays the same on every rank. Any
+audio-token count (also fewer than the ranks) works; rank 0 of each sequence group writes the audio output.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+
+from ..attention import SeqShards, attention_over_key_shards, sp_attention
+from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn
+from .checkpoint import KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, load_weights, strip_prefix
+from .header import read_checkpoint_header
+from .ltx2_checkpoint import CONNECTORS, FAMILY, detect, ltx2_key_plan
+from .video_tokens import VideoGrid
+
+DESCRIPTION = "LTX-2 (audio + video, 2.0)"
+CONNECTOR_ROPE_MAX_POS = 4096   # ComfyUI's Embeddings1DConnector positions: index / 4096
+CONNECTOR_MIN_TOKENS = 1024     # ComfyUI pads the prompt with learnable registers to at least this many tokens
+DEFAULT_FRAME_RATE = 25.0       # ComfyUI's LTXAV default frame_rate
+UNIT = (1, 1, 1)                # LTX-2 takes its latents unpatched: one token per latent pixel
+
+
+def _comfy_attributes(info: ModelInfo) -> dict:
+    return {"patch_size": 1}
+
+
+COMFY = ComfyHost(model_classes={"": "LTXAV"}, unet_config=lambda info: {"image_model": "ltxav"},
+                  attributes=_comfy_attributes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+def weight_plan(detection: Detection, keys: Iterable[str]) -> KeyPlan:
+    return ltx2_key_plan(keys)
+
+
+def attach_connectors(model, connector: dict, theta: float) -> None:
+    """The video and audio text connectors (ComfyUI's Embeddings1DConnector = diffusers' LTX2ConnectorTransformer1d)
+    as submodules `video_embeddings_connector` / `audio_embeddings_connector` of the transformer."""
+    from diffusers.pipelines.ltx2.connectors import LTX2ConnectorTransformer1d
+    for name in CONNECTORS:
+        setattr(model, name, LTX2ConnectorTransformer1d(
+            num_attention_heads=connector["num_attention_heads"], attention_head_dim=connector["attention_head_dim"],
+            num_layers=connector["num_layers"], num_learnable_registers=connector["num_learnable_registers"],
+            rope_base_seq_len=CONNECTOR_ROPE_MAX_POS, rope_theta=theta, rope_double_precision=True,
+            rope_type=model.config.rope_type))
+
+
+def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
+               detection: Optional[Detection] = None, options: Optional[dict] = None,
+               progress: Optional[ProgressFn] = None, header=None):
+    """diffusers' LTX-2 transformer with its connectors and the checkpoint's weights: (model, detection, dtypes)."""
+    from accelerate import init_empty_weights
+    from diffusers import LTX2VideoTransformer3DModel
+    header = header or read_checkpoint_header(path)
+    detection = detection or detect(header)
+    config = {key: value for key, value in detection.config.items() if key != "connector"}
+    dtypes = choose_dtypes(dtype, header, detection.prefix)
+    model = build_empty_model(LTX2VideoTransformer3DModel, config, dtypes)
+    with init_empty_weights():
+        attach_connectors(model, detection.config["connector"], config["rope_theta"])
+    plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
+    load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
+                 progress=progress)
+    return model, detection, dtypes
+
+
+def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
+         ) -> "LTX2Worker":
+    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
+                                          request.header)
+    return LTX2Worker(model, detection, dtypes)
+
+
+def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
+    config = model.config
+    keys = ("in_channels", "audio_in_channels", "num_attention_heads", "attention_head_dim",
+            "audio_num_attention_heads", "audio_attention_head_dim", "num_layers", "caption_channels")
+    entries = {key: config[key] for key in keys}
+    return ModelInfo(family=FAMILY, variant=detection.variant, in_channels=1, out_channels=1, x_ndim=3,
+                     config={**entries, "unbatched_inputs": ["latent_shapes", "frame_rate"]},
+                     weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The pool call: packed latents, text, timesteps
+
+@dataclass
+class Latents:
+    """The packed x split into the video latent [B, C, F, H, W] and the audio latent [B, C, T, M] (views)."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, shapes) -> "Latents":
+        video_shape, audio_shape = (tuple(int(size) for size in shape) for shape in shapes)
+        batch = packed.shape[0]
+        flat = packed.reshape(batch, -1)
+        split = math.prod(video_shape[1:])
+        return cls(flat[:, :split].view(batch, *video_shape[1:]), flat[:, split:].view(batch, *audio_shape[1:]))
+
+
+def check_call(config, x: torch.Tensor, inputs: dict) -> tuple:
+    """The latent shapes of a call, checked against x and the model; clear errors for what LTX-2 cannot take."""
+    shapes = inputs.get("latent_shapes")
+    if not isinstance(shapes, (list, tuple)) or len(shapes) != 2 or len(shapes[0]) != 5 or len(shapes[1]) != 4:
+        raise ValueError("LTX-2 takes x packed with input latent_shapes [[B, C, F, H, W], [B, C, T, M]] (video, "
+                         f"audio); got latent_shapes={shapes!r}")
+    video, audio = ([int(size) for size in shape] for shape in shapes)
+    if x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != math.prod(video[1:]) + math.prod(audio[1:]):
+        raise ValueError(f"x has shape {list(x.shape)}; latent_shapes {shapes} pack into [B, 1, "
+                         f"{math.prod(video[1:]) + math.prod(audio[1:])}]")
+    if video[1] != config.in_channels or audio[1] * audio[3] != config.audio_in_channels:
+        raise ValueError(f"latent_shapes {shapes}: this LTX-2 takes {config.in_channels} video channels and audio "
+                         f"channels x bins = {config.audio_in_channels}")
+    mask = inputs.get("attention_mask")
+    if mask is not None and not bool((mask != 0).all()):
+        raise ValueError("LTX-2 takes no text attention mask with padding (ComfyUI's connectors pad the prompt with "
+                         "learnable registers instead); give the unpadded prompt")
+    return video, audio
+
+
+def connect_text(model, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The text encoder output [B, L, C] -> the video and audio prompts after the connectors, as ComfyUI's
+    preprocess_text_embeds (prompt extended with learnable registers to whole register tiles of at least 1024
+    tokens); a context already processed ([B, L, 2C]) is split."""
+    channels = model.config.caption_channels
+    if context.shape[-1] == 2 * channels:
+        return context[..., :channels], context[..., channels:]
+    if context.dim() != 3 or context.shape[-1] != channels:
+        raise ValueError(f"LTX-2 needs context [B, L, {channels}] (the text encoder output) or [B, L, "
+                         f"{2 * channels}] (after the connectors); got {list(context.shape)}")
+    return tuple(_run_connector(getattr(model, name), context) for name in CONNECTORS)
+
+
+def _run_connector(connector, context: torch.Tensor) -> torch.Tensor:
+    registers = connector.learnable_registers
+    count = registers.shape[0]
+    length = -(-max(CONNECTOR_MIN_TOKENS, context.shape[1]) // count) * count
+    tiled = registers.to(context.dtype).repeat(length // count, 1)[context.shape[1]:]
+    hidden = torch.cat([context, tiled.unsqueeze(0).expand(context.shape[0], -1, -1)], dim=1)
+    rotary = connector.rope(hidden.shape[0], hidden.shape[1], device=hidden.device)
+    for block in connector.transformer_blocks:
+        hidden = block(hidden, attention_mask=None, rotary_emb=rotary)
+    return connector.norm_out(hidden)
+
+
+def _per_token(timestep: torch.Tensor, batch: int, tokens: int, what: str) -> torch.Tensor:
+    """A sigma [B] or per token [B, N] (or [B, N, 1]) -> [B, 1] or [B, N]."""
+    timestep = timestep.reshape(batch, -1) if timestep.dim() > 1 else timestep.reshape(batch, 1)
+    if timestep.shape[1] not in (1, tokens):
+        raise ValueError(f"{what} has {timestep.shape[1]} entries per item; give one, or one per {what[:5]} token "
+                         f"({tokens})")
+    return timestep
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sequence-parallel forward
+
+@dataclass
+class Stream:
+    """One modality on this rank: its tokens, modulations, rotary embeddings and prompt."""
+
+    hidden: torch.Tensor         # [B, n, dim]
+    temb: torch.Tensor           # [B, 1 or n, 6 dim] block modulation
+    embedded: torch.Tensor       # [B, 1 or n, dim] output modulation
+    cross_scale_shift: torch.Tensor
+    cross_gate: torch.Tensor
+    rope: tuple                  # self-attention rotary (cos, sin) of these tokens
+    cross_rope: tuple            # audio <-> video attention rotary of these tokens
+    text: torch.Tensor           # [B, L', dim] projected prompt
+
+
+class LTX2Worker:
+    """A loaded LTX-2 in one worker; forward() is the pool call described in the module docstring."""
+
+    def __init__(self, model, detection: Detection, dtypes: WeightDtypes):
+        self.model = model
+        self.dtypes = dtypes
+        self.info = model_info(model, detection, dtypes)
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
+                ctx) -> None:
+        model, seq, dtype = self.model, ctx.groups.seq, self.dtypes.compute
+        video_shape, audio_shape = check_call(model.config, x, inputs)
+        latents = Latents.unpack(ctx.to_device("x", x, torch.float32), (video_shape, audio_shape))
+        grid = VideoGrid.of(tuple(video_shape[2:]), UNIT)
+        shards = SeqShards.balanced(grid.count, seq.degree)
+        lo, hi = shards.range(seq.rank)
+        context = ctx.to_device("context", inputs["context"], dtype)
+        video, audio = _prepare_streams(model, latents, grid, (lo, hi), context, timestep, inputs, ctx, dtype)
+        for block in model.transformer_blocks:
+            ctx.check_cancel()
+            video.hidden, audio.hidden = _block(block, video, audio, seq, shards)
+        outputs = Latents.unpack(out, (video_shape, audio_shape))
+        grid.write(outputs.video, _head(model, video, "").to(out.dtype).cpu(), lo)
+        if seq.rank == 0:
+            tokens = _head(model, audio, "audio_").to(out.dtype).cpu()
+            outputs.audio.copy_(tokens.unflatten(2, (audio_shape[1], audio_shape[3])).transpose(1, 2))
+
+
+def _prepare_streams(model, latents: Latents, grid: VideoGrid, token_range: tuple[int, int], context, timestep,
+                     inputs, ctx, dtype) -> tuple[Stream, Stream]:
+    config = model.config
+    batch, device = latents.video.shape[0], ctx.device
+    lo, hi = token_range
+    audio_frames = latents.audio.shape[2]
+    full_sigma = _per_token(ctx.to_device("timestep", timestep, torch.float32), batch, grid.count, "video timestep")
+    sigma = full_sigma[:, lo:hi] if full_sigma.shape[1] > 1 else full_sigma
+    audio_sigma = inputs.get("audio_timestep")
+    if audio_sigma is not None:
+        audio_sigma = _per_token(ctx.to_device("audio_timestep", audio_sigma, torch.float32), batch, audio_frames,
+                                 "audio timestep")
+    elif full_sigma.shape[1] == 1:
+        audio_sigma = full_sigma
+    else:
+        raise ValueError("a per-token video timestep needs audio_timestep ([B] or one per audio token)")
+    frame_rate = float(inputs.get("frame_rate") or DEFAULT_FRAME_RATE)
+    video_text, audio_text = connect_text(model, context)
+
+    video_coords = model.rope.prepare_video_coords(batch, *grid_shape(grid), device, fps=frame_rate)[:, :, lo:hi]
+    audio_coords = model.audio_rope.prepare_audio_coords(batch, audio_frames, device)
+    video_tokens = grid.patches(latents.video, lo, hi).to(dtype)
+    audio_tokens = latents.audio.transpose(1, 2).flatten(2).to(dtype)
+    scale = config.timestep_scale_multiplier
+    gate_factor = config.cross_attn_timestep_scale_multiplier / scale
+    video = _stream(model, "", model.proj_in(video_tokens), sigma * scale, gate_factor,
+                    model.rope(video_coords, device=device), model.cross_attn_rope(video_coords[:, 0:1], device=device),
+                    model.caption_projection(video_text), ("av_cross_attn_video_scale_shift",
+                                                           "av_cross_attn_video_a2v_gate"), dtype)
+    audio = _stream(model, "audio_", model.audio_proj_in(audio_tokens), audio_sigma * scale, gate_factor,
+                    model.audio_rope(audio_coords, device=device),
+                    model.cross_attn_audio_rope(audio_coords[:, 0:1], device=device),
+                    model.audio_caption_projection(audio_text), ("av_cross_attn_audio_scale_shift",
+                                                                 "av_cross_attn_audio_v2a_gate"), dtype)
+    return video, audio
+
+
+def grid_shape(grid: VideoGrid) -> tuple[int, int, int]:
+    return grid.frames, grid.rows, grid.cols
+
+
+def _stream(model, prefix: str, hidden, timestep, gate_factor: float, rope, cross_rope, text, cross_modules,
+            dtype) -> Stream:
+    """Modulations of one modality, as diffusers' forward computes them (cross-attention ones from the same
+    modality's timestep)."""
+    batch = hidden.shape[0]
+
+    def embed(module, values):
+        result, embedded = module(values.flatten(), batch_size=batch, hidden_dtype=dtype)
+        return result.view(batch, -1, result.shape[-1]), embedded.view(batch, -1, embedded.shape[-1])
+
+    temb, embedded = embed(getattr(model, f"{prefix}time_embed"), timestep)
+    scale_shift, _ = embed(getattr(model, cross_modules[0]), timestep)
+    gate, _ = embed(getattr(model, cross_modules[1]), timestep * gate_factor)
+    return Stream(hidden, temb, embedded, scale_shift, gate, rope, cross_rope,
+                  text.view(batch, -1, hidden.shape[-1]))
+
+
+def _modulation(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    values = table[None, None].to(temb.device) + temb.reshape(temb.shape[0], temb.shape[1], table.shape[0], -1)
+    return values.unbind(dim=2)
+
+
+def _rotate(attn, tensor: torch.Tensor, rope) -> torch.Tensor:
+    from diffusers.models.transformers.transformer_ltx2 import apply_interleaved_rotary_emb, apply_split_rotary_emb
+    rotate = apply_interleaved_rotary_emb if attn.rope_type == "interleaved" else apply_split_rotary_emb
+    return rotate(tensor, rope)
+
+
+def _heads(attn, query_in, key_in, query_rope, key_rope) -> tuple[torch.Tensor, ...]:
+    """q, k, v [B, n, H, D] of an LTX2Attention (q/k RMS-normed across heads, then rotated)."""
+    query = attn.norm_q(attn.to_q(query_in))
+    key = attn.norm_k(attn.to_k(key_in))
+    value = attn.to_v(key_in)
+    if query_rope is not None:
+        query, key = _rotate(attn, query, query_rope), _rotate(attn, key, key_rope)
+    return tuple(tensor.unflatten(2, (attn.heads, -1)) for tensor in (query, key, value))
+
+
+def _out(attn, attended: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return attn.to_out[0](attended.flatten(2, 3).to(like.dtype))
+
+
+def _block(block, video: Stream, audio: Stream, seq, shards: SeqShards) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' LTX2VideoTransformerBlock.forward (LTX-2.0: no gates, no prompt AdaLN) on this rank's tokens."""
+    v, a = video.hidden, audio.hidden
+    v_shift, v_scale, v_gate, v_shift_mlp, v_scale_mlp, v_gate_mlp = _modulation(block.scale_shift_table, video.temb)
+    a_shift, a_scale, a_gate, a_shift_mlp, a_scale_mlp, a_gate_mlp = _modulation(block.audio_scale_shift_table,
+                                                                                 audio.temb)
+    normed = block.norm1(v) * (1 + v_scale) + v_shift
+    query, key, value = _heads(block.attn1, normed, normed, video.rope, video.rope)
+    attended, _ = sp_attention(query, key, value, seq, shards)
+    v = v + _out(block.attn1, attended, v) * v_gate
+
+    normed = block.audio_norm1(a) * (1 + a_scale) + a_shift
+    a = a + block.audio_attn1(normed, query_rotary_emb=audio.rope) * a_gate
+    v = v + block.attn2(block.norm2(v), encoder_hidden_states=video.text)
+    a = a + block.audio_attn2(block.audio_norm2(a), encoder_hidden_states=audio.text)
+
+    v_normed, a_normed = block.audio_to_video_norm(v), block.video_to_audio_norm(a)
+    v_a2v_scale, v_a2v_shift, v_v2a_scale, v_v2a_shift = _modulation(
+        block.video_a2v_cross_attn_scale_shift_table[:4], video.cross_scale_shift)
+    a_a2v_scale, a_a2v_shift, a_v2a_scale, a_v2a_shift = _modulation(
+        block.audio_a2v_cross_attn_scale_shift_table[:4], audio.cross_scale_shift)
+    a2v_gate = _modulation(block.video_a2v_cross_attn_scale_shift_table[4:], video.cross_gate)[0]
+    v2a_gate = _modulation(block.audio_a2v_cross_attn_scale_shift_table[4:], audio.cross_gate)[0]
+
+    a2v = block.audio_to_video_attn(v_normed * (1 + v_a2v_scale) + v_a2v_shift,
+                                    encoder_hidden_states=a_normed * (1 + a_a2v_scale) + a_a2v_shift,
+                                    query_rotary_emb=video.cross_rope, key_rotary_emb=audio.cross_rope)
+    query, key, value = _heads(block.video_to_audio_attn, a_normed * (1 + a_v2a_scale) + a_v2a_shift,
+                               v_normed * (1 + v_v2a_scale) + v_v2a_shift, audio.cross_rope, video.cross_rope)
+    v2a = _out(block.video_to_audio_attn, attention_over_key_shards(query, key, value, seq), a)
+    v = v + a2v_gate * a2v
+    a = a + v2a_gate * v2a
+
+    v = v + block.ff(block.norm3(v) * (1 + v_scale_mlp) + v_shift_mlp) * v_gate_mlp
+    a = a + block.audio_ff(block.audio_norm3(a) * (1 + a_scale_mlp) + a_shift_mlp) * a_gate_mlp
+    return v, a
+
+
+def _head(model, stream: Stream, prefix: str) -> torch.Tensor:
+    table = getattr(model, f"{prefix}scale_shift_table")
+    values = table[None, None] + stream.embedded[:, :, None]
+    shift, scale = values[:, :, 0], values[:, :, 1]
+    hidden = getattr(model, f"{prefix}norm_out")(stream.hidden) * (1 + scale) + shift
+    return getattr(model, f"{prefix}proj_out")(hidden)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Single-device reference (tests, CLI demo): diffusers' own forward
+
+def reference_forward(model, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor,
+                      context: torch.Tensor, audio_timestep: Optional[torch.Tensor] = None,
+                      frame_rate: float = DEFAULT_FRAME_RATE) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' LTX2VideoTransformer3DModel.forward on the whole sequence, the prompt through diffusers' own
+    connector forward (padding replaced by registers): (video velocity [B, C, F, H, W], audio [B, C, T, M])."""
+    batch, channels, frames, height, width = video.shape
+    texts = []
+    for name in CONNECTORS:
+        connector = getattr(model, name)
+        count = connector.learnable_registers.shape[0]
+        length = -(-max(CONNECTOR_MIN_TOKENS, context.shape[1]) // count) * count
+        padded = torch.cat([context, context.new_zeros(batch, length - context.shape[1], context.shape[2])], dim=1)
+        keep = torch.arange(length) < context.shape[1]
+        mask = torch.where(keep, 0.0, -1e4).expand(batch, length)[:, None, None, :]
+        texts.append(connector(padded, mask)[0])
+    scale = model.config.timestep_scale_multiplier
+    sigma = timestep.reshape(batch, -1)
+    audio_sigma = sigma if audio_timestep is None else audio_timestep.reshape(batch, -1)
+    with torch.no_grad():
+        out, audio_out = model(hidden_states=video.flatten(2).transpose(1, 2),
+                               audio_hidden_states=audio.transpose(1, 2).flatten(2), encoder_hidden_states=texts[0],
+                               audio_encoder_hidden_states=texts[1], timestep=sigma * scale,
+                               audio_timestep=audio_sigma * scale, num_frames=frames, height=height, width=width,
+                               fps=frame_rate, audio_num_frames=audio.shape[2], return_dict=False)
+    video_out = out.transpose(1, 2).reshape(batch, -1, frames, height, width)
+    audio_out = audio_out.unflatten(2, (audio.shape[1], audio.shape[3])).transpose(1, 2)
+    return video_out, audio_out

@@ -1,0 +1,130 @@
+"""LTX-2 checkpoints: detection from the header (shapes plus the release's `config` metadata) and the ComfyUI /
+original key names -> diffusers' LTX2VideoTransformer3DModel plus the two text-embedding connectors ComfyUI keeps
+inside the diffusion model (diffusers' converter drops them; we keep them as `*_embeddings_connector` submodules).
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterable, Optional
+
+from .base import Detection
+from .checkpoint import KeyPlan, count_blocks, find_prefix, shape_of, strip_prefix
+from .header import Header
+
+FAMILY = "ltx2"
+ANCHORS = ("av_ca_a2v_gate_adaln_single.emb.timestep_embedder.linear_1.weight", "audio_patchify_proj.weight",
+           "patchify_proj.weight", "transformer_blocks.0.video_to_audio_attn.to_q.weight")
+CONNECTORS = ("video_embeddings_connector", "audio_embeddings_connector")
+# The LTX-2 release's `config` metadata (JSON, section "transformer") -> what we take from it, with its defaults
+RELEASE_DEFAULTS = {
+    "num_attention_heads": 32, "attention_head_dim": 128, "audio_num_attention_heads": 32,
+    "audio_attention_head_dim": 64, "positional_embedding_theta": 10000.0,
+    "positional_embedding_max_pos": [20, 2048, 2048], "audio_positional_embedding_max_pos": [20],
+    "timestep_scale_multiplier": 1000, "av_ca_timestep_scale_multiplier": 1000, "rope_type": "interleaved",
+    "frequencies_precision": "float64", "connector_num_attention_heads": 30, "connector_attention_head_dim": 128,
+}
+# Markers of LTX-2.3 / 2.5 (gated attention, prompt AdaLN, text projection before the connectors)
+NEWER_MARKERS = {"transformer_blocks.0.attn1.to_gate_logits.weight": "gated attention",
+                 "transformer_blocks.0.prompt_scale_shift_table": "prompt cross-attention AdaLN",
+                 "prompt_adaln_single.linear.weight": "prompt AdaLN"}
+
+
+def detect(header: Header) -> Optional[Detection]:
+    """LTX-2 (audio + video) from its header alone; None when the file is another family."""
+    prefix = find_prefix(header.tensors, ANCHORS)
+    if prefix is None:
+        return None
+    keys = strip_prefix(header.tensors, prefix)
+    newer = sorted(what for key, what in NEWER_MARKERS.items() if key in keys)
+    if newer or "caption_projection.linear_1.weight" not in keys:
+        found = ", ".join(newer) or "no caption projection"
+        raise ValueError(f"{header.path!r} is an LTX-2.3 / 2.5 checkpoint ({found}); only LTX-2 (2.0) runs under "
+                         f"sequence parallelism in this version")
+    release = release_config(header)
+    return Detection(family=FAMILY, variant="av", layout="original", prefix=prefix,
+                     config=architecture(keys, release), files=header.files)
+
+
+def release_config(header: Header) -> dict:
+    """The `transformer` section of the file's `config` metadata over RELEASE_DEFAULTS."""
+    text = header.metadata.get("config")
+    config = dict(RELEASE_DEFAULTS)
+    if text:
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{header.path!r}: its 'config' metadata is not JSON ({error}); download the file "
+                             f"again") from None
+        config.update(parsed.get("transformer", parsed) if isinstance(parsed, dict) else {})
+    return config
+
+
+def architecture(keys: dict, release: dict) -> dict:
+    """diffusers' LTX2VideoTransformer3DModel config (plus `connector`, the connectors' sizes) from shapes and the
+    release config (head counts are not visible in shapes: q/k norms span all heads)."""
+    inner, in_channels = shape_of(keys, "patchify_proj.weight")
+    audio_inner, audio_in = shape_of(keys, "audio_patchify_proj.weight")
+    video_heads = _heads(inner, release["num_attention_heads"], release["attention_head_dim"], "video")
+    audio_heads = _heads(audio_inner, release["audio_num_attention_heads"], release["audio_attention_head_dim"],
+                         "audio")
+    max_pos = list(release["positional_embedding_max_pos"])
+    config = {
+        "in_channels": in_channels, "out_channels": shape_of(keys, "proj_out.weight")[0],
+        "patch_size": 1, "patch_size_t": 1,
+        "num_attention_heads": video_heads, "attention_head_dim": inner // video_heads,
+        "cross_attention_dim": shape_of(keys, "transformer_blocks.0.attn2.to_k.weight")[1],
+        "audio_in_channels": audio_in, "audio_out_channels": shape_of(keys, "audio_proj_out.weight")[0],
+        "audio_num_attention_heads": audio_heads, "audio_attention_head_dim": audio_inner // audio_heads,
+        "audio_cross_attention_dim": shape_of(keys, "transformer_blocks.0.audio_attn2.to_k.weight")[1],
+        "num_layers": count_blocks(keys, "transformer_blocks"),
+        "caption_channels": shape_of(keys, "caption_projection.linear_1.weight")[1],
+        "pos_embed_max_pos": int(max_pos[0]), "base_height": int(max_pos[1]), "base_width": int(max_pos[2]),
+        "audio_pos_embed_max_pos": int(release["audio_positional_embedding_max_pos"][0]),
+        "rope_theta": float(release["positional_embedding_theta"]),
+        "rope_double_precision": release["frequencies_precision"] == "float64",
+        "rope_type": release["rope_type"],
+        "timestep_scale_multiplier": release["timestep_scale_multiplier"],
+        "cross_attn_timestep_scale_multiplier": release["av_ca_timestep_scale_multiplier"],
+        "connector": connector_config(keys, release),
+    }
+    return config
+
+
+def _heads(inner: int, stated: int, head_dim: int, stream: str) -> int:
+    """The head count: the release's when it divides the width, else the width over the release's head size."""
+    if inner % stated == 0:
+        return stated
+    if inner % head_dim == 0:
+        return inner // head_dim
+    raise ValueError(f"the {stream} stream is {inner} wide, which neither {stated} heads nor heads of {head_dim} "
+                     f"divide; the file's 'config' metadata must state num_attention_heads")
+
+
+def connector_config(keys: dict, release: dict) -> dict:
+    registers, inner = shape_of(keys, "video_embeddings_connector.learnable_registers")
+    heads = _heads(inner, release["connector_num_attention_heads"], release["connector_attention_head_dim"],
+                   "connector")
+    return {"num_attention_heads": heads, "attention_head_dim": inner // heads,
+            "num_layers": count_blocks(keys, "video_embeddings_connector.transformer_1d_blocks"),
+            "num_learnable_registers": registers}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Key plan
+
+def ltx2_key_plan(keys: Iterable[str]) -> KeyPlan:
+    """Original-layout key (prefix stripped) -> [(model key, None)]: the transformer's through diffusers' own
+    converter (it only renames, so a {key: key} dict gives the mapping), the connectors' by their block names."""
+    from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
+    keys = list(keys)
+    transformer = [key for key in keys if not key.startswith(CONNECTORS)]
+    renamed = convert_ltx2_transformer_to_diffusers({key: key for key in transformer})
+    plan = {original: [(model_key, None)] for model_key, original in renamed.items()}
+    plan.update({key: [(connector_key(key), None)] for key in keys if key.startswith(CONNECTORS)})
+    return plan
+
+
+def connector_key(key: str) -> str:
+    """ComfyUI's Embeddings1DConnector names -> diffusers' LTX2ConnectorTransformer1d names."""
+    return (key.replace(".transformer_1d_blocks.", ".transformer_blocks.")
+            .replace(".q_norm.", ".norm_q.").replace(".k_norm.", ".norm_k."))

@@ -1,0 +1,88 @@
+"""Tiny LTX-2 (audio + video) models: diffusers' LTX2VideoTransformer3DModel with the real head sizes (video 128,
+audio 64) but 3 heads each, two blocks, plus the two text-embedding connectors, written as ComfyUI's files are
+(original key names under `model.diffusion_model.`, the release's `config` metadata naming the head counts).
+
+The original-name writer is the inverse of ltx2_checkpoint's key plan, stated on its own so a round trip checks both.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .weights import cast_like_release, randomize_
+
+LTX2_TINY = dict(in_channels=128, out_channels=128, num_attention_heads=3, attention_head_dim=128,
+                 cross_attention_dim=384, audio_in_channels=128, audio_out_channels=128, audio_num_attention_heads=3,
+                 audio_attention_head_dim=64, audio_cross_attention_dim=192, num_layers=2, caption_channels=48)
+CONNECTOR_TINY = dict(num_attention_heads=2, attention_head_dim=24, num_layers=1, num_learnable_registers=8)
+
+
+def tiny_config(**size) -> dict:
+    config = dict(LTX2_TINY)
+    unknown = set(size) - set(config)
+    if unknown:
+        raise ValueError(f"unknown size options {sorted(unknown)} for ltx2; known: {sorted(config)}")
+    config.update(size)
+    return config
+
+
+def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
+    """A float32 LTX2VideoTransformer3DModel with seeded random weights and its two connectors attached."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from ..families.ltx2 import attach_connectors
+    model = LTX2VideoTransformer3DModel.from_config(tiny_config(**size))
+    attach_connectors(model, CONNECTOR_TINY, model.config.rope_theta)
+    randomize_(model, seed)
+    return model.eval().requires_grad_(False)
+
+
+def release_metadata(model: torch.nn.Module) -> dict[str, str]:
+    """The `config` metadata LTX-2 releases carry (section `transformer`), with this model's head counts."""
+    config = model.config
+    transformer = {"num_attention_heads": config.num_attention_heads,
+                   "attention_head_dim": config.attention_head_dim,
+                   "audio_num_attention_heads": config.audio_num_attention_heads,
+                   "audio_attention_head_dim": config.audio_attention_head_dim,
+                   "connector_num_attention_heads": CONNECTOR_TINY["num_attention_heads"],
+                   "connector_attention_head_dim": CONNECTOR_TINY["attention_head_dim"]}
+    return {"config": json.dumps({"transformer": transformer})}
+
+
+# ----- diffusers -> original (ComfyUI) names -----
+_TOP = {"proj_in": "patchify_proj", "audio_proj_in": "audio_patchify_proj", "time_embed": "adaln_single",
+        "audio_time_embed": "audio_adaln_single",
+        "av_cross_attn_video_scale_shift": "av_ca_video_scale_shift_adaln_single",
+        "av_cross_attn_video_a2v_gate": "av_ca_a2v_gate_adaln_single",
+        "av_cross_attn_audio_scale_shift": "av_ca_audio_scale_shift_adaln_single",
+        "av_cross_attn_audio_v2a_gate": "av_ca_v2a_gate_adaln_single"}
+_PARTS = {"norm_q": "q_norm", "norm_k": "k_norm", "transformer_blocks": "transformer_1d_blocks",
+          "video_a2v_cross_attn_scale_shift_table": "scale_shift_table_a2v_ca_video",
+          "audio_a2v_cross_attn_scale_shift_table": "scale_shift_table_a2v_ca_audio"}
+
+
+def original_name(key: str) -> str:
+    parts = key.split(".")
+    parts[0] = _TOP.get(parts[0], parts[0])
+    connector = parts[0].endswith("_embeddings_connector")
+    return ".".join([parts[0]] + [_PARTS[part] if part in _PARTS and (connector or part != "transformer_blocks")
+                                  else part for part in parts[1:]])
+
+
+def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {original_name(key): value.detach() for key, value in model.state_dict().items()}
+
+
+def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
+                          prefix: str = "", variant: str = "", **size) -> str:
+    """A tiny LTX-2 in ComfyUI's layout (the only layout LTX-2 ships in)."""
+    from safetensors.torch import save_file
+    if layout != "original" or variant:
+        raise ValueError("tiny LTX-2 checkpoints exist in ComfyUI's (original) layout only")
+    model = build_tiny_model(seed, **size)
+    state = cast_like_release(original_state_dict(model), dtype)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file({prefix + key: value for key, value in state.items()}, path, metadata=release_metadata(model))
+    return path

@@ -1,0 +1,145 @@
+"""LTX-2 (audio + video) under sequence parallelism: the pool's video and audio outputs equal diffusers' stock
+LTX2VideoTransformer3DModel forward on one process (its own connector forward for the prompt) at Ulysses 1-4, Ring 2,
+Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2, on a tiny ComfyUI-layout file (real head sizes 128 / 64, 3 heads each, odd token counts,
+batch 2, audio shorter than the degree, per-token timesteps)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from family_support import FP32_TOL, assert_parity, relative_error
+from sp_runtime.families import ltx2
+from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+
+pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
+SEED = 13
+CAPTION = 48  # the tiny model's text encoder width
+
+
+def make_cases(seed=4):
+    """(video [B, 128, F, H, W], audio [B, 8, T, 16], sigma, inputs): 45 and 30 video tokens, 7 and 2 audio
+    tokens, a 9-token prompt."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    return {
+        "t2av": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), torch.tensor([0.7, 0.4]),
+                 {"context": rand(2, 9, CAPTION), "frame_rate": 24.0}),
+        "two_audio_tokens": (rand(2, 128, 2, 3, 5), rand(2, 8, 2, 16), torch.tensor([0.9, 0.9]),
+                             {"context": rand(2, 5, CAPTION)}),
+        "per_token_timesteps": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), 0.8 * torch.rand(2, 45, generator=g),
+                                {"context": rand(2, 9, CAPTION), "audio_timestep": torch.rand(2, 7, generator=g)}),
+        "batch_1": (rand(1, 128, 1, 4, 3), rand(1, 8, 5, 16), torch.tensor([0.5]), {"context": rand(1, 3, CAPTION)}),
+    }
+
+
+def pool_call(handle, video, audio, sigma, inputs):
+    """The call the host makes: both latents packed into x, their shapes in latent_shapes; unpacked again."""
+    x = torch.cat([video.flatten(1), audio.flatten(1)], dim=1).unsqueeze(1)
+    out = handle(x, sigma, latent_shapes=[list(video.shape), list(audio.shape)], **inputs)
+    split = video[0].numel()
+    return out[:, 0, :split].reshape(video.shape), out[:, 0, split:].reshape(audio.shape)
+
+
+def reference(model, video, audio, sigma, inputs):
+    return ltx2.reference_forward(model, video, audio, sigma, inputs["context"], inputs.get("audio_timestep"),
+                                  inputs.get("frame_rate", ltx2.DEFAULT_FRAME_RATE))
+
+
+@pytest.fixture(scope="session")
+def ltx2_file(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ltx2")
+    return write_tiny_checkpoint("ltx2", str(folder / "ltx2.safetensors"), seed=SEED, prefix=COMFY_PREFIX)
+
+
+@pytest.fixture(scope="session")
+def ltx2_references():
+    model = build_tiny_model("ltx2", SEED)
+    return {name: reference(model, *case) for name, case in make_cases().items()}
+
+
+def check_case(handle, name, references, layout):
+    video, audio = pool_call(handle, *make_cases()[name])
+    expected_video, expected_audio = references[name]
+    assert_parity(video, expected_video, "float32", f"ltx2_video/{layout}/{name}")
+    assert_parity(audio, expected_audio, "float32", f"ltx2_audio/{layout}/{name}")
+
+
+# every case at degrees 1 and 2; at 3 and 4 the uneven split and the audio shorter than the degree
+CASES_AT_DEGREE = {3: ("t2av",), 4: ("t2av", "two_audio_tokens")}
+
+
+def test_fp32_parity_ulysses(family_pool, ltx2_file, ltx2_references):
+    degree = family_pool.config.world_size
+    handle = family_pool.load_model(ltx2_file)
+    assert (handle.info.family, handle.info.variant) == ("ltx2", "av")
+    for name in CASES_AT_DEGREE.get(degree, make_cases()):
+        check_case(handle, name, ltx2_references, f"u{degree}")
+    handle.unload()
+
+
+def test_fp32_parity_ring_hybrid_and_cfg(layout_pool, ltx2_file, ltx2_references):
+    layout, pool = layout_pool
+    handle = pool.load_model(ltx2_file)
+    for name in ("t2av", "two_audio_tokens"):
+        check_case(handle, name, ltx2_references, layout)
+    handle.unload()
+
+
+def test_the_two_streams_reach_each_other(ltx2_references):
+    """Guards against a test that cannot fail: audio changes the video output (audio-to-video attention), video
+    the audio output (video-to-audio), the prompt and the timestep both."""
+    model = build_tiny_model("ltx2", SEED)
+    video, audio, sigma, inputs = make_cases()["t2av"]
+    expected_video, expected_audio = ltx2_references["t2av"]
+    changed = reference(model, video, torch.zeros_like(audio), sigma, inputs)
+    assert relative_error(changed[0], expected_video) > 100 * FP32_TOL
+    changed = reference(model, torch.zeros_like(video), audio, sigma, inputs)
+    assert relative_error(changed[1], expected_audio) > 100 * FP32_TOL
+    other_prompt = torch.randn(inputs["context"].shape, generator=torch.Generator().manual_seed(99))
+    changed = reference(model, video, audio, sigma, {**inputs, "context": other_prompt})
+    # 9 prompt tokens among 1024 connector tokens (the rest are registers): a smaller, still clear effect
+    assert relative_error(changed[0], expected_video) > 10 * FP32_TOL
+    assert relative_error(changed[1], expected_audio) > 10 * FP32_TOL
+    changed = reference(model, video, audio, sigma * 0.5, inputs)
+    assert relative_error(changed[1], expected_audio) > 100 * FP32_TOL
+
+
+def test_detection_reads_shapes_and_the_release_config(ltx2_file):
+    header = read_checkpoint_header(ltx2_file)
+    detection = ltx2.detect(header)
+    config = detection.config
+    assert (detection.family, detection.prefix) == ("ltx2", COMFY_PREFIX)
+    assert (config["num_attention_heads"], config["attention_head_dim"]) == (3, 128)
+    assert (config["audio_num_attention_heads"], config["audio_attention_head_dim"]) == (3, 64)
+    assert config["connector"] == {"num_attention_heads": 2, "attention_head_dim": 24, "num_layers": 1,
+                                   "num_learnable_registers": 8}
+    assert json.loads(header.metadata["config"])["transformer"]["num_attention_heads"] == 3
+
+
+def test_newer_ltx_versions_are_a_clear_error(ltx2_file):
+    from dataclasses import replace
+    header = read_checkpoint_header(ltx2_file)
+    gated = dict(header.tensors)
+    gated[COMFY_PREFIX + "transformer_blocks.0.attn1.to_gate_logits.weight"] = ("F32", (3, 384))
+    with pytest.raises(ValueError, match="LTX-2.3 / 2.5.*gated attention"):
+        ltx2.detect(replace(header, tensors=gated))
+
+
+def test_bad_calls_are_clear_errors(family_pool, ltx2_file):
+    if family_pool.config.world_size != 2:
+        pytest.skip("checked once")
+    handle = family_pool.load_model(ltx2_file)
+    video, audio, sigma, inputs = make_cases()["t2av"]
+    x = torch.cat([video.flatten(1), audio.flatten(1)], dim=1).unsqueeze(1)
+    with pytest.raises(Exception, match="latent_shapes"):
+        handle(x, sigma, **inputs)
+    with pytest.raises(Exception, match=f"context \\[B, L, {CAPTION}\\]"):
+        handle(x, sigma, latent_shapes=[list(video.shape), list(audio.shape)], context=inputs["context"][..., :7])
+    assert math.isfinite(pool_call(handle, video, audio, sigma, inputs)[0].sum().item())  # the pool still works
