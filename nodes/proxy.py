@@ -3,6 +3,8 @@ to the worker pool, polls ComfyUI's Cancel flag while it waits, and turns pool f
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 import comfy.model_management
@@ -34,8 +36,11 @@ class SPDiffusionModel(torch.nn.Module):
         self.in_channels = info.in_channels
         self.out_channels = info.out_channels
         host = comfy_host(info.family)
+        self.host = host
         for name, value in (host.attributes if host else patch_size_2)(info).items():
             setattr(self, name, value)
+        for name, (module, cls, args, kwargs) in (host.helpers if host else {}).items():
+            setattr(self, name, getattr(importlib.import_module(module), cls)(*args, **kwargs))
 
     def with_spec(self, spec: ModelSpec) -> "SPDiffusionModel":
         return SPDiffusionModel(spec, self.info, self.owner)
@@ -49,9 +54,12 @@ class SPDiffusionModel(torch.nn.Module):
     def _forward(self, x, timestep, context, transformer_options, **kwargs):
         _reject_host_patches(transformer_options, kwargs.get("control"))
         extra = {key: value for key, value in kwargs.items() if key not in HOST_ONLY_KEYS}
+        packing = self.host is not None and self.host.pack_call is not None
         try:
-            return self.owner.call(self.spec, x, timestep, context=context,
-                                   should_cancel=comfy.model_management.processing_interrupted, **extra)
+            packed, timestep, extra = self.host.pack_call(x, timestep, extra) if packing else (x, timestep, extra)
+            out = self.owner.call(self.spec, packed, timestep, context=context,
+                                  should_cancel=comfy.model_management.processing_interrupted, **extra)
+            return self.host.unpack_output(out, x) if packing else out
         except Cancelled:
             comfy.model_management.throw_exception_if_processing_interrupted()
             raise comfy.model_management.InterruptProcessingException()

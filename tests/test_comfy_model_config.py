@@ -71,14 +71,14 @@ def test_model_without_comfy_class_is_a_clear_error(comfy_model, tmp_path):
     import torch
     path = str(tmp_path / "toy.safetensors")
     save_file({"w": torch.zeros(2)}, path, metadata={"ulysses_sp.family": "toy", "ulysses_sp.config": json.dumps({})})
-    with pytest.raises(ValueError, match="no ComfyUI model class.*supported families: flux, flux2, hunyuan_video, hunyuan_video15, qwen_image, qwen_image21, wan, z_image"):
+    with pytest.raises(ValueError, match="no ComfyUI model class.*supported families: flux, flux2, hunyuan_video, hunyuan_video15, ltx2, qwen_image, qwen_image21, wan, z_image"):
         comfy_model.comfy_model_config(read_checkpoint_header(path), Info("toy"))
 
 
 @pytest.mark.parametrize("family, name, channels", [("flux2", "Flux2", 16), ("qwen_image21", "QwenImage21", 16),
-                                                   ("z_image", "ZImage", 16)])
+                                                   ("z_image", "ZImage", 16), ("ltx2", "LTXAV", 1)])
 def test_families_newer_than_this_comfyui_name_the_class_they_need(comfy_model, tmp_path, family, name, channels):
-    """Flux.2, Qwen-Image 2.1 and Z-Image need a newer ComfyUI than some users run: a clear error there, the class where
+    """Flux.2, Qwen-Image 2.1, Z-Image and LTX-2 need a newer ComfyUI than some users run: a clear error there, the class where
     ComfyUI has it."""
     import comfy.supported_models
     path = cs.write_tiny(family, str(tmp_path))

@@ -23,7 +23,7 @@ def test_every_family_module_provides_the_contract(family):
 def test_comfyui_knows_the_model_families():
     assert {family for family in FAMILIES if comfy_host(family)} == {"qwen_image", "qwen_image21", "flux", "flux2",
                                                                      "wan", "hunyuan_video", "hunyuan_video15",
-                                                                     "z_image"}
+                                                                     "z_image", "ltx2"}
     assert comfy_host("hunyuan_video").model_class("i2v") == "HunyuanVideoI2V"
     assert comfy_host("hunyuan_video15").model_class("") == "HunyuanVideo15"
     assert comfy_host("flux2").model_class("klein") == "Flux2"
@@ -31,6 +31,7 @@ def test_comfyui_knows_the_model_families():
     assert comfy_host("z_image").model_class("image") == "ZImage"
     assert comfy_host("flux").model_class("schnell") == "FluxSchnell"
     assert comfy_host("wan").model_class("i2v_concat") == "WAN21_T2V"
+    assert comfy_host("ltx2").model_class("av") == "LTXAV"
 
 
 def test_one_registry_line_adds_a_family(monkeypatch):

@@ -143,3 +143,22 @@ def test_bad_calls_are_clear_errors(family_pool, ltx2_file):
     with pytest.raises(Exception, match=f"context \\[B, L, {CAPTION}\\]"):
         handle(x, sigma, latent_shapes=[list(video.shape), list(audio.shape)], context=inputs["context"][..., :7])
     assert math.isfinite(pool_call(handle, video, audio, sigma, inputs)[0].sum().item())  # the pool still works
+
+
+def test_comfy_call_convention_round_trip(family_pool, ltx2_file, ltx2_references):
+    """What the host's proxy does with ComfyUI's LTXAV call ([video, audio] latents, (video, audio) sigmas, the
+    denoise masks it already folded into the sigmas): pack for the pool, unpack to [video, audio]."""
+    if family_pool.config.world_size != 2:
+        pytest.skip("checked once")
+    video, audio, sigma, inputs = make_cases()["t2av"]
+    handle = family_pool.load_model(ltx2_file)
+    x, timestep, extra = ltx2.pack_comfy_call([video, audio], (sigma, sigma), {
+        **inputs, "denoise_mask": torch.ones(2, 1, 3, 5, 3)})
+    outputs = ltx2.unpack_comfy_output(handle(x, timestep, **extra), [video, audio])
+    for got, expected, what in zip(outputs, ltx2_references["t2av"], ("video", "audio")):
+        assert_parity(got, expected, "float32", f"ltx2_{what}/comfy_call")
+    with pytest.raises(ValueError, match="keyframe"):
+        ltx2.pack_comfy_call([video, audio], sigma, {"keyframe_idxs": torch.zeros(1)})
+    with pytest.raises(ValueError, match="both latents"):
+        ltx2.pack_comfy_call([video, audio[:, :, :0]], sigma, {})
+    assert ltx2.COMFY.attributes(handle.info)["preprocess_text_embeds"](inputs["context"]) is inputs["context"]

@@ -97,11 +97,18 @@ class ComfyHost:
     unet_config: ModelInfo -> the unet_config entries ComfyUI's model class reads at run time (concat_cond,
         memory estimates), in ComfyUI's own convention.
     attributes: ModelInfo -> plain attributes ComfyUI's model class reads from `diffusion_model`.
+    helpers: attribute -> (module, class, args, kwargs) of weightless ComfyUI objects its model class calls on
+        `diffusion_model` (e.g. LTX-2's patchifiers); the host builds them (sp_runtime never imports ComfyUI).
+    pack_call / unpack_output: for models whose ComfyUI call is not the pool's (x a list of latents, timestep a
+        tuple): (x, timestep, inputs) -> the pool's (x, timestep, inputs), and (pool output, x) -> ComfyUI's output.
     """
 
     model_classes: Mapping[str, str]
     unet_config: Callable[["ModelInfo"], dict]
     attributes: Callable[["ModelInfo"], dict] = patch_size_2
+    helpers: Mapping[str, tuple] = field(default_factory=dict)
+    pack_call: Optional[Callable] = None
+    unpack_output: Optional[Callable] = None
 
     def model_class(self, variant: str) -> Optional[str]:
         return self.model_classes.get(variant or "") or self.model_classes.get("")

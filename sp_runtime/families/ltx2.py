@@ -38,12 +38,49 @@ DEFAULT_FRAME_RATE = 25.0       # ComfyUI's LTXAV default frame_rate
 UNIT = (1, 1, 1)                # LTX-2 takes its latents unpatched: one token per latent pixel
 
 
+VAE_SCALE_FACTORS = (8, 32, 32)
+PATCHIFIERS = "comfy.ldm.lightricks.symmetric_patchifier"
+# inputs of ComfyUI's LTXAV call the host handles itself (the timesteps already carry the denoise masks)
+HOST_ONLY_INPUTS = ("denoise_mask", "audio_denoise_mask")
+UNSUPPORTED_INPUTS = ("keyframe_idxs", "guide_attention_entries", "ref_audio", "generated_keyframes")
+
+
 def _comfy_attributes(info: ModelInfo) -> dict:
-    return {"patch_size": 1}
+    """What ComfyUI's LTXAV class reads from diffusion_model; the prompt passes through unchanged (the workers run
+    the connectors, which hold weights)."""
+    return {"patch_size": 1, "vae_scale_factors": VAE_SCALE_FACTORS, "causal_temporal_positioning": True,
+            "preprocess_text_embeds": lambda context, unprocessed=False: context}
+
+
+def pack_comfy_call(x, timestep, inputs: dict) -> tuple:
+    """ComfyUI's LTXAV call ([video, audio], (video sigma, audio sigma), ...) -> the pool's (module docstring)."""
+    if not isinstance(x, (list, tuple)) or len(x) != 2 or x[1].numel() == 0:
+        raise ValueError("LTX-2 runs audio and video together: give both latents (an empty-audio latent for "
+                         "video-only generation is not supported under sequence parallelism yet)")
+    unsupported = sorted(name for name in UNSUPPORTED_INPUTS if inputs.get(name) is not None)
+    if unsupported:
+        raise ValueError(f"LTX-2 inputs {unsupported} (keyframe / guide / reference-audio conditioning) are not "
+                         f"supported under sequence parallelism yet")
+    video, audio = x
+    packed = torch.cat([video.flatten(1), audio.flatten(1)], dim=1).unsqueeze(1)
+    video_sigma, audio_sigma = timestep if isinstance(timestep, (list, tuple)) else (timestep, timestep)
+    inputs = {key: value for key, value in inputs.items() if key not in HOST_ONLY_INPUTS}
+    inputs.update(latent_shapes=[list(video.shape), list(audio.shape)], audio_timestep=audio_sigma)
+    return packed, video_sigma, inputs
+
+
+def unpack_comfy_output(out: torch.Tensor, x) -> list:
+    """The pool's packed output -> [video velocity, audio velocity] shaped like ComfyUI's x."""
+    flat = out.reshape(out.shape[0], -1)
+    split = x[0][0].numel()
+    return [flat[:, :split].reshape(x[0].shape), flat[:, split:].reshape(x[1].shape)]
 
 
 COMFY = ComfyHost(model_classes={"": "LTXAV"}, unet_config=lambda info: {"image_model": "ltxav"},
-                  attributes=_comfy_attributes)
+                  attributes=_comfy_attributes,
+                  helpers={"patchifier": (PATCHIFIERS, "SymmetricPatchifier", (1,), {"start_end": True}),
+                           "a_patchifier": (PATCHIFIERS, "AudioPatchifier", (1,), {"start_end": True})},
+                  pack_call=pack_comfy_call, unpack_output=unpack_comfy_output)
 
 
 # ---------------------------------------------------------------------------------------------------------------
