@@ -2,11 +2,8 @@
 degree 1, 2, 4.
 
 A small-but-not-tiny random-weight model (4 heads of 128, the real text widths, 512 text tokens for Wan, 256 for
-HunyuanVideo) runs one call on a video latent through the worker pool at each degree. Activation memory of a rank =
-its peak during the call minus what it held just before (weights, inputs, caches):
-- CPU workers: peak RSS (Linux VmHWM, reset through /proc/<pid>/clear_refs before the call) minus RSS before it.
-  Workers run with a fixed glibc mmap threshold so freed tensors go back to the OS and RSS tracks live memory.
-- CUDA workers: torch.cuda.max_memory_allocated during the call (the pool resets it per call) minus allocated.
+HunyuanVideo) runs one call on a video latent through the worker pool at each degree; rank_memory.py says how
+activation memory is measured.
 
     python benchmarks/bench_wan_memory.py                      # CPU, writes benchmarks/results/wan_memory_cpu.json
     python benchmarks/bench_wan_memory.py --device cuda        # GPUs 0..3, writes wan_memory_cuda.json
@@ -18,19 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
-import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from sp_runtime.cli.machine import describe_machine, write_json  # noqa: E402
-from sp_runtime.config import SPConfig  # noqa: E402
-from sp_runtime.pool import WorkerPool  # noqa: E402
-from sp_runtime.tiny_models import write_tiny_checkpoint  # noqa: E402
+from rank_memory import ROOT, measure, with_fractions
+from sp_runtime.cli.machine import describe_machine, write_json
+from sp_runtime.tiny_models import write_tiny_checkpoint
 
 HEADS = dict(num_attention_heads=4, attention_head_dim=128)
 MODELS = {"wan": dict(HEADS, ffn_dim=2048, num_layers=2, text_dim=4096),
@@ -38,8 +29,6 @@ MODELS = {"wan": dict(HEADS, ffn_dim=2048, num_layers=2, text_dim=4096),
           "hunyuan_video15": dict(HEADS, text_embed_dim=3584)}
 TEXT_TOKENS = {"wan": 512, "hunyuan_video": 256, "hunyuan_video15": 256}
 DEFAULT_SHAPES = {"wan": [9, 40, 64], "hunyuan_video": [9, 40, 64], "hunyuan_video15": [9, 20, 32]}  # 5760 tokens
-MIB = 2 ** 20
-WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}  # big frees return to the OS: RSS = live memory
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,11 +42,6 @@ def parse_args() -> argparse.Namespace:
                         help="Wan ti2v: 48 channels with per-frame timesteps (per-token modulation)")
     parser.add_argument("--output", default=None)
     return parser.parse_args()
-
-
-def reset_peak(pid: int) -> None:
-    with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as handle:
-        handle.write("5")  # resets VmHWM to the current RSS
 
 
 def call_inputs(family: str, variant: str, shape, seed: int = 0):
@@ -76,34 +60,6 @@ def call_inputs(family: str, variant: str, shape, seed: int = 0):
     return x, timestep, {"context": context}
 
 
-def measure(path: str, degree: int, device: str, family: str, variant: str, shape) -> dict:
-    devices = [f"cuda:{rank}" for rank in range(degree)] if device == "cuda" else ["cpu"] * degree
-    x, timestep, inputs = call_inputs(family, variant, shape)
-    with WorkerPool(SPConfig(devices), env=WORKER_ENV) as pool:
-        handle = pool.load_model(path)
-        handle(x, timestep, **inputs)  # warm-up: lazy initialisation, input caches, allocator pools
-        if device == "cpu":
-            before = [entry["memory"]["rss"] for entry in pool.status()["ranks"]]
-            for pid in pool.worker_pids:
-                reset_peak(pid)
-        started = time.perf_counter()
-        handle(x, timestep, **inputs)
-        seconds = time.perf_counter() - started
-        ranks = []
-        for entry in pool.status()["ranks"]:  # CPU: RSS and peak RSS (VmHWM); CUDA: the workers' own figures
-            memory, rank = entry["memory"], entry["rank"]
-            if device == "cpu":
-                ranks.append({"rank": rank, "rss_before_mib": before[rank] / MIB, "peak_rss_mib": memory["peak"] / MIB,
-                              "activation_mib": (memory["peak"] - before[rank]) / MIB})
-            else:
-                ranks.append({"rank": rank, "allocated_mib": memory["allocated"] / MIB,
-                              "peak_mib": memory["peak"] / MIB,
-                              "activation_mib": (memory["peak"] - memory["allocated"]) / MIB})
-    activations = [rank["activation_mib"] for rank in ranks]
-    return {"degree": degree, "ranks": ranks, "max_activation_mib": max(activations),
-            "mean_activation_mib": sum(activations) / len(activations), "call_s": seconds}
-
-
 def main() -> None:
     args = parse_args()
     family, shape = args.family, args.shape or DEFAULT_SHAPES[args.family]
@@ -116,13 +72,12 @@ def main() -> None:
                                      **MODELS[family])
         results = []
         for degree in args.degrees:
-            result = measure(path, degree, args.device, family, args.variant, shape)
+            x, timestep, inputs = call_inputs(family, args.variant, shape)
+            result = measure(path, degree, args.device, lambda handle: handle(x, timestep, **inputs))
             print(f"degree {degree}: activation per rank max {result['max_activation_mib']:.1f} MiB, "
                   f"mean {result['mean_activation_mib']:.1f} MiB, call {result['call_s']:.2f} s", flush=True)
             results.append(result)
-    base = results[0]["max_activation_mib"]
-    for result in results:
-        result["fraction_of_first"] = result["max_activation_mib"] / base if base else None
+    with_fractions(results)
     report = {
         "what": f"per-rank activation memory of one {family} forward (peak during the call minus memory held "
                 f"before)",

@@ -170,6 +170,9 @@ def check_call(config, x: torch.Tensor, inputs: dict) -> tuple:
     if video[1] != config.in_channels or audio[1] * audio[3] != config.audio_in_channels:
         raise ValueError(f"latent_shapes {shapes}: this LTX-2 takes {config.in_channels} video channels and audio "
                          f"channels x bins = {config.audio_in_channels}")
+    if audio[2] == 0:
+        raise ValueError("LTX-2 runs audio and video together: an empty audio latent (video-only generation) is "
+                         "not supported under sequence parallelism yet")
     mask = inputs.get("attention_mask")
     if mask is not None and not bool((mask != 0).all()):
         raise ValueError("LTX-2 takes no text attention mask with padding (ComfyUI's connectors pad the prompt with "
@@ -182,7 +185,7 @@ def connect_text(model, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     preprocess_text_embeds (prompt extended with learnable registers to whole register tiles of at least 1024
     tokens); a context already processed ([B, L, 2C]) is split."""
     channels = model.config.caption_channels
-    if context.shape[-1] == 2 * channels:
+    if context.dim() == 3 and context.shape[-1] == 2 * channels:
         return context[..., :channels], context[..., channels:]
     if context.dim() != 3 or context.shape[-1] != channels:
         raise ValueError(f"LTX-2 needs context [B, L, {channels}] (the text encoder output) or [B, L, "
