@@ -39,6 +39,7 @@ KINDS = {
     "camera_comfy_prefix": (dict(variant="camera", prefix=COMFY_PREFIX), "camera", "original", COMFY_PREFIX),
     "camera_2.2": (dict(variant="camera_2.2"), "camera_2.2", "original", ""),
     "humo_comfy_prefix": (dict(variant="humo", prefix=COMFY_PREFIX), "humo", "original", COMFY_PREFIX),
+    "s2v": (dict(variant="s2v"), "s2v", "original", ""),
 }
 
 
@@ -150,7 +151,8 @@ def _tiny_original(**extra) -> dict:
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"casual_audio_encoder.encoder.final_linear.weight": torch.zeros(2, 2)}, "Wan 2.2 S2V checkpoint"),
+    ({"casual_audio_encoder.encoder.final_linear.weight": torch.zeros(2, 2)},
+     "this Wan S2V checkpoint has 0 audio injectors and 0 adaptive norms"),
     ({"face_adapter.fuser_blocks.0.k_norm.weight": torch.zeros(2)}, "Wan 2.2 Animate"),
     ({"blocks.0.self_attn.lora_down.weight": torch.zeros(2, 2)}, "tensors this loader does not know"),
     ({"blocks.0.self_attn.q.comfy_quant": torch.tensor(list(b'{"format": "awq_w4a16"}'), dtype=torch.uint8)},

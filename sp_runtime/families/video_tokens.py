@@ -22,6 +22,12 @@ def conv_patch_embed(conv: torch.nn.Conv3d, patches: torch.Tensor, dtype: torch.
     return F.linear(patches.to(dtype), conv.weight.flatten(1).to(dtype), conv.bias.to(dtype))
 
 
+def patch_linear(conv: torch.nn.Module, patches: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A patch-sized Conv2d / Conv3d (kernel == stride) as a linear over flattened patches in `dtype` (the embeddings
+    ComfyUI runs in the model's dtype: Fun's ref_conv, S2V's cond_encoder)."""
+    return F.linear(patches.to(dtype), conv.weight.flatten(1).to(dtype), conv.bias.to(dtype))
+
+
 def pad_to_patch_3d(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
     """Pad [B, C, T, H, W] circularly to multiples of the patch size, as ComfyUI's pad_to_patch_size does."""
     pads = [(size - x.shape[2 + axis] % size) % size for axis, size in enumerate(patch)]

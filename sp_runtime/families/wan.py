@@ -11,8 +11,9 @@ runs self-attention through sp_attention and cross-attention locally against the
 (no communication), and writes its own output tokens. Header detection lives in wan_checkpoint.
 
 Variants, each with its extra inputs split the same way: VACE (wan_vace: vace_context hint videos on the same token
-split), Fun Control's reference image (wan_fun: reference_latent as a leading frame of tokens) and Fun Camera
-(wan_camera: camera_conditions embedded per token).
+split), Fun Control's reference image (wan_fun: reference_latent as a leading frame of tokens), Fun Camera
+(wan_camera: camera_conditions embedded per token), HuMo (wan_humo) and S2V (wan_s2v: reference and motion tokens
+after the video's, frame-local audio injection).
 """
 from __future__ import annotations
 
@@ -35,9 +36,11 @@ from .wan_checkpoint import detect  # noqa: F401 - the family's detector (found 
 from .wan_camera import CameraAddedEmbedding, attach_camera_adapter, camera_tokens
 from .wan_humo import HumoAudio, attach_humo_modules, audio_reference_hooks, humo_block, prepare_audio
 from .wan_fun import ReferenceFirstEmbedding, attach_reference_conv, embed_tokens, reference_frame
+from .wan_s2v import S2VAudio, attach_s2v_modules, prepare_injection, prepare_sequence
+from .wan_s2v import reference_forward as s2v_reference_forward
 from .wan_vace import VaceHints, prepare_hints
 
-DESCRIPTION = "Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun InP / Control / Camera, HuMo)"
+DESCRIPTION = "Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun InP / Control / Camera, HuMo, S2V)"
 COMFY_PATCH = (1, 2, 2)
 
 
@@ -55,15 +58,17 @@ def _comfy_attributes(info: ModelInfo) -> dict:
 # t2v, and i2v_concat (Wan 2.2 A14B I2V: image latent in extra input channels), map to WAN21_T2V
 COMFY = ComfyHost(model_classes={"i2v": "WAN21_I2V", "flf2v": "WAN21_I2V", "ti2v": "WAN22_T2V", "vace": "WAN21_Vace",
                                  "fun_control": "WAN21_FunControl2V", "camera": "WAN21_Camera",
-                                 "camera_2.2": "WAN22_Camera", "humo": "WAN21_HuMo", "": "WAN21_T2V"},
+                                 "camera_2.2": "WAN22_Camera", "humo": "WAN21_HuMo", "s2v": "WAN22_S2V",
+                                 "": "WAN21_T2V"},
                   unet_config=_comfy_unet_config, attributes=_comfy_attributes)
 INFO_KEYS = ("patch_size", "num_layers", "text_dim", "ffn_dim", "freq_dim", "image_dim", "pos_embed_seq_len",
              "vace_layers", "vace_in_channels", "camera_in_channels")
 EXTRA_MODULE_KEYS = ("ref_in_channels", "camera_in_channels", "camera_residual_blocks", "audio_in_features",
-                     "audio_hidden", "audio_dim")
+                     "audio_hidden", "audio_dim", "s2v")
 # inputs of the Wan variants; ComfyUI would use them, so never ignore them silently on a model without the modules
 VARIANT_INPUTS = {"vace": ("vace_context", "vace_strength"), "camera": ("camera_conditions",),
-                  "camera_2.2": ("camera_conditions",), "humo": ("audio_embed",)}
+                  "camera_2.2": ("camera_conditions",), "humo": ("audio_embed",),
+                  "s2v": ("audio_embed", "reference_motion", "control_video")}
 UNSUPPORTED_INPUTS = ("vace_context", "camera_conditions", "audio_embed", "reference_motion", "control_video",
                       "face_pixel_values", "pose_latents")
 
@@ -132,13 +137,15 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
 
 def attach_extra_modules(model, extras: dict) -> None:
     """The modules of Wan variants that diffusers' classes lack (Fun Control's ref_conv, Fun Camera's adapter,
-    HuMo's audio modules)."""
+    HuMo's audio modules, S2V's)."""
     if extras.get("ref_in_channels"):
         attach_reference_conv(model, extras["ref_in_channels"])
     if extras.get("camera_in_channels"):
         attach_camera_adapter(model, extras["camera_in_channels"], extras["camera_residual_blocks"])
     if extras.get("audio_dim"):
         attach_humo_modules(model, extras["audio_in_features"], extras["audio_hidden"], extras["audio_dim"])
+    if extras.get("s2v"):
+        attach_s2v_modules(model, extras["s2v"])
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
@@ -172,6 +179,8 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
         described["camera_in_channels"] = model.control_adapter.in_channels
     if getattr(model, "audio_proj", None) is not None:
         described["audio_in_features"] = model.audio_proj.audio_proj_glob_1.layer.in_features
+    if getattr(model, "audio_injector", None) is not None:
+        described["audio_inject_layers"] = model.s2v_inject_layers
     return ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
                      out_channels=config.out_channels, x_ndim=5, config=described,
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
@@ -287,6 +296,7 @@ class _Call:
     out_modulation: torch.Tensor          # [b, 1, dim] or per token [b, n, dim]
     vace: Optional[VaceHints] = None      # VACE models: the hint videos' states on this rank's tokens
     audio: Optional[HumoAudio] = None     # HuMo models called with audio_embed
+    injection: Optional[S2VAudio] = None  # S2V models called with audio_embed
 
 
 def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: str) -> _Call:
@@ -297,27 +307,33 @@ def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: 
     reference = reference_frame(model, inputs, x, ctx)
     lead = 0 if reference is None else grid.per_frame
     sequence = VideoGrid(grid.frames + (reference is not None), grid.rows, grid.cols, grid.patch)
+    s2v = prepare_sequence(model, inputs, x, grid, ctx, dtype) if variant == "s2v" else None
+    total = sequence.count if s2v is None else s2v.count
     seq = ctx.groups.seq
-    shards = SeqShards.balanced(sequence.count, seq.degree)
+    shards = SeqShards.balanced(total, seq.degree)
     lo, hi = shards.range(seq.rank)
-    hidden = embed_tokens(model, grid, latent, reference, lo, hi, dtype)
+    hidden = embed_tokens(model, grid, latent, reference, lo, min(hi, sequence.count), dtype)
+    if s2v is not None:
+        hidden = s2v.embed(model, hidden, lo, hi, dtype)
     camera = camera_tokens(model, inputs, x, grid, lo, hi, ctx, dtype) if variant.startswith("camera") else None
     if camera is not None:
         hidden = hidden + camera
     context = _cross_context(model, inputs, ctx, dtype, batch)
     sigma = _per_item(ctx.to_device("timestep", timestep, torch.float32), batch)
-    temb, projection = time_embeddings(model, sigma, dtype)
-    entries = token_entries(temb.shape[1], sequence.count, lo, hi, ctx.device)
+    temb, projection = time_embeddings(model, sigma if s2v is None else s2v.timestep_entries(sigma), dtype)
+    entries = token_entries(temb.shape[1], total, lo, hi, ctx.device)
     if entries is None:
         block_modulation, out_modulation = projection[:, 0], temb
     else:
         block_modulation, out_modulation = projection[:, entries], temb[:, entries]
-    cos, sin = rotary_factors(model.rope, sequence, sequence.positions(lo, hi, ctx.device))
+    cos, sin = rotary_factors(model.rope, sequence, sequence.positions(lo, hi, ctx.device)) if s2v is None \
+        else s2v.rotary(model.rope, lo, hi)
     vace = prepare_hints(model, inputs, x, grid, lo, hi, hidden, block_modulation, ctx, dtype) \
         if variant == "vace" else None
     audio = prepare_audio(model, inputs, x, grid, lo, ctx, dtype) if variant == "humo" else None
+    injection = prepare_injection(model, inputs, grid, lo, hi, ctx, dtype) if variant == "s2v" else None
     return _Call(grid, lo, lead, hidden, SelfAttentionPlan(seq, shards, cos, sin), context, block_modulation,
-                 out_modulation, vace, audio)
+                 out_modulation, vace, audio, injection)
 
 
 def _video_latent(model, x, inputs, ctx, appended: str) -> torch.Tensor:
@@ -360,6 +376,8 @@ def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
             hidden = block(hidden, call.context, call.block_modulation, call.attention)
         if call.vace is not None:
             hidden = call.vace.add(model, index, hidden, call)
+        if call.injection is not None:
+            hidden = call.injection.add(model, index, hidden)
     table = model.scale_shift_table
     if call.block_modulation.dim() == 3:  # one modulation for every token
         shift, scale = (table + call.out_modulation).chunk(2, dim=1)
@@ -385,8 +403,9 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict, variant: str) -> None:
         if extra is not None and (extra.dim() != 5 or extra.shape[1] != x.shape[1] or extra.shape[3:] != x.shape[3:]):
             raise ValueError(f"{name} has shape {list(extra.shape)}; it must match x {list(x.shape)} in channels, "
                              f"height and width")
-    if variant == "humo" and inputs.get("time_dim_concat") is not None:
-        raise ValueError("time_dim_concat is not taken by a Wan HuMo model (as ComfyUI's HumoWanModel)")
+    if variant in ("humo", "s2v") and inputs.get("time_dim_concat") is not None:
+        raise ValueError(f"time_dim_concat is not taken by a Wan {variant} model (as ComfyUI's HumoWanModel and "
+                         f"WanModel_S2V: their extra frames come as reference_latent)")
 
 
 def image_context(model, clip_fea: torch.Tensor) -> torch.Tensor:
@@ -461,6 +480,7 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
                       vace_context: Optional[torch.Tensor] = None, vace_strength: Optional[list] = None,
                       reference_latent: Optional[torch.Tensor] = None,
                       camera_conditions: Optional[torch.Tensor] = None, audio_embed: Optional[torch.Tensor] = None,
+                      reference_motion: Optional[torch.Tensor] = None, control_video: Optional[torch.Tensor] = None,
                       **_ignored) -> torch.Tensor:
     """ComfyUI's Wan diffusion_model(...) computed by diffusers' own WanTransformer3DModel.forward on one process.
 
@@ -473,12 +493,16 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     gives as ref_conv(reference_latent) (wan_fun.ReferenceFirstEmbedding), that frame cropped from the output.
     Fun Camera: the adapter's output added to patch_embedding's (wan_camera.CameraAddedEmbedding). HuMo:
     reference_latent frames appended as time_dim_concat's, audio attention hooked in (wan_humo.audio_reference_hooks).
+    S2V: wan_s2v.reference_forward (diffusers' stock blocks over its whole sequence).
     """
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
     model = model_or_path
     if not isinstance(model, torch.nn.Module):
         model = load_model(model_or_path, dtype, options={"head_dim": head_dim} if head_dim else None)[0]
+    if getattr(model, "audio_injector", None) is not None:
+        return s2v_reference_forward(model, x, timestep, context, audio_embed, reference_latent, reference_motion,
+                                     control_video)
     compute, device = model.scale_shift_table.dtype, model.scale_shift_table.device
     patch = tuple(model.config.patch_size)
     humo = getattr(model, "audio_proj", None) is not None

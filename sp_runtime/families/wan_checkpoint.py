@@ -24,6 +24,10 @@ VACE_CLASS = "WanVACETransformer3DModel"
 ORIGINAL_CLASS = "WanModel"  # config.json of the original Wan-AI release folders (original key names)
 CAMERA_ADAPTER = "control_adapter"  # Fun Camera's module (wan_camera), the same name in both layouts
 HUMO_AUDIO, HUMO_BLOCK_AUDIO = "audio_proj", "audio_cross_attn_wrapper"  # HuMo's modules (wan_humo), both layouts
+# Wan 2.2 S2V's modules (wan_s2v), stated with ComfyUI's names in both layouts
+S2V_MODULES = ("trainable_cond_mask.", "casual_audio_encoder.", "cond_encoder.", "audio_injector.", "frame_packer.")
+# the blocks after which ComfyUI's WanModel_S2V injects audio (its default; its detection passes no other)
+COMFY_S2V_INJECT_LAYERS = (0, 4, 8, 12, 16, 20, 24, 27, 30, 33, 36, 39)
 FUN_CONTROL_CHANNELS = 48  # noise 16 + control video 16 + image latent 16 (ComfyUI's WAN21_FunControl2V)
 
 ORIGINAL_ANCHORS = ("patch_embedding.weight", "text_embedding.0.weight", "time_embedding.0.weight",
@@ -33,7 +37,7 @@ DIFFUSERS_ANCHORS = ("patch_embedding.weight", "condition_embedder.time_proj.wei
                      "scale_shift_table", "proj_out.weight")
 # Wan-based models with extra modules our SP forward does not run, by a key stem they carry (either layout).
 UNSUPPORTED_PARTS = {
-    "casual_audio_encoder.": "Wan 2.2 S2V", "face_adapter.": "Wan 2.2 Animate",
+    "face_adapter.": "Wan 2.2 Animate",
     "motion_encoder.": "Wan 2.2 Animate",
 }
 
@@ -85,7 +89,7 @@ def wan_key_plan(keys) -> dict[str, list[tuple[str, None]]]:
 
 
 def _convert(key: str) -> Optional[str]:
-    if key.startswith((CAMERA_ADAPTER + ".", HUMO_AUDIO + ".")):  # stated with ComfyUI's names (wan_camera, wan_humo)
+    if key.startswith((CAMERA_ADAPTER + ".", HUMO_AUDIO + ".", *S2V_MODULES)):  # ComfyUI's names (wan_camera, wan_humo, wan_s2v)
         return key
     if key in _TOP_PARAMETERS:
         return _TOP_PARAMETERS[key]
@@ -139,11 +143,13 @@ def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detect
 
 
 def variant_of(config: dict) -> str:
-    """vace (hint blocks), humo (audio), camera / camera_2.2 (Fun Camera with / without CLIP), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2 5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat
+    """vace (hint blocks), s2v (speech-to-video), humo (audio), camera / camera_2.2 (Fun Camera with / without CLIP), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2 5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat
     (image latent in extra input channels without CLIP: Wan 2.2 A14B I2V experts, Fun models) or t2v (also the
     Wan 2.2 A14B T2V experts)."""
     if config.get("vace_layers"):
         return "vace"
+    if config.get("s2v"):
+        return "s2v"
     if config.get("audio_dim"):
         return "humo"
     if config.get("camera_in_channels"):  # ComfyUI's model types: camera (with CLIP) and camera_2.2
@@ -174,7 +180,7 @@ def _reject_unsupported(header: Header, keys: dict) -> None:
         if any(key.startswith(stem) or f".{stem}" in key for key in keys):
             raise ValueError(f"{header.path!r} is a {name} checkpoint (it has {stem}* weights), which the "
                              f"sequence-parallel Wan does not support; supported: Wan 2.1 / 2.2 T2V, I2V, FLF2V, "
-                             f"TI2V 5B, VACE, Fun InP / Control / Camera, HuMo")
+                             f"TI2V 5B, VACE, Fun InP / Control / Camera, HuMo, S2V")
 
 
 def _reject_unknown(header: Header, keys: dict, plan: dict) -> None:
@@ -244,6 +250,8 @@ def architecture(keys: dict, layout: str, head_dim: Optional[int] = None) -> dic
         hidden, in_features = shape_of(keys, f"{HUMO_AUDIO}.audio_proj_glob_1.layer.weight")
         config.update(audio_in_features=in_features, audio_hidden=hidden,
                       audio_dim=shape_of(keys, f"{HUMO_AUDIO}.audio_proj_glob_norm.layer.weight")[0])
+    if "casual_audio_encoder.encoder.final_linear.weight" in keys:
+        config["s2v"] = s2v_architecture(keys, inner)
     if "ref_conv.weight" in keys:
         config["ref_in_channels"] = shape_of(keys, "ref_conv.weight")[1]
     _check_qk_norm(keys, names["qk_norm"])
@@ -259,6 +267,23 @@ def vace_architecture(keys: dict, num_layers: int) -> dict:
                          f"one hint every num_layers / vace_blocks blocks, so they must divide evenly")
     return {"vace_layers": list(range(0, num_layers, num_layers // count)),
             "vace_in_channels": shape_of(keys, "vace_patch_embedding.weight")[1]}
+
+
+def s2v_architecture(keys: dict, width: int) -> dict:
+    """Wan 2.2 S2V's audio encoder sizes, control-video channels and the blocks after which audio is injected:
+    ComfyUI's WanModel_S2V injects after the blocks of a fixed list (the 14B release's 12 injectors), so a file's k
+    injectors take its first k."""
+    count = count_blocks(keys, "audio_injector.injector")
+    if "audio_injector.injector_adain_layers.0.linear.weight" not in keys or not 0 < count <= len(
+            COMFY_S2V_INJECT_LAYERS):
+        raise ValueError(f"this Wan S2V checkpoint has {count} audio injectors and "
+                         f"{count_blocks(keys, 'audio_injector.injector_adain_layers')} adaptive norms; ComfyUI's "
+                         f"WanModel_S2V takes 1 to {len(COMFY_S2V_INJECT_LAYERS)} injectors, each with its norm")
+    local_channels, audio_dim, _ = shape_of(keys, "casual_audio_encoder.encoder.conv1_local.conv.weight")
+    return {"audio_dim": audio_dim, "audio_layers": shape_of(keys, "casual_audio_encoder.weights")[1],
+            "audio_tokens": local_channels // (width // 4),
+            "cond_dim": shape_of(keys, "cond_encoder.weight")[1] if "cond_encoder.weight" in keys else 0,
+            "inject_layers": list(COMFY_S2V_INJECT_LAYERS[:count])}
 
 
 def _check_qk_norm(keys: dict, key: str) -> None:

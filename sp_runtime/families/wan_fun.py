@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from .video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d
+from .video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d, patch_linear
 
 
 def attach_reference_conv(model, in_channels: int) -> None:
@@ -44,16 +43,11 @@ def embed_tokens(model, grid: VideoGrid, latent: torch.Tensor, reference: Option
     parts = []
     if lo < lead:
         frame = VideoGrid(1, grid.rows, grid.cols, (1, *grid.patch[1:]))
-        parts.append(_reference_embed(model.ref_conv, frame.patches(reference, lo, min(hi, lead)), dtype))
+        parts.append(patch_linear(model.ref_conv, frame.patches(reference, lo, min(hi, lead)), dtype))
     if hi > lead or not parts:
         video = grid.patches(latent, max(lo, lead) - lead, max(hi, lead) - lead)
         parts.append(conv_patch_embed(model.patch_embedding, video).to(dtype))
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-
-
-def _reference_embed(conv: torch.nn.Conv2d, patches: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """ref_conv as a linear over flattened patches, in the compute dtype (ComfyUI runs it in the model's dtype)."""
-    return F.linear(patches.to(dtype), conv.weight.flatten(1).to(dtype), conv.bias.to(dtype))
 
 
 class ReferenceFirstEmbedding(torch.nn.Module):

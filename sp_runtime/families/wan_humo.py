@@ -88,19 +88,26 @@ class HumoAudio:
 
     def attend(self, wrapper: AudioCrossAttentionWrapper, hidden: torch.Tensor) -> torch.Tensor:
         """The audio cross-attention output of this rank's tokens, each against its own frame's audio tokens."""
-        attention = wrapper.audio_cross_attn
-        query = attention.norm_q(attention.q(wrapper.norm1_audio(hidden))).unflatten(2, (attention.heads, -1))
-        key = attention.norm_k(attention.k(self.tokens)).unflatten(2, (attention.heads, -1))
-        value = attention.v(self.tokens).unflatten(2, (attention.heads, -1))
-        parts, start = [], 0
-        while start < hidden.shape[1]:
-            frame = (self.first + start) // self.per_frame
-            stop = min(hidden.shape[1], (frame + 1) * self.per_frame - self.first)
-            audio = slice(frame * AUDIO_TOKENS, (frame + 1) * AUDIO_TOKENS)
-            parts.append(local_attention(query[:, start:stop], key[:, audio], value[:, audio]))
-            start = stop
-        out = torch.cat(parts, dim=1) if parts else query
-        return attention.o(out.flatten(2, 3).type_as(hidden))
+        return frame_local_attention(wrapper.audio_cross_attn, wrapper.norm1_audio(hidden),
+                                     self.tokens.unflatten(1, (-1, AUDIO_TOKENS)), self.first, self.per_frame)
+
+
+def frame_local_attention(attention: AudioAttention, hidden: torch.Tensor, audio: torch.Tensor, first: int,
+                          per_frame: int) -> torch.Tensor:
+    """Tokens first.. (hidden [b, n, dim]), each attending only to the audio tokens of its own frame (audio
+    [b, frames, k, audio_dim]), frame f being tokens [f * per_frame, (f + 1) * per_frame): HuMo's and S2V's
+    audio attention on one rank's share, which may start or end inside a frame."""
+    query = attention.norm_q(attention.q(hidden)).unflatten(2, (attention.heads, -1))
+    key = attention.norm_k(attention.k(audio)).unflatten(3, (attention.heads, -1))
+    value = attention.v(audio).unflatten(3, (attention.heads, -1))
+    parts, start = [], 0
+    while start < hidden.shape[1]:
+        frame = (first + start) // per_frame
+        stop = min(hidden.shape[1], (frame + 1) * per_frame - first)
+        parts.append(local_attention(query[:, start:stop], key[:, frame], value[:, frame]))
+        start = stop
+    out = torch.cat(parts, dim=1) if parts else query
+    return attention.o(out.flatten(2, 3).type_as(hidden))
 
 
 def prepare_audio(model, inputs: dict, x: torch.Tensor, grid, lo: int, ctx, dtype: torch.dtype

@@ -8,7 +8,9 @@ blocks with VACE hints after blocks 0 and 2, 96 hint channels as the real models
 channels and Fun Control's ref_conv of a 16-channel reference latent), fun_a14b (Wan 2.2 Fun Control A14B style: 52
 input channels, no CLIP, ref_conv), camera (Wan 2.1 Fun Camera: i2v with 32 input channels and the camera adapter
 of 24-channel conditions), camera_2.2 (36 input channels, no CLIP, the adapter) and humo (t2v with HuMo's audio
-modules, audio_embed [B, T, 2, 5, 8] instead of ComfyUI's [B, T, 8, 5, 1280]). Defaults: 6 heads (4 ranks do not divide
+modules, audio_embed [B, T, 2, 5, 8] instead of ComfyUI's [B, T, 8, 5, 1280]) and s2v (Wan 2.2 S2V's modules, 5
+blocks with audio injected after blocks 0 and 4 as ComfyUI's list places 2 injectors, audio_embed [B, 25, 32, 4T]
+instead of [B, 25, 1024, 4T]). Defaults: 6 heads (4 ranks do not divide
 them) of size 16, 2 blocks. Files state their head size in the safetensors metadata key
 `ulysses_sp.head_dim` (wan_checkpoint.HEAD_DIM_METADATA_KEY) unless head_dim_metadata=False, in which case loading
 needs the option head_dim=16. The original-layout writer is the inverse of the loader's key plan, written
@@ -31,8 +33,9 @@ CLIP_DIM = 1280         # ComfyUI's Wan image embedder input width is fixed
 FLF_CLIP_TOKENS = 10    # tiny first-last-frame models: 2 x 5 CLIP tokens
 VACE_TINY = dict(num_layers=4, vace_layers=[0, 2], vace_in_channels=96)
 VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b", "camera", "camera_2.2",
-            "humo")
+            "humo", "s2v")
 HUMO_TINY = dict(audio_in_features=80, audio_hidden=32, audio_dim=24)
+S2V_TINY = dict(audio_dim=32, audio_layers=25, audio_tokens=4, cond_dim=16, inject_layers=[0, 4])
 CAMERA_TINY = dict(camera_in_channels=24, camera_residual_blocks=1)
 
 
@@ -56,6 +59,8 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
         config.update(in_channels=32 if variant == "camera" else 36, **CAMERA_TINY)
     if variant == "humo":
         config.update(HUMO_TINY)
+    if variant == "s2v":
+        config.update(s2v=dict(S2V_TINY), num_layers=size.get("num_layers", 5))
     if variant == "flf2v":
         config["pos_embed_seq_len"] = FLF_CLIP_TOKENS
     if variant == "i2v_concat":
@@ -78,6 +83,8 @@ def build_tiny_model(seed: int = 0, variant: str = "t2v", **size) -> torch.nn.Mo
     model = model_class.from_config(config)
     attach_extra_modules(model, extras)
     randomize_(model, seed)
+    if variant == "s2v":  # the audio layers' mixing weights are positive in the release (they are divided by their sum)
+        model.casual_audio_encoder.weights.data.abs_()
     return model.eval().requires_grad_(False)
 
 
@@ -105,13 +112,17 @@ _BLOCK.update({"ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2", "norm2": "norm3"
                "proj_out": "after_proj"})
 
 
+_SAME_NAME_MODULES = ("control_adapter.", "audio_proj.", "trainable_cond_mask.", "casual_audio_encoder.", "cond_encoder.",
+                      "audio_injector.", "frame_packer.")  # the variants' modules, named as ComfyUI names them
+
+
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under the original Wan release's / ComfyUI's key names."""
     return {_original_name(key): value.detach() for key, value in model.state_dict().items()}
 
 
 def _original_name(key: str) -> str:
-    if key.startswith(("control_adapter.", "audio_proj.")) or ".audio_cross_attn_wrapper." in key:
+    if key.startswith(_SAME_NAME_MODULES) or ".audio_cross_attn_wrapper." in key:
         return key
     if key == "scale_shift_table":
         return "head.modulation"
