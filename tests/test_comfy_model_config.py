@@ -39,6 +39,7 @@ CASES = [  # (family, write_tiny options, our variant, ComfyUI class, (unet_conf
     ("wan", {"variant": "i2v"}, "i2v", "WAN21_I2V", ("in_dim", 36)),
     ("wan", {"variant": "i2v_concat"}, "i2v_concat", "WAN21_T2V", ("in_dim", 36)),
     ("wan", {"variant": "ti2v"}, "ti2v", "WAN22_T2V", ("out_dim", 48)),
+    ("wan", {"variant": "s2v", "prefix": "model.diffusion_model."}, "s2v", "WAN22_S2V", ("in_dim", 16)),
 ]
 CHANNELS = {("qwen_image", "image"): (16, 16), ("flux", "fill"): (96, 16), ("wan", "i2v"): (36, 16),
             ("wan", "i2v_concat"): (36, 16), ("wan", "ti2v"): (48, 48)}  # our ModelInfo's (in, out); else 16, 16

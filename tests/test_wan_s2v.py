@@ -181,3 +181,47 @@ def test_comfyui_parity(comfy_outputs, family_pool, path):
     for name, expected in comfy_outputs.items():
         x, t, inputs = cases[name]
         assert_parity(handle(x, t, **inputs), expected, "float32", f"comfyui_s2v/{name}")
+
+
+def test_stock_sampler_on_the_sp_model_equals_comfys_own(comfyui, path, tmp_path):
+    """The SP loader's MODEL (ComfyUI's WAN22_S2V host class around the pool, cpu:2) in the stock sampler, with
+    conditioning as WanSoundImageToVideo sets it (audio_embed, silent for the negative, reference_latents,
+    reference_motion, control_video), equals ComfyUI's own WAN22_S2V with the same weights."""
+    import shutil
+
+    import comfy.model_patcher
+    import comfy.supported_models
+    import comfy.utils
+    import comfy_support as cs
+    import folder_paths
+    import node_helpers
+    models = tmp_path / "diffusion_models"
+    models.mkdir()
+    shutil.copy(path, models / "s2v.safetensors")
+    folder_paths.add_model_folder_path("diffusion_models", str(models), is_default=True)
+    config = comfy.supported_models.WAN22_S2V(dict(
+        cs.COMFY_TINY_UNET["wan"], model_type="s2v", dim=384, num_heads=3, num_layers=5, audio_dim=S2V_TINY["audio_dim"],
+        num_audio_token=S2V_TINY["audio_tokens"], cond_dim=S2V_TINY["cond_dim"],
+        audio_inject_layers=S2V_TINY["inject_layers"]))
+    config.set_inference_dtype(torch.float32, None)
+    own = config.get_model({})
+    own.diffusion_model.load_state_dict({key[len(COMFY_PREFIX):]: value
+                                         for key, value in comfy.utils.load_torch_file(path).items()}, strict=True)
+    own = comfy.model_patcher.ModelPatcher(own, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    owner = cs.import_node_module("pool_owner").OWNER
+    try:
+        sp_model = cs.import_node_module("loader").SPModelLoader.execute(
+            unet_name="s2v.safetensors", weight_dtype="fp32", devices="cpu:2", ulysses_degree=0,
+            ring_degree=1, cfg_parallel=False).result[0]
+        assert type(sp_model.model) is type(own.model)
+        g = torch.Generator().manual_seed(5)
+        audio = torch.randn(1, S2V_TINY["audio_layers"], S2V_TINY["audio_dim"], 12, generator=g)
+        shared = {"reference_latents": [torch.randn(1, 16, 1, 10, 14, generator=g)],
+                  "reference_motion": torch.randn(1, 16, 19, 10, 14, generator=g),
+                  "control_video": torch.randn(1, 16, 3, 10, 14, generator=g)}
+        positive = node_helpers.conditioning_set_values(cs.conditioning("wan", 1), {**shared, "audio_embed": audio})
+        negative = node_helpers.conditioning_set_values(cs.conditioning("wan", 2), {**shared, "audio_embed": audio * 0})
+        expected = cs.sample(own, positive, negative, frames=3)
+        cs.assert_close(cs.sample(sp_model, positive, negative, frames=3), expected)
+    finally:
+        owner.close_all()
