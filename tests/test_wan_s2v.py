@@ -200,8 +200,8 @@ def test_stock_sampler_on_the_sp_model_equals_comfys_own(comfyui, path, tmp_path
     shutil.copy(path, models / "s2v.safetensors")
     folder_paths.add_model_folder_path("diffusion_models", str(models), is_default=True)
     config = comfy.supported_models.WAN22_S2V(dict(
-        cs.COMFY_TINY_UNET["wan"], model_type="s2v", dim=384, num_heads=3, num_layers=5, audio_dim=S2V_TINY["audio_dim"],
-        num_audio_token=S2V_TINY["audio_tokens"], cond_dim=S2V_TINY["cond_dim"],
+        cs.COMFY_TINY_UNET["wan"], model_type="s2v", dim=384, num_heads=3, num_layers=5,
+        audio_dim=S2V_TINY["audio_dim"], num_audio_token=S2V_TINY["audio_tokens"], cond_dim=S2V_TINY["cond_dim"],
         audio_inject_layers=S2V_TINY["inject_layers"]))
     config.set_inference_dtype(torch.float32, None)
     own = config.get_model({})

@@ -89,7 +89,7 @@ def wan_key_plan(keys) -> dict[str, list[tuple[str, None]]]:
 
 
 def _convert(key: str) -> Optional[str]:
-    if key.startswith((CAMERA_ADAPTER + ".", HUMO_AUDIO + ".", *S2V_MODULES)):  # ComfyUI's names (wan_camera, wan_humo, wan_s2v)
+    if key.startswith((CAMERA_ADAPTER + ".", HUMO_AUDIO + ".", *S2V_MODULES)):  # ComfyUI's names in both layouts
         return key
     if key in _TOP_PARAMETERS:
         return _TOP_PARAMETERS[key]
@@ -143,9 +143,10 @@ def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detect
 
 
 def variant_of(config: dict) -> str:
-    """vace (hint blocks), s2v (speech-to-video), humo (audio), camera / camera_2.2 (Fun Camera with / without CLIP), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2 5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat
-    (image latent in extra input channels without CLIP: Wan 2.2 A14B I2V experts, Fun models) or t2v (also the
-    Wan 2.2 A14B T2V experts)."""
+    """vace (hint blocks), s2v (speech-to-video), humo (audio), camera / camera_2.2 (Fun Camera with / without
+    CLIP), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2 5B, 48 latent channels),
+    flf2v / i2v (CLIP image input), i2v_concat (image latent in extra input channels without CLIP: Wan 2.2 A14B I2V
+    experts, Fun models) or t2v (also the Wan 2.2 A14B T2V experts)."""
     if config.get("vace_layers"):
         return "vace"
     if config.get("s2v"):

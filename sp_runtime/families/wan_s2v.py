@@ -131,7 +131,7 @@ class FramePacker(nn.Module):
 
 
 def attach_s2v_modules(model, s2v: dict) -> None:
-    """Give a WanTransformer3DModel (possibly on the meta device) S2V's modules; s2v: wan_checkpoint.s2v_architecture."""
+    """Give a WanTransformer3DModel (possibly on the meta device) S2V's modules (s2v: from s2v_architecture)."""
     device = model.patch_embedding.weight.device
     dim, patch = model.patch_embedding.out_channels, tuple(model.config.patch_size)
     model.trainable_cond_mask = nn.Embedding(3, dim, device=device)
@@ -338,62 +338,74 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
     its stock attention processors."""
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-    from .wan import _WanSinusoid, _wrap_pad
+    from .wan import _WanSinusoid
     compute, device = model.scale_shift_table.dtype, model.scale_shift_table.device
-    patch = tuple(model.config.patch_size)
-    batch, _, frames, height, width = x.shape
-    latent = _wrap_pad(x, patch).to(device, torch.float32)
-    embedded = model.patch_embedding(latent).to(compute)
-    if control_video is not None:
-        embedded = embedded + model.cond_encoder(_wrap_pad(control_video, patch).to(device, compute))
-    grid = embedded.shape[2:]
-    mask = model.trainable_cond_mask.weight
-    tokens = [embedded.flatten(2).transpose(1, 2) + mask[0]]
-    positions = [torch.stack(torch.meshgrid(*[torch.arange(n, dtype=compute) for n in grid], indexing="ij"),
-                             dim=-1).reshape(-1, 3)]
-    sigma = timestep.float().reshape(batch, -1).expand(batch, grid[0]) if timestep.dim() == 1 else timestep.float()
-    if reference_latent is not None:
-        ref = model.patch_embedding(_wrap_pad(reference_latent, patch).to(device, torch.float32)).to(compute)
-        tokens.append(ref.flatten(2).transpose(1, 2) + mask[1])
-        start = torch.tensor([max(30, grid[0] + 9), 0, 0], dtype=compute)
-        positions.append(torch.stack(torch.meshgrid(*[torch.arange(n, dtype=compute) for n in ref.shape[2:]],
-                                                    indexing="ij"), dim=-1).reshape(-1, 3) + start)
-        sigma = torch.cat([sigma, torch.zeros(batch, reference_latent.shape[2])], dim=1)
-    if reference_motion is not None:
-        motion = reference_motion.to(device, compute)
-        tokens.append(model.frame_packer(motion) + mask[2])
-        positions.append(motion_positions(*motion.shape[3:], patch, compute))
-        sigma = torch.cat([sigma.repeat_interleave(2, dim=1), torch.zeros(batch, 3)], dim=1)
-    hidden = torch.cat(tokens, dim=1)
-    length, video = hidden.shape[1], tokens[0].shape[1]
-    repeats = length // sigma.shape[1]
-    step = repeats if repeats * sigma.shape[1] == length else repeats + 1
-    sigma = sigma.repeat_interleave(step, dim=1)[:, :length]  # ComfyUI's repeat_e
-    cos, sin = _whole_rotary(model.rope, torch.cat(positions))
+    hidden, positions, sigma, grid = _whole_sequence(model, x, timestep, reference_latent, reference_motion,
+                                                     control_video)
+    video = grid.numel()
+    rotary = tuple(part.to(device) for part in _whole_rotary(model.rope, positions))
     saved = model.attn_processors, model.condition_embedder.timesteps_proj
     model.set_attn_processor(WanAttnProcessor())
     model.condition_embedder.timesteps_proj = _WanSinusoid(model.config.freq_dim)
     try:
         with torch.no_grad():
-            temb, projection, text, _ = model.condition_embedder(sigma.flatten().to(device), context.to(device, compute),
-                                                                 None, timestep_seq_len=length)
-            projection = projection.unflatten(2, (6, -1))
+            temb, projection, text, _ = model.condition_embedder(
+                sigma.flatten().to(device), context.to(device, compute), None, timestep_seq_len=hidden.shape[1])
             audio = None if audio_embed is None else model.casual_audio_encoder(
-                audio_embed[..., :4 * grid[0]].to(device, compute))
+                audio_embed[..., :4 * int(grid[0])].to(device, compute))
             for index, block in enumerate(model.blocks):
-                hidden = block(hidden, text, projection, (cos.to(device), sin.to(device)))
+                hidden = block(hidden, text, projection.unflatten(2, (6, -1)), rotary)
                 if audio is not None and index in model.s2v_inject_layers:
-                    hidden[:, :video] += _whole_injection(model, model.s2v_inject_layers.index(index), hidden[:, :video],
-                                                          *audio)
+                    injection = model.s2v_inject_layers.index(index)
+                    hidden[:, :video] += _whole_injection(model, injection, hidden[:, :video], *audio)
             shift, scale = (model.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
             hidden = model.norm_out(hidden.float()) * (1 + scale.squeeze(2)) + shift.squeeze(2)
             out = model.proj_out(hidden.to(compute))[:, :video]
     finally:
         model.set_attn_processor(saved[0])
         model.condition_embedder.timesteps_proj = saved[1]
-    out = out.reshape(batch, *grid, *patch, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-    out = out.reshape(batch, out.shape[1], *(n * p for n, p in zip(grid, patch)))
-    return out[:, :, :frames, :height, :width].to(x.dtype).cpu()
+    return _unpatchify(out, grid, tuple(model.config.patch_size))[:, :, :x.shape[2], :x.shape[3], :x.shape[4]] \
+        .to(x.dtype).cpu()
+
+
+def _whole_sequence(model, x, timestep, reference_latent, reference_motion, control_video):
+    """Every token of the call embedded [B, S, dim], their positions [S, 3] and timesteps [B, S] (ComfyUI's entries
+    spread as its repeat_e does), and the video's grid."""
+    from .wan import _wrap_pad
+    compute, device = model.scale_shift_table.dtype, model.scale_shift_table.device
+    patch, batch = tuple(model.config.patch_size), x.shape[0]
+    embedded = model.patch_embedding(_wrap_pad(x, patch).to(device, torch.float32)).to(compute)
+    if control_video is not None:
+        embedded = embedded + model.cond_encoder(_wrap_pad(control_video, patch).to(device, compute))
+    mask = model.trainable_cond_mask.weight
+    tokens, positions = [embedded.flatten(2).transpose(1, 2) + mask[0]], [_grid_positions(embedded.shape[2:])]
+    sigma = timestep.float().reshape(batch, -1).expand(batch, embedded.shape[2]) if timestep.dim() == 1 \
+        else timestep.float()
+    if reference_latent is not None:
+        ref = model.patch_embedding(_wrap_pad(reference_latent, patch).to(device, torch.float32)).to(compute)
+        tokens.append(ref.flatten(2).transpose(1, 2) + mask[1])
+        positions.append(_grid_positions(ref.shape[2:]) + torch.tensor([max(30, embedded.shape[2] + 9), 0, 0]))
+        sigma = torch.cat([sigma, torch.zeros(batch, reference_latent.shape[2])], dim=1)
+    if reference_motion is not None:
+        tokens.append(model.frame_packer(reference_motion.to(device, compute)) + mask[2])
+        positions.append(motion_positions(*reference_motion.shape[3:], patch, compute).double())
+        sigma = torch.cat([sigma.repeat_interleave(2, dim=1), torch.zeros(batch, 3)], dim=1)
+    hidden = torch.cat(tokens, dim=1)
+    length = hidden.shape[1]
+    repeats = length // sigma.shape[1]
+    step = repeats if repeats * sigma.shape[1] == length else repeats + 1
+    return hidden, torch.cat(positions), sigma.repeat_interleave(step, dim=1)[:, :length], embedded.shape[2:]
+
+
+def _grid_positions(grid) -> torch.Tensor:
+    axes = [torch.arange(n, dtype=torch.float64) for n in grid]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+
+
+def _unpatchify(tokens: torch.Tensor, grid, patch) -> torch.Tensor:
+    """[B, n, pt*ph*pw*C] video tokens -> [B, C, T, H, W] (written apart from VideoGrid.write)."""
+    out = tokens.reshape(tokens.shape[0], *grid, *patch, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return out.reshape(tokens.shape[0], out.shape[1], *(n * p for n, p in zip(grid, patch)))
 
 
 def _whole_rotary(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,8 +112,9 @@ _BLOCK.update({"ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2", "norm2": "norm3"
                "proj_out": "after_proj"})
 
 
-_SAME_NAME_MODULES = ("control_adapter.", "audio_proj.", "trainable_cond_mask.", "casual_audio_encoder.", "cond_encoder.",
-                      "audio_injector.", "frame_packer.")  # the variants' modules, named as ComfyUI names them
+# the variants' modules that are named as ComfyUI names them
+_SAME_NAME_MODULES = ("control_adapter.", "audio_proj.", "trainable_cond_mask.", "casual_audio_encoder.",
+                      "cond_encoder.", "audio_injector.", "frame_packer.")
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
