@@ -108,7 +108,7 @@ class PatchSet:
             for name in sorted(tensors):
                 tensor = tensors[name].detach().cpu().contiguous()
                 hasher.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
-                hasher.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+                hasher.update(tensor.reshape(-1).view(torch.uint8).numpy())  # the bytes, not a copy
             self._digest = hasher.hexdigest()
         return self._digest
 

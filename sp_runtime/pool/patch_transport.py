@@ -15,7 +15,7 @@ from .arena import ALIGN
 from .protocol import dtype_to_name, name_to_dtype
 from .segments import Segment, nbytes_of
 
-SETS_KEPT = 4  # patch sets each worker keeps per model: switching between a few LoRA stacks sends nothing
+SETS_KEPT = 3  # patch sets each worker keeps per model (CPU copies): switching back to one sends nothing
 _parts = itertools.count()
 
 
