@@ -7,6 +7,7 @@ COMFYUI_PATH is set, the same patches also equal ComfyUI's own calculate_weight.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ def test_description_round_trips_through_json_and_keeps_its_digest():
 def test_transport_over_shared_memory_copies_the_set_and_leaves_no_segment():
     patches = sample_set()
     patches.targets["double_blocks.0.img_mlp.0.weight"].patches[0].tensors["w2b"] = torch.randn(2, 12).bfloat16()
-    before = set(our_segments())
+    before = set(our_segments(os.getpid()))
     entry, segment = stage_patch_set(patches, "testpatch")
     try:
         json.dumps(entry)  # the request travels as JSON
@@ -65,7 +66,7 @@ def test_transport_over_shared_memory_copies_the_set_and_leaves_no_segment():
     finally:
         segment.release()
     assert_same_set(received, patches)
-    assert set(our_segments()) == before
+    assert set(our_segments(os.getpid())) == before
     kept = KeptSets()
     for digest in "abcde":
         kept.use(digest)

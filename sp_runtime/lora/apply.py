@@ -68,7 +68,8 @@ class LoraState:
         for key, targets in groups.items():
             for target in targets:
                 wanted[target.parameter] = wanted.get(target.parameter, ()) + ((patches.digest, key),)
-        changed = {name for name in set(wanted) | set(self.applied) if wanted.get(name, ()) != self.applied.get(name, ())}
+        changed = {name for name in set(wanted) | set(self.applied)
+                   if wanted.get(name, ()) != self.applied.get(name, ())}
         for targets in groups.values():  # a patched weight is rewritten whole: its patches may need every row
             if any(target.parameter in changed for target in targets):
                 changed.update(target.parameter for target in targets)

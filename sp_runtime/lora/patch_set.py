@@ -92,10 +92,7 @@ class PatchSet:
     def from_message(cls, message: dict, tensor_for: Callable[[str], torch.Tensor]) -> "PatchSet":
         targets = {}
         for key, target in message["targets"].items():
-            patches = tuple(WeightPatch(
-                entry["kind"], {name: tensor_for(ref) for name, ref in entry["tensors"].items()},
-                float(entry["strength"]), None if entry["alpha"] is None else float(entry["alpha"]),
-                float(entry["strength_model"]), tuple(entry["offset"]) if entry["offset"] else None) for entry in target["patches"])
+            patches = tuple(_patch_from(entry, tensor_for) for entry in target["patches"])
             targets[key] = TargetPatches(tuple(target["shape"]), patches)
         return cls(targets, tuple((str(name), float(strength)) for name, strength in message.get("labels", ())))
 
@@ -115,3 +112,10 @@ class PatchSet:
     def summary(self) -> dict:
         """JSON-ready: the digest, the labels with strengths, how many weights it patches."""
         return {"digest": self.digest, "loras": [list(label) for label in self.labels], "weights": len(self.targets)}
+
+
+def _patch_from(entry: dict, tensor_for: Callable[[str], torch.Tensor]) -> WeightPatch:
+    """One patch of a description (its tensors looked up by name); the inverse of WeightPatch.scalars + tensors."""
+    return WeightPatch(entry["kind"], {name: tensor_for(ref) for name, ref in entry["tensors"].items()},
+                       float(entry["strength"]), None if entry["alpha"] is None else float(entry["alpha"]),
+                       float(entry["strength_model"]), tuple(entry["offset"]) if entry["offset"] else None)
