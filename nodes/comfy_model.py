@@ -21,7 +21,7 @@ from sp_runtime.families import FAMILIES, comfy_host
 from sp_runtime.families.checkpoint import SAFETENSORS_DTYPES, count_blocks
 from sp_runtime.formats.detect import plain_view
 
-from .weight_patches import UnsupportedPatch, patch_set_of, translate
+from .weight_patches import UnsupportedPatch, cached_patch_set, translate
 
 log = logging.getLogger("ulysses_sp")
 
@@ -114,8 +114,9 @@ def host_memory_required(input_shape, cond_shapes={}) -> int:
 
 class SPModelPatcher(comfy.model_patcher.ModelPatcher):
     """A ModelPatcher whose weights live in the SP workers. Its diffusion model shows ComfyUI meta tensors of the
-    checkpoint's weights, so stock LoRA nodes find their keys; the weight patches they add are applied in the
-    workers (translated at sampling time, nodes/weight_patches.py), never on the host."""
+    checkpoint's weights, so stock LoRA nodes and LoRA hooks find their keys; the weight patches they add are sent to
+    the workers (translated by nodes/weight_patches.py) instead of being applied on the host: at sampling time the
+    patcher that samples hands its patches, plus those of the hooks of the conditioning being run, to the proxy."""
 
     def model_size(self) -> int:
         """Bytes held in this process (the meta tensors of the weights hold none)."""
@@ -127,39 +128,76 @@ class SPModelPatcher(comfy.model_patcher.ModelPatcher):
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
         added = super().add_patches(patches, strength_patch, strength_model)
         if added:
-            kinds = sorted({_kind(patches[key]) for key in added})
-            self.patch_labels = (*getattr(self, "patch_labels", ()),
-                                 (f"{'/'.join(kinds)} on {len(added)} weights", float(strength_patch)))
-            try:  # refused here, on the node that adds it, rather than at sampling
-                translate({key: self.patches[key] for key in self.patches}, self._proxy().weight_shapes)
-            except UnsupportedPatch as error:
-                raise RuntimeError(f"Ulysses SP model: {error}") from None
+            weights = {key if isinstance(key, str) else key[0] for key in added}
+            label = _label([patches[key] for key in added], len(weights))
+            self.patch_labels = (*self._labels(), (label, float(strength_patch)))
+            _check_supported(self.patches, self._proxy().weight_shapes)  # an error on the node that adds it
+        return added
+
+    def add_hook_patches(self, hook, patches, strength_patch=1.0, strength_model=1.0):
+        added = super().add_hook_patches(hook, patches, strength_patch, strength_model)
+        _check_supported(self.hook_patches.get(hook.hook_ref, {}), self._proxy().weight_shapes)
         return added
 
     def clone(self):
         copy = super().clone()
-        copy.patch_labels = getattr(self, "patch_labels", ())
+        copy.patch_labels = self._labels()
         return copy
 
     def pre_run(self):
         """Right before sampling: the diffusion model sends this patcher's weight patches with its calls."""
         super().pre_run()
-        proxy = self._proxy()
-        proxy.weight_patches = patch_set_of(self, proxy.weight_shapes, getattr(self, "patch_labels", ()))
+        self.unpatch_hooks()
 
-    def add_hook_patches(self, hook, patches, strength_patch=1.0, strength_model=1.0):
-        if strength_patch != 0:
-            raise RuntimeError(
-                "Hook LoRAs / scheduled weight hooks cannot patch a Ulysses SP model: its weights live in the SP "
-                "worker processes. Use the stock 'LoraLoaderModelOnly' (or 'LoRA (Ulysses SP)') node instead.")
-        return super().add_hook_patches(hook, patches, strength_patch, strength_model)
+    def patch_hooks(self, hooks):
+        """ComfyUI would rewrite the weights for the hooks of the conditioning about to run (a hook LoRA at its
+        current keyframe strength): here the workers get this patcher's patches followed by the hooks' instead."""
+        self._send_patches(hooks)
+        self.current_hooks = hooks
+
+    def unpatch_hooks(self, whitelist_keys_set=None) -> None:
+        self._send_patches(None)
+        self.current_hooks = None
+
+    def _send_patches(self, hooks) -> None:
+        if self.model.current_patcher is not self:  # only the patcher that samples drives the workers
+            return
+        combined = self.get_combined_hook_patches(hooks) if hooks is not None else {}
+        patches = {key: [*self.patches.get(key, ()), *combined.get(key, ())]
+                   for key in (*self.patches, *(key for key in combined if key not in self.patches))}
+        used = [hook for hook in (hooks.hooks if combined else ()) if hook.hook_ref in self.hook_patches]
+        labels = self._labels() + tuple((f"hook: {_hook_label(self.hook_patches[hook.hook_ref])}",
+                                         float(hook.strength)) for hook in used)
+        cache_key = (self.patches_uuid, tuple((id(hook.hook_ref), float(hook.strength)) for hook in used))
+        proxy = self._proxy()
+        proxy.weight_patches = cached_patch_set(cache_key, patches, proxy.weight_shapes, labels)
+
+    def _labels(self) -> tuple:
+        return getattr(self, "patch_labels", ())
 
     def _proxy(self):
         return self.get_model_object("diffusion_model")
 
 
+def _check_supported(patches: dict, shapes: dict) -> None:
+    try:
+        translate(patches, shapes)
+    except UnsupportedPatch as error:
+        raise RuntimeError(f"Ulysses SP model: {error}") from None
+
+
+def _label(values: list, weights: int) -> str:
+    """What a person reads in status() for one add_patches call or hook: the patch kinds and how many weights."""
+    return f"{'/'.join(sorted({_kind(value) for value in values}))} on {weights} weights"
+
+
+def _hook_label(hook_patches: dict) -> str:
+    """_label of a hook's patches ({key: [(strength, patch, strength_model, offset, function)]})."""
+    return _label([entry[1] for entries in hook_patches.values() for entry in entries], len(hook_patches))
+
+
 def _kind(value) -> str:
-    """A patch's kind for status labels: the adapter's name (lora, loha, ...) or diff / set."""
+    """A patch's kind: the adapter's name (lora, loha, ...) or diff / set."""
     name = getattr(value, "name", None)
     if name:
         return name

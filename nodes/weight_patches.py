@@ -27,13 +27,14 @@ class UnsupportedPatch(ValueError):
     """A weight patch kind the Ulysses SP workers cannot apply."""
 
 
-def patch_set_of(patcher, shapes: dict[str, tuple[int, ...]], labels=()) -> Optional[PatchSet]:
-    """The PatchSet of a ModelPatcher's weight patches (None when it has none), cached by its patches_uuid."""
-    if not patcher.patches:
+def cached_patch_set(cache_key, patches: dict, shapes: dict[str, tuple[int, ...]], labels=()) -> Optional[PatchSet]:
+    """translate(patches), None when there are none; cached under `cache_key` (a patcher's patches_uuid and what
+    else decides the patches), so a set's digest is computed once."""
+    if not patches:
         return None
-    cache_key = (patcher.patches_uuid, tuple(labels))
+    cache_key = (cache_key, tuple(labels))
     if cache_key not in _cache:
-        _cache[cache_key] = translate(patcher.patches, shapes, labels)
+        _cache[cache_key] = translate(patches, shapes, labels)
         while len(_cache) > CACHED_SETS:
             _cache.popitem(last=False)
     _cache.move_to_end(cache_key)

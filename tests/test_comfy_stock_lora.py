@@ -2,7 +2,8 @@
 own model patched by the same node, for Qwen-Image, Flux and Wan tiny checkpoints, with LoRA files in kohya,
 diffusers / peft, LyCORIS LoHa and LoKr formats written with the real key names (Flux: diffusers names land at
 offsets in the fused qkv / linear1, one with a DoRA scale), at strengths 1.0, 0.5 and -0.7, two stacked, and the
-base MODEL afterwards bitwise as before. Unsupported patches are a clear error; status() lists the patches.
+base MODEL afterwards bitwise as before; a hook LoRA with scheduled strengths on the positive prompt only (cond and
+uncond then run with different weights). Unsupported patches are a clear error; status() lists the patches.
 
 Needs COMFYUI_PATH (a ComfyUI checkout whose requirements are installed in this Python); skipped otherwise.
 """
@@ -157,3 +158,25 @@ def test_status_lists_patches_and_unsupported_patches_are_clear_errors(env):
                     "diffusion_model.img_in.reshape_weight": torch.tensor([96, 128])}
     with pytest.raises(RuntimeError, match="reshape"):
         comfy.sd.load_lora_for_models(env["sp"]["flux"], None, flux_control, 1.0, 0)
+
+
+@pytest.mark.parametrize("family", ["flux"])
+def test_hook_lora_with_scheduled_strengths_equals_comfys_model(family, env):
+    """CreateHookLora + SetHookKeyframes + conditioning hooks, as the hook nodes build them, with a stock LoRA on
+    the MODEL as well: the hook's weights apply to the positive prompt only, at 1.0 then 0.3 from half-way."""
+    import comfy.hooks
+    hooks = comfy.hooks.create_hook_lora(lora_state(family, "loha", 5), strength_model=0.8, strength_clip=0.0)
+    keyframes = comfy.hooks.HookKeyframeGroup()
+    keyframes.add(comfy.hooks.HookKeyframe(strength=1.0, start_percent=0.0))
+    keyframes.add(comfy.hooks.HookKeyframe(strength=0.3, start_percent=0.5))
+    hooks.set_keyframes_on_hooks(keyframes)
+    positive = comfy.hooks.set_hooks_for_conditioning(cs.conditioning(family, 1), hooks)
+    negative = cs.conditioning(family, 2)
+
+    def hooked(model):
+        return cs.sample(with_loras(model, family, [("kohya", 0.5)]), positive, negative, steps=4)
+    actual = hooked(env["sp"][family])
+    cs.assert_close(actual, hooked(env["ref"][family]))
+    plain = cs.sample(with_loras(env["sp"][family], family, [("kohya", 0.5)]), cs.conditioning(family, 1), negative,
+                      steps=4)
+    assert (actual - plain).abs().max() > 1e-3  # the hook matters
