@@ -128,18 +128,19 @@ def test_stock_lora_node_on_sp_model_equals_comfys_model(family, env):
     assert run(sp, family).equal(base)  # the patches came off exactly
 
 
-def test_switching_back_to_a_kept_patch_set_sends_nothing_new(env):
+def test_switching_back_to_a_kept_patch_set_sends_nothing_new(env, monkeypatch):
+    import sp_runtime.pool.pool as pool_module
     family = "qwen_image"
-    first, second = with_loras(env["sp"][family], family, [("kohya", 1.0)]), with_loras(env["sp"][family], family,
-                                                                                        [("lokr", 0.5)])
+    first, second = (with_loras(env["sp"][family], family, [(form, 1.0)]) for form in ("kohya", "lokr"))
     expected = run(first, family)
     run(second, family)
+    sent = []
+    monkeypatch.setattr(pool_module, "stage_patch_set", lambda *args: sent.append(args) or None)
+    assert run(first, family).equal(expected)  # the workers kept the set: only its digest went
+    assert run(second, family).abs().max() > 0 and sent == []
     pool = next(iter(env["owner"]._pools.values()))
-    segments_before = set(pool.segment_names())
-    assert run(first, family).equal(expected)
-    assert set(pool.segment_names()) == segments_before  # no patch segment: the workers kept the set
     model = next(entry for entry in pool.status()["models"] if entry["family"] == family)
-    assert model["weight_patches"]["loras"] == [["lora on 2 weights", 1.0]]
+    assert model["weight_patches"]["loras"] == [["lokr on 1 weights", 1.0]]
 
 
 def test_status_lists_patches_and_unsupported_patches_are_clear_errors(env):
