@@ -136,7 +136,7 @@ class LoraState:
 
         grouped = {target.parameter for targets in change.groups.values() for target in targets}
         deltas = _DeltaCache(change.uses, [name for name in change.names if name not in self.quantized])
-        done = iter(range(1, len(change.names) + 1))
+        done = iter(range(len(change.names)))
         with contextlib.ExitStack() as stack, self.base.reader(self.device) as read_base, torch.no_grad():
             handles = {}
 
