@@ -18,7 +18,10 @@ import comfy.supported_models
 import comfy.utils
 
 from sp_runtime.families import FAMILIES, comfy_host
-from sp_runtime.families.checkpoint import SAFETENSORS_DTYPES
+from sp_runtime.families.checkpoint import SAFETENSORS_DTYPES, count_blocks
+from sp_runtime.formats.detect import plain_view
+
+from .weight_patches import UnsupportedPatch, cached_patch_set, translate
 
 log = logging.getLogger("ulysses_sp")
 
@@ -35,13 +38,25 @@ def meta_state_dict(header) -> dict[str, torch.Tensor]:
     return state
 
 
+def _unprefixed(state: dict) -> dict:
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(state)
+    return comfy.utils.state_dict_prefix_replace(state, {prefix: ""}, filter_keys=True) or state
+
+
+def weight_shapes(header) -> dict[str, tuple[int, ...]]:
+    """The diffusion model's weights as ComfyUI names them (no prefix) with their shapes, from the header: the keys
+    ComfyUI's LoRA matching needs. Quantized files show their logical shapes, without scales and markers; a
+    diffusers-layout file ComfyUI converts on loading shows ComfyUI's converted names."""
+    state = _unprefixed(meta_state_dict(plain_view(header)))
+    if comfy.model_detection.model_config_from_unet(state, "") is None:
+        converted = comfy.model_detection.convert_diffusers_mmdit(state, "")
+        state = converted if converted else state
+    return {name: tuple(tensor.shape) for name, tensor in state.items()}
+
+
 def detect_with_comfy(header):
     """ComfyUI's model config for the checkpoint, as comfy.sd.load_diffusion_model_state_dict detects it, or None."""
-    state = meta_state_dict(header)
-    prefix = comfy.model_detection.unet_prefix_from_state_dict(state)
-    stripped = comfy.utils.state_dict_prefix_replace(state, {prefix: ""}, filter_keys=True)
-    if stripped:
-        state = stripped
+    state = _unprefixed(meta_state_dict(header))
     try:
         config = comfy.model_detection.model_config_from_unet(state, "")
         if config is None:
@@ -98,31 +113,111 @@ def host_memory_required(input_shape, cond_shapes={}) -> int:
 
 
 class SPModelPatcher(comfy.model_patcher.ModelPatcher):
-    """A ModelPatcher whose weights live in the SP workers: weight patches made on the host would do nothing,
-    so they raise a clear error instead of being dropped silently."""
+    """A ModelPatcher whose weights live in the SP workers. Its diffusion model shows ComfyUI meta tensors of the
+    checkpoint's weights, so stock LoRA nodes and LoRA hooks find their keys; the weight patches they add are sent to
+    the workers (translated by nodes/weight_patches.py) instead of being applied on the host: at sampling time the
+    patcher that samples hands its patches, plus those of the hooks of the conditioning being run, to the proxy."""
+
+    def model_size(self) -> int:
+        """Bytes held in this process (the meta tensors of the weights hold none)."""
+        if self.size <= 0:
+            self.size = sum(t.nelement() * t.element_size() for t in self.model.state_dict().values()
+                            if t.device.type != "meta")
+        return self.size
 
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-        # Raise even for an empty dict: ComfyUI finds no LoRA keys in a weightless model, so a stock LoRA node
-        # calls this with {} and would otherwise "succeed" while doing nothing.
-        if strength_patch != 0:
-            raise RuntimeError(
-                "This model is a Ulysses SP model: its weights live in the SP worker processes, so a stock LoRA or "
-                "model-merge node cannot patch it here (the patch would silently do nothing). Use the "
-                "'LoRA (Ulysses SP)' node to apply a LoRA in the workers.")
-        return super().add_patches(patches, strength_patch, strength_model)
+        added = super().add_patches(patches, strength_patch, strength_model)
+        if added:
+            weights = {key if isinstance(key, str) else key[0] for key in added}
+            label = _label([patches[key] for key in added], len(weights))
+            self.patch_labels = (*self._labels(), (label, float(strength_patch)))
+            _check_supported(self.patches, self._proxy().weight_shapes)  # an error on the node that adds it
+        return added
 
     def add_hook_patches(self, hook, patches, strength_patch=1.0, strength_model=1.0):
-        if strength_patch != 0:
-            raise RuntimeError(
-                "Hook LoRAs / weight hooks cannot patch a Ulysses SP model: its weights live in the SP worker "
-                "processes. Use the 'LoRA (Ulysses SP)' node instead.")
-        return super().add_hook_patches(hook, patches, strength_patch, strength_model)
+        added = super().add_hook_patches(hook, patches, strength_patch, strength_model)
+        _check_supported(self.hook_patches.get(hook.hook_ref, {}), self._proxy().weight_shapes)
+        return added
+
+    def clone(self):
+        copy = super().clone()
+        copy.patch_labels = self._labels()
+        return copy
+
+    def pre_run(self):
+        """Right before sampling: the diffusion model sends this patcher's weight patches with its calls."""
+        super().pre_run()
+        self.unpatch_hooks()
+
+    def patch_hooks(self, hooks):
+        """ComfyUI would rewrite the weights for the hooks of the conditioning about to run (a hook LoRA at its
+        current keyframe strength): here the workers get this patcher's patches followed by the hooks' instead."""
+        self._send_patches(hooks)
+        self.current_hooks = hooks
+
+    def unpatch_hooks(self, whitelist_keys_set=None) -> None:
+        self._send_patches(None)
+        self.current_hooks = None
+
+    def _send_patches(self, hooks) -> None:
+        if self.model.current_patcher is not self:  # only the patcher that samples drives the workers
+            return
+        combined = self.get_combined_hook_patches(hooks) if hooks is not None else {}
+        patches = {key: [*self.patches.get(key, ()), *combined.get(key, ())]
+                   for key in (*self.patches, *(key for key in combined if key not in self.patches))}
+        used = [hook for hook in (hooks.hooks if combined else ()) if hook.hook_ref in self.hook_patches]
+        labels = self._labels() + tuple((f"hook: {_hook_label(self.hook_patches[hook.hook_ref])}",
+                                         float(hook.strength)) for hook in used)
+        cache_key = (self.patches_uuid, tuple((id(hook.hook_ref), float(hook.strength)) for hook in used))
+        proxy = self._proxy()
+        proxy.weight_patches = cached_patch_set(cache_key, patches, proxy.weight_shapes, labels)
+
+    def _labels(self) -> tuple:
+        return getattr(self, "patch_labels", ())
+
+    def _proxy(self):
+        return self.get_model_object("diffusion_model")
+
+
+def _check_supported(patches: dict, shapes: dict) -> None:
+    try:
+        translate(patches, shapes)
+    except UnsupportedPatch as error:
+        raise RuntimeError(f"Ulysses SP model: {error}") from None
+
+
+def _label(values: list, weights: int) -> str:
+    """What a person reads in status() for one add_patches call or hook: the patch kinds and how many weights."""
+    return f"{'/'.join(sorted({_kind(value) for value in values}))} on {weights} weights"
+
+
+def _hook_label(hook_patches: dict) -> str:
+    """_label of a hook's patches ({key: [(strength, patch, strength_model, offset, function)]})."""
+    return _label([entry[1] for entries in hook_patches.values() for entry in entries], len(hook_patches))
+
+
+def _kind(value) -> str:
+    """A patch's kind: the adapter's name (lora, loha, ...) or diff / set."""
+    name = getattr(value, "name", None)
+    if name:
+        return name
+    return "diff" if isinstance(value, tuple) and len(value) == 1 else str(value[0]) if value else "?"
+
+
+def _sizes_from_weights(unet_config: dict, shapes: dict) -> None:
+    """ComfyUI's Flux LoRA key map (diffusers names, the fused qkv offsets) reads the width and block counts from
+    unet_config, where ComfyUI's detection writes real Flux.1 sizes whatever the file: take them from the weights."""
+    if unet_config.get("image_model") == "flux" and "img_in.weight" in shapes:
+        unet_config["hidden_size"] = shapes["img_in.weight"][0]
+        unet_config["depth"] = count_blocks(shapes, "double_blocks")
+        unet_config["depth_single_blocks"] = count_blocks(shapes, "single_blocks")
 
 
 def build_sp_model(model_config, proxy: torch.nn.Module, compute_dtype: torch.dtype) -> SPModelPatcher:
     """A MODEL for the stock nodes: ComfyUI's BaseModel of the family with `proxy` as its diffusion_model,
     patched and sampled on the CPU (no weights, no VRAM in the ComfyUI process)."""
     model_config.unet_config["disable_unet_model_creation"] = True
+    _sizes_from_weights(model_config.unet_config, proxy.weight_shapes)
     model_config.set_inference_dtype(compute_dtype, None)
     model_config.memory_usage_factor = HOST_MEMORY_FACTOR
     model = model_config.get_model({}, "")

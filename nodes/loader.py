@@ -11,7 +11,7 @@ from comfy_api.latest import io
 
 from sp_runtime.config import config_from_inputs
 
-from .comfy_model import build_sp_model, comfy_model_config
+from .comfy_model import build_sp_model, comfy_model_config, weight_shapes
 from .model_spec import ModelSpec
 from .pool_owner import OWNER
 from .proxy import SPDiffusionModel
@@ -47,9 +47,9 @@ def load_sp_model(spec: ModelSpec):
     bar = comfy.utils.ProgressBar(100)
     handle = OWNER.load(spec, progress=progress_reporter(bar))
     comfy.model_management.throw_exception_if_processing_interrupted()
-    info = handle.info
-    proxy = SPDiffusionModel(spec, info)
-    return build_sp_model(comfy_model_config(handle.request.header, info), proxy, proxy.dtype)
+    info, header = handle.info, handle.request.header
+    proxy = SPDiffusionModel(spec, info, weight_shapes=weight_shapes(header))
+    return build_sp_model(comfy_model_config(header, info), proxy, proxy.dtype)
 
 
 def pool_inputs() -> list:

@@ -1,5 +1,5 @@
-"""SPLoraLoader, "LoRA (Ulysses SP)": applies a LoRA to an SP model inside the workers (the stock LoRA nodes
-cannot: the weights are not in the ComfyUI process, and they raise a clear error on SP models)."""
+"""SPLoraLoader, "LoRA (Ulysses SP)": applies a LoRA file to an SP model inside the workers, which read the file
+themselves (the stock LoRA nodes work too: ComfyUI matches their keys and the workers apply its patches)."""
 from __future__ import annotations
 
 import comfy.utils

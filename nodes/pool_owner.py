@@ -94,17 +94,18 @@ class PoolOwner:
             log.exception("ulysses-sp: closing the pool on %s failed", list(key))
 
     # ----- models -----
-    def load(self, spec: ModelSpec, progress: Optional[Callable[[float, str], None]] = None):
-        """Handle of spec's model with spec's LoRAs applied, loading it in its pool when needed."""
+    def load(self, spec: ModelSpec, progress: Optional[Callable[[float, str], None]] = None, patches=None):
+        """Handle of spec's model with spec's LoRAs and ComfyUI's weight `patches` (a PatchSet) applied, loading
+        it in its pool when needed."""
         with self._lock:
             pool = self.pool_for(spec.config)
             handle = pool.load_model(spec.path, dtype=spec.dtype, progress=progress, **spec.options)
-            pool.set_loras(handle, [list(lora) for lora in spec.loras], progress)
+            pool.set_loras(handle, [list(lora) for lora in spec.loras], progress, patches)
             return handle
 
-    def call(self, spec: ModelSpec, x, timestep, context=None, should_cancel=None, **extra):
+    def call(self, spec: ModelSpec, x, timestep, context=None, should_cancel=None, patches=None, **extra):
         """One diffusion_model call through the pool (which records the step time for the panel)."""
-        return self.load(spec)(x, timestep, context=context, should_cancel=should_cancel, **extra)
+        return self.load(spec, patches=patches)(x, timestep, context=context, should_cancel=should_cancel, **extra)
 
     # ----- control -----
     def unload_all(self) -> int:

@@ -4,6 +4,7 @@ to the worker pool, polls ComfyUI's Cancel flag while it waits, and turns pool f
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 import torch
 
@@ -12,6 +13,7 @@ import comfy.patcher_extension
 
 from sp_runtime.families import comfy_host
 from sp_runtime.families.base import DTYPES, Cancelled, patch_size_2
+from sp_runtime.lora.patch_set import PatchSet
 
 from .model_spec import ModelSpec
 from .pool_owner import OWNER
@@ -25,13 +27,18 @@ class SPPoolError(RuntimeError):
 
 class SPDiffusionModel(torch.nn.Module):
     """Stands where ComfyUI's diffusion network would be. Attributes ComfyUI's model classes read are plain
-    attributes (dtype, channels, and what the family's ComfyHost lists), never parameters."""
+    attributes (dtype, channels, and what the family's ComfyHost lists), never parameters. Its state dict shows the
+    checkpoint's weights as meta tensors (`weight_shapes`, ComfyUI's names) so ComfyUI's LoRA key matching finds
+    them; `weight_patches` (set by SPModelPatcher.pre_run) goes to the workers with every call."""
 
-    def __init__(self, spec: ModelSpec, info, owner=OWNER):
+    def __init__(self, spec: ModelSpec, info, owner=OWNER, weight_shapes: Optional[dict] = None):
         super().__init__()
         self.spec = spec
         self.info = info
         self.owner = owner
+        self.weight_shapes = dict(weight_shapes or {})
+        self.weight_patches: Optional[PatchSet] = None
+        self._meta: Optional[dict[str, torch.Tensor]] = None
         self.dtype = DTYPES.get(info.compute_dtype, torch.float32)
         self.in_channels = info.in_channels
         self.out_channels = info.out_channels
@@ -43,7 +50,14 @@ class SPDiffusionModel(torch.nn.Module):
             setattr(self, name, getattr(importlib.import_module(module), cls)(*args, **kwargs))
 
     def with_spec(self, spec: ModelSpec) -> "SPDiffusionModel":
-        return SPDiffusionModel(spec, self.info, self.owner)
+        return SPDiffusionModel(spec, self.info, self.owner, self.weight_shapes)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self._meta is None:
+            self._meta = {name: torch.empty(shape, dtype=self.dtype, device="meta")
+                          for name, shape in self.weight_shapes.items()}
+        for name, tensor in self._meta.items():
+            destination[prefix + name] = tensor
 
     def forward(self, x, timestep, context=None, transformer_options={}, **kwargs):
         wrappers = comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL,
@@ -57,7 +71,7 @@ class SPDiffusionModel(torch.nn.Module):
         packing = self.host is not None and self.host.pack_call is not None
         try:
             packed, timestep, extra = self.host.pack_call(x, timestep, extra) if packing else (x, timestep, extra)
-            out = self.owner.call(self.spec, packed, timestep, context=context,
+            out = self.owner.call(self.spec, packed, timestep, context=context, patches=self.weight_patches,
                                   should_cancel=comfy.model_management.processing_interrupted, **extra)
             return self.host.unpack_output(out, x) if packing else out
         except Cancelled:

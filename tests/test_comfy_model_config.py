@@ -97,9 +97,21 @@ def test_sp_model_building_keeps_comfys_sampling_settings(comfy_model, tmp_path)
     config = comfy_model.comfy_model_config(read_checkpoint_header(path), Info("flux", "schnell"))
     proxy = torch.nn.Module()
     proxy.dtype = torch.bfloat16
+    proxy.weight_shapes = comfy_model.weight_shapes(read_checkpoint_header(path))
     model = comfy_model.build_sp_model(config, proxy, torch.bfloat16)
     assert model.model.diffusion_model is proxy and model.model_dtype() == torch.bfloat16
+    unet = model.model.model_config.unet_config  # what ComfyUI's Flux LoRA key map reads: the file's sizes
+    assert (unet["hidden_size"], unet["depth"], unet["depth_single_blocks"]) == (96, 2, 2)
     assert model.get_model_object("model_sampling").shift == 1.0  # schnell: ComfyUI's own sampling settings
     shape = [2, 16, 1, 512, 512]  # a 4096^2 image, cond + uncond
     host_bytes = model.model.memory_required(shape)
     assert host_bytes == 8 * 4 * 2 * 16 * 512 * 512  # a few float32 latents: ComfyUI keeps the CFG batch whole
+
+
+def test_weight_shapes_are_comfys_names_for_every_layout(comfy_model, tmp_path):
+    """ComfyUI's names and shapes of the weights, whatever the file's layout: what its LoRA key matching needs."""
+    original = comfy_model.weight_shapes(read_checkpoint_header(cs.write_tiny("flux", str(tmp_path))))
+    diffusers = comfy_model.weight_shapes(read_checkpoint_header(cs.write_tiny("flux", str(tmp_path),
+                                                                               layout="diffusers")))
+    assert original["double_blocks.0.img_attn.qkv.weight"] == (288, 96)
+    assert diffusers == original

@@ -20,7 +20,7 @@ import comfy_support as cs
 pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 
 EXAMPLES = os.path.join(cs.ROOT, "example_workflows")
-MODEL_FILE_INPUTS = {"unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name"}
+MODEL_FILE_INPUTS = {"unet_name", "clip_name", "clip_name1", "clip_name2", "vae_name", "lora_name"}
 
 
 def load_example(name: str) -> dict:

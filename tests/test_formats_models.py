@@ -152,27 +152,49 @@ def _write_lora(path: str, base: dict) -> dict:
     return deltas
 
 
+def _patch_set():
+    """ComfyUI weight patches on quantized layers (a LoRA at an offset into the fused qkv: low rank; a LoHa: a full
+    difference; an OFT on a layer the LoRA file changes too: it needs the weight) and a diff on a bf16 layer."""
+    from patch_reference import random_patch
+    from sp_runtime.lora.patch_set import PatchSet, TargetPatches
+    patches = {"double_blocks.0.img_attn.qkv.weight": ((288, 96), random_patch("lora", (96, 96), 1, strength=0.7,
+                                                                                 alpha=2.0, offset=(0, 96, 96))),
+               "double_blocks.1.img_mlp.2.weight": ((96, 384), random_patch("loha", (96, 384), 2, strength=-0.7)),
+               "single_blocks.1.linear1.weight": ((672, 96), random_patch("oft", (672, 96), 3, strength=0.5)),
+               "txt_in.weight": ((96, 32), random_patch("diff", (96, 32), 4, strength=1.0))}
+    return PatchSet({key: TargetPatches(shape, (patch,)) for key, (shape, patch) in patches.items()})
+
+
 def test_lora_on_quantized_layers_is_exact_and_comes_off_bitwise(quant_files, tmp_path):
+    from patch_reference import reference
     from sp_runtime.config import SPConfig
     from sp_runtime.pool import WorkerPool
-    path, reference, kinds = quant_files["flux", "comfy_quant"]
+    path, reference_path, kinds = quant_files["flux", "comfy_quant"]
     assert {"double_blocks.0.img_attn.qkv.weight", "single_blocks.1.linear1.weight",
             "double_blocks.1.img_mlp.2.weight", DIFF_MODULE + ".weight"} <= set(kinds)
-    base = load_file(reference)
+    base = load_file(reference_path)
     deltas = _write_lora(str(tmp_path / "lora.safetensors"), base)
     strength = 0.8
     merged = {key: value + strength * deltas[key] if key in deltas else value for key, value in base.items()}
+    patches = _patch_set()
+    patched_state = {**merged, **{key: reference(merged[key], target.patches)
+                                  for key, target in patches.targets.items()}}
     save_file(merged, str(tmp_path / "merged.safetensors"))
-    merged_model = {dtype: flux.load_model(str(tmp_path / "merged.safetensors"), dtype)[0] for dtype in ("fp32", "bf16")}
+    save_file(patched_state, str(tmp_path / "patched.safetensors"))
+    references = {(name, dtype): flux.load_model(str(tmp_path / f"{name}.safetensors"), dtype)[0]
+                  for name in ("merged", "patched") for dtype in ("fp32", "bf16")}
     with WorkerPool(SPConfig(["cpu"] * 2)) as workers:
         for dtype, reference_dtype, tolerance in (("fp32", "fp32", "float32"), ("default", "bf16", "bfloat16")):
             x, t, inputs = make_case("flux", bf16_timesteps=reference_dtype == "bf16")
-            expected = flux.reference_forward(merged_model[reference_dtype], x, t, **inputs)
             handle = workers.load_model(path, dtype)
             plain = handle(x, t, **inputs)
             handle.set_loras([[str(tmp_path / "lora.safetensors"), strength]])
             patched = handle(x, t, **inputs)
             assert relative_error(patched, plain) > 1e-2  # the LoRA matters
+            expected = flux.reference_forward(references["merged", reference_dtype], x, t, **inputs)
             assert_parity(patched, expected, tolerance, f"quant_lora/{dtype}")
+            handle.set_loras([[str(tmp_path / "lora.safetensors"), strength]], patches=patches)
+            expected = flux.reference_forward(references["patched", reference_dtype], x, t, **inputs)
+            assert_parity(handle(x, t, **inputs), expected, tolerance, f"quant_patches/{dtype}")
             handle.set_loras([])
             assert torch.equal(handle(x, t, **inputs), plain)

@@ -38,8 +38,8 @@ class FakePool:
             progress(1.0, "loaded")
         return self.handles.setdefault((path, dtype), FakeHandle(path, dtype, options))
 
-    def set_loras(self, handle, loras, progress=None):
-        self.lora_calls.append((handle, loras))
+    def set_loras(self, handle, loras, progress=None, patches=None):
+        self.lora_calls.append((handle, loras) if patches is None else (handle, loras, patches))
 
     def unload_all(self):
         count, self.handles = len(self.handles), {}
@@ -121,6 +121,8 @@ def test_every_load_asks_the_pool_for_the_specs_loras(owner):
     handle = owner.load(with_lora)
     assert owner.load(base) is handle  # same weights: one model in the pool, whose LoRA list follows the spec
     assert owner.pools[0].lora_calls == [(handle, [["/loras/x.safetensors", 0.5]]), (handle, [])]
+    owner.call(base, torch.zeros(1, 4), 0.5, patches="stock LoRA patch set")  # the stock nodes' weight patches
+    assert owner.pools[0].lora_calls[-1] == (handle, [], "stock LoRA patch set")
 
 
 def test_every_load_and_call_asks_the_pool_so_a_file_replaced_on_disk_is_seen(owner):

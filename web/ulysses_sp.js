@@ -225,7 +225,8 @@ function renderModels(pool) {
   const models = pool.models.length ? pool.models.map((model) => {
     const facts = [model.family, model.variant, model.weight_dtype || model.dtype, model.quant,
       model.options && model.options.shard_weights ? "sharded" : null].filter(Boolean).join(" · ");
-    const loras = (model.loras || []).map((lora) => `${fileName(lora[0])} x${lora[1]}`);
+    const loras = (model.loras || []).map((lora) => `${fileName(lora[0])} x${lora[1]}`)
+      .concat(((model.weight_patches || {}).loras || []).map((lora) => `${lora[0]} x${lora[1]}`));
     return el("li", { className: "usp-model" }, el("b", {}, fileName(model.path)), ` ${facts}`,
       loras.length ? el("div", { className: "usp-muted" }, `LoRAs: ${loras.join(", ")}`) : null);
   }) : [el("li", { className: "usp-model usp-none" }, "no model loaded")];

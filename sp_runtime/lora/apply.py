@@ -21,6 +21,9 @@ from ..formats import QuantLinear
 from .base import BaseWeights
 from .files import Adapter, LoraFile, adapter_delta, adapter_factors, file_identity, read_lora_file
 from .keys import KeyResolver, Target, family_plans
+from .patch_math import is_additive, low_rank, patched_weight
+from .patch_set import PatchSet
+from .patch_targets import assemble, resolve_patch_targets, row_sources, split
 from .rounding import store_as
 
 Progress = Optional[Callable[[float, str], None]]
@@ -52,17 +55,26 @@ class LoraState:
         self._base: Optional[BaseWeights] = None
         self._resolver: Optional[KeyResolver] = None
 
-    def set(self, loras: Sequence[Sequence], progress: Progress = None) -> dict:
-        """Make the weights base + the given LoRAs ([[path, strength], ...], in order); returns a summary."""
+    def set(self, loras: Sequence[Sequence], progress: Progress = None, patches: Optional[PatchSet] = None) -> dict:
+        """Make the weights base + the given LoRAs ([[path, strength], ...], in order), then ComfyUI's weight
+        `patches` (stock LoRA nodes) on top; returns a summary."""
         parameters = self._targets()
         files = [self._file(path) for path, _ in loras]
         strengths = [float(strength) for _, strength in loras]
         uses = self._uses(files, strengths, parameters)
+        groups = resolve_patch_targets(patches, self.resolver, parameters) if patches else {}
         wanted = {name: tuple((files[use.entry].identity, strengths[use.entry]) for use in group)
                   for name, group in uses.items()}
-        changed = sorted((name for name in set(wanted) | set(self.applied)
-                          if wanted.get(name, ()) != self.applied.get(name, ())), key=self.base.order)
-        self._write(changed, uses, wanted, files, strengths, parameters, progress)
+        for key, targets in groups.items():
+            for target in targets:
+                wanted[target.parameter] = wanted.get(target.parameter, ()) + ((patches.digest, key),)
+        changed = {name for name in set(wanted) | set(self.applied)
+                   if wanted.get(name, ()) != self.applied.get(name, ())}
+        for targets in groups.values():  # a patched weight is rewritten whole: its patches may need every row
+            if any(target.parameter in changed for target in targets):
+                changed.update(target.parameter for target in targets)
+        changed = sorted(changed, key=self.base.order)
+        self._write(_Change(changed, uses, wanted, files, strengths, parameters, groups, patches), progress)
         skipped = sorted({module for lora in files for module in lora.skipped})  # the host logs them
         return {"parameters": len(wanted), "updated": len(changed), "skipped": skipped}
 
@@ -119,11 +131,12 @@ class LoraState:
         return uses
 
     # ---- writing ------------------------------------------------------------------------------------------------
-    def _write(self, changed: list[str], uses: dict[str, list[_Use]], wanted: dict, files: list[LoraFile],
-               strengths: list[float], parameters: dict, progress: Progress) -> None:
+    def _write(self, change: "_Change", progress: Progress) -> None:
         from safetensors import safe_open
 
-        deltas = _DeltaCache(uses, [name for name in changed if name not in self.quantized])
+        grouped = {target.parameter for targets in change.groups.values() for target in targets}
+        deltas = _DeltaCache(change.uses, [name for name in change.names if name not in self.quantized])
+        done = iter(range(len(change.names)))
         with contextlib.ExitStack() as stack, self.base.reader(self.device) as read_base, torch.no_grad():
             handles = {}
 
@@ -132,19 +145,58 @@ class LoraState:
                     handles[path] = stack.enter_context(safe_open(path, framework="pt", device=str(self.device)))
                 return handles[path]
 
-            for done, name in enumerate(changed):
-                if name in self.quantized:
-                    self.quantized[name].deltas = [_unmerged(use, strengths[use.entry], handle(files[use.entry].path))
-                                                   for use in uses.get(name, ())]
-                    self._record(name, wanted, progress, done, len(changed))
+            def file_deltas(name: str) -> list:
+                return [_unmerged(use, change.strengths[use.entry], handle(change.files[use.entry].path))
+                        for use in change.uses.get(name, ())]
+
+            def value(name: str) -> torch.Tensor:
+                """base + the LoRA files, float32"""
+                parameter = change.parameters[name]
+                result = read_base(name, parameter.dtype).to(torch.float32, copy=True)  # never the read tensor
+                for use in change.uses.get(name, ()):
+                    delta = deltas.get(use, handle(change.files[use.entry].path))
+                    result += (change.strengths[use.entry] * use.adapter.scale) * delta.reshape(result.shape)
+                return result
+
+            for name in change.names:
+                if name in grouped:
                     continue
-                parameter = parameters[name]
-                value = read_base(name, parameter.dtype).to(torch.float32, copy=True)  # never the read tensor
-                for use in uses.get(name, ()):
-                    delta = deltas.get(use, handle(files[use.entry].path))
-                    value += (strengths[use.entry] * use.adapter.scale) * delta.reshape(value.shape)
-                parameter.copy_(store_as(value, parameter.dtype, name))
-                self._record(name, wanted, progress, done, len(changed))
+                if name in self.quantized:
+                    self.quantized[name].deltas = file_deltas(name)
+                else:
+                    change.parameters[name].copy_(store_as(value(name), change.parameters[name].dtype, name))
+                self._record(name, change.wanted, progress, next(done), len(change.names))
+            members = set(change.names)
+            for key, targets in change.groups.items():
+                if targets[0].parameter in members:  # a group changes whole
+                    self._write_patched(key, targets, change, value, file_deltas)
+                    for target in targets:
+                        self._record(target.parameter, change.wanted, progress, next(done), len(change.names))
+
+    def _write_patched(self, key: str, targets: list, change: "_Change", value, file_deltas) -> None:
+        """One checkpoint weight under ComfyUI patches: put together from its parameters (each base + LoRA files),
+        patched, split back; quantized parameters get the change as unmerged terms."""
+        target = change.patches.targets[key]
+        sources = row_sources(target.shape, targets, self.device)
+        names = [found.parameter for found in targets]
+        quantized = {name: file_deltas(name) for name in names if name in self.quantized}
+        if quantized and all(is_additive(patch) for patch in target.patches):
+            for name, terms in _additive_terms(key, target, targets, sources, change.parameters).items():
+                if name in quantized:
+                    self.quantized[name].deltas = quantized[name] + terms
+            names = [name for name in names if name not in quantized]
+            if not names:
+                return
+        values = {name: _merged(self.quantized[name], quantized[name]) if name in quantized else value(name)
+                  for name in (found.parameter for found in targets)}
+        weight = assemble(target.shape, targets, values, sources)
+        patched = split(patched_weight(weight, target.patches, key), targets, sources, change.parameters)
+        for name in names:
+            if name in quantized:
+                self.quantized[name].deltas = quantized[name] + [(patched[name] - values[name], None, 1.0)]
+            else:
+                parameter = change.parameters[name]
+                parameter.copy_(store_as(patched[name], parameter.dtype, name))
 
     def _record(self, name: str, wanted: dict, progress: Progress, done: int, total: int) -> None:
         if wanted.get(name):
@@ -162,6 +214,46 @@ def _unmerged(use: _Use, strength: float, handle) -> tuple:
     transform = use.target.transform or (lambda tensor: tensor)
     factor = strength * use.adapter.scale
     return (first, transform(up), factor) if up is not None else (transform(first), None, factor)
+
+
+@dataclass
+class _Change:
+    """What one `set` rewrites: the changed parameters in write order and everything their values come from."""
+
+    names: list[str]
+    uses: dict
+    wanted: dict
+    files: list[LoraFile]
+    strengths: list[float]
+    parameters: dict[str, torch.Tensor]
+    groups: dict[str, list[Target]]
+    patches: Optional[PatchSet]
+
+
+def _merged(module: QuantLinear, deltas: list) -> torch.Tensor:
+    """A quantized weight as it acts: dequantized (float32) plus its unmerged LoRA terms."""
+    weight = module.quant.dequantize(torch.float32)
+    for first, up, factor in deltas:
+        weight += factor * (first if up is None else up @ first)
+    return weight
+
+
+def _additive_terms(key: str, target, targets: list[Target], sources: list, parameters: dict) -> dict[str, list]:
+    """QuantLinear.deltas terms of additive patches per parameter: low-rank pairs for plain LoRAs (their up rows
+    placed at the patch's offset), else the summed difference."""
+    pairs = [low_rank(patch) for patch in target.patches]
+    if all(pair is not None for pair in pairs) and all(p.offset is None or p.offset[0] == 0 for p in target.patches):
+        terms: dict[str, list] = {found.parameter: [] for found in targets}
+        for patch, (down, up, factor) in zip(target.patches, pairs):
+            rows = torch.zeros(target.shape[0], up.shape[1], device=up.device)
+            start, length = (patch.offset[1], patch.offset[2]) if patch.offset else (0, target.shape[0])
+            rows.narrow(0, start, length).copy_(up)
+            for found, source in zip(targets, sources):
+                terms[found.parameter].append((down, rows[source.to(rows.device)], factor))
+        return terms
+    total = patched_weight(torch.zeros(target.shape, device=sources[0].device), target.patches, key)
+    return {name: [(delta.reshape(parameters[name].shape[0], -1), None, 1.0)]
+            for name, delta in split(total, targets, sources, parameters).items()}
 
 
 class _DeltaCache:

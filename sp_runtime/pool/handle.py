@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..families.base import LoadRequest, ModelInfo
+from ..lora.patch_set import PatchSet
 from ..lora.spec import LoraList
 
 
@@ -19,6 +20,7 @@ class ModelHandle:
         self.request = request
         self.info = info
         self.loras: LoraList = loras  # ((absolute path, strength), ...) applied before each call
+        self.patches: Optional[PatchSet] = None  # ComfyUI weight patches applied after them
 
     @property
     def key(self) -> str:
@@ -43,15 +45,17 @@ class ModelHandle:
         timestep = validate_call(self.info, x, timestep, {"context": context, **extra})
         return self._pool.run(self, x, timestep, {"context": context, **extra}, should_cancel)
 
-    def set_loras(self, loras: Sequence, progress=None) -> dict:
+    def set_loras(self, loras: Sequence, progress=None, patches: Optional[PatchSet] = None) -> dict:
         """See WorkerPool.set_loras."""
-        return self._pool.set_loras(self, loras, progress)
+        return self._pool.set_loras(self, loras, progress, patches)
 
     def unload(self) -> None:
         self._pool.unload(self)
 
     def __copy__(self) -> "ModelHandle":
-        return ModelHandle(self._pool, self.request, self.info, self.loras)
+        copy = ModelHandle(self._pool, self.request, self.info, self.loras)
+        copy.patches = self.patches
+        return copy
 
     def __deepcopy__(self, memo: dict) -> "ModelHandle":
         # Copies share the pool: ComfyUI deep-copies models (and their diffusion_model proxy) freely.

@@ -18,12 +18,14 @@ import torch
 from ..config import SPConfig
 from ..families.base import Cancelled, LoadRequest, ModelInfo, ProgressFn
 from ..families.header import checkpoint_stamp, read_checkpoint_header
+from ..lora.patch_set import PatchSet
 from ..lora.spec import LoraList, normalize_loras
 from .arena import InputArena, OutputArena
 from .control import ControlBlock
 from .errors import PoolClosedError, PoolForkedError, PoolStartError, WorkerError
 from .handle import ModelHandle
 from .ownership import OwnerLock, new_token
+from .patch_transport import KeptSets, stage_patch_set
 from .protocol import recv, send
 from .requests import POLL_S, Exchange, Timeouts, call_message, tail_of
 from .segments import claim_names, clean_stale_segments, release_retired
@@ -69,6 +71,8 @@ class WorkerPool:
         self._models: dict[str, tuple[LoadRequest, ModelInfo]] = {}  # loaded by the user and not unloaded
         self._resident: set[str] = set()          # resident in the current workers
         self._applied_loras: dict[str, Optional[LoraList]] = {}  # in the current workers; None: unknown (failed)
+        self._applied_patches: dict[str, Optional[PatchSet]] = {}  # ComfyUI weight patches there, per model
+        self._kept_patches: dict[str, KeptSets] = {}  # the digests each model's workers keep (sent once)
         self._listeners: list[Listener] = []
         self._steps = steps
         self.last_step: Optional[dict] = None
@@ -137,8 +141,10 @@ class WorkerPool:
             info = self._make_resident(request, progress)
         return ModelHandle(self, request, info)
 
-    def set_loras(self, handle: ModelHandle, loras: Sequence, progress: Optional[ProgressFn] = None) -> dict:
-        """Apply LoRAs [[path, strength], ...] to a loaded model in every worker, replacing its previous list.
+    def set_loras(self, handle: ModelHandle, loras: Sequence, progress: Optional[ProgressFn] = None,
+                  patches: Optional[PatchSet] = None) -> dict:
+        """Apply LoRAs [[path, strength], ...] to a loaded model in every worker, replacing its previous list, and
+        then `patches` (ComfyUI's weight patches, e.g. from its stock LoRA nodes), replacing the previous set.
 
         Afterwards the weights are base + sum of strength x delta (in list order); [] or strength 0 give the base
         weights back exactly. The workers read the files; only the parameters whose LoRAs change are rewritten.
@@ -152,11 +158,11 @@ class WorkerPool:
             self._ensure_running()
             self._follow_file(handle)
             self._make_resident(handle.request, None)
-            if self._applied_loras.get(handle.key) == wanted:
+            if self._holds(handle.key, wanted, patches):
                 summary = {"parameters": None, "updated": 0, "skipped": []}
             else:
-                summary = self._apply_loras(handle, wanted, progress)
-        handle.loras = wanted
+                summary = self._apply_loras(handle, wanted, progress, patches)
+        handle.loras, handle.patches = wanted, patches
         return summary
 
     def unload(self, model: Union[ModelHandle, str]) -> None:
@@ -167,7 +173,7 @@ class WorkerPool:
             if key in self._resident and self._state == "idle":
                 self._request({"op": "unload", "key": key})
             self._resident.discard(key)
-            self._applied_loras.pop(key, None)
+            self._forget_loras(key)
         self._emit({"event": "unloaded", "model": key})
 
     def unload_all(self) -> int:
@@ -178,7 +184,7 @@ class WorkerPool:
                 self._request({"op": "unload", "all": True})
             self._models.clear()
             self._resident.clear()
-            self._applied_loras.clear()
+            self._forget_loras()
         self._emit({"event": "unloaded", "model": None})
         return count
 
@@ -192,8 +198,8 @@ class WorkerPool:
             self._ensure_running()
             self._follow_file(handle)
             self._make_resident(handle.request, None)
-            if self._applied_loras.get(handle.key) != handle.loras:
-                self._apply_loras(handle, handle.loras, None)
+            if not self._holds(handle.key, handle.loras, handle.patches):
+                self._apply_loras(handle, handle.loras, None, handle.patches)
             if should_cancel is not None and should_cancel():
                 raise Cancelled("cancelled before the call was sent to the workers")
             return self._call(handle, x, timestep, kwargs, should_cancel)
@@ -222,7 +228,8 @@ class WorkerPool:
                 "layout": self.config.layout_name, "backend": self.config.backend,
                 "world_size": self.config.world_size, "restarts": self.restarts, "log_dir": self._run.path,
                 "last_error": self.last_error,
-                "models": [_model_entry(request, info, key in self._resident, self._applied_loras.get(key))
+                "models": [_model_entry(request, info, key in self._resident, self._applied_loras.get(key),
+                                        self._applied_patches.get(key))
                            for key, (request, info) in self._models.items()],
                 "shared_memory": self.segment_names(), "last_step": self.last_step, "ranks": ranks, **self.stats}
 
@@ -351,7 +358,7 @@ class WorkerPool:
         _stop(self._workers, graceful)
         self._close_rendezvous()
         self._resident.clear()
-        self._applied_loras.clear()
+        self._forget_loras()
 
     def _close_rendezvous(self) -> None:
         if self._rendezvous is not None:
@@ -386,6 +393,7 @@ class WorkerPool:
             self._models[request.key] = (request, ModelInfo(**infos[0]))
             self._resident.add(request.key)
             self._applied_loras[request.key] = ()  # freshly loaded: base weights
+            self._applied_patches[request.key] = None
             self._emit({"event": "loaded", "model": _model_entry(request, self._models[request.key][1], True)})
         return self._models[request.key][1]
 
@@ -404,18 +412,50 @@ class WorkerPool:
                 log.warning("%s changed on disk since it was loaded: loading it as it is now", handle.path)
                 handle.request, handle.info = current, self._make_resident(current, None)
 
-    def _apply_loras(self, handle: ModelHandle, loras: LoraList, progress: Optional[ProgressFn]) -> dict:
+    def _holds(self, key: str, loras: LoraList, patches: Optional[PatchSet]) -> bool:
+        """Whether the workers' copy of the model carries exactly these LoRAs and weight patches."""
+        if key not in self._applied_patches or self._applied_loras.get(key) != loras:
+            return False
+        applied = self._applied_patches[key]
+        return (applied.digest if applied else None) == (patches.digest if patches else None)
+
+    def _forget_loras(self, key: Optional[str] = None) -> None:
+        """The workers' LoRA state of a model (or of all) is gone or unknown."""
+        for table in (self._applied_loras, self._applied_patches, self._kept_patches):
+            if key is None:
+                table.clear()
+            else:
+                table.pop(key, None)
+
+    def _apply_loras(self, handle: ModelHandle, loras: LoraList, progress: Optional[ProgressFn],
+                     patches: Optional[PatchSet] = None) -> dict:
         key = handle.key
         self._applied_loras[key] = None  # a failure part-way leaves the workers' state unknown until it succeeds
-        replies = self._request({"op": "set_loras", "key": key, "loras": [list(lora) for lora in loras]},
-                                on_progress=_quiet(progress))
-        self._applied_loras[key] = loras
+        self._applied_patches.pop(key, None)
+        kept = self._kept_patches.setdefault(key, KeptSets())
+        message = {"op": "set_loras", "key": key, "loras": [list(lora) for lora in loras], "patches": None}
+        segment = None
+        try:
+            if patches is not None and patches.digest in kept:
+                message["patches"] = {"digest": patches.digest}
+            elif patches is not None:
+                message["patches"], segment = stage_patch_set(patches, self._token, self._run.ensure)
+            replies = self._request(message, on_progress=_quiet(progress))
+        except BaseException:
+            self._kept_patches.pop(key, None)
+            raise
+        finally:
+            if segment is not None:
+                segment.release()
+        if patches is not None:
+            kept.use(patches.digest)
+        self._applied_loras[key], self._applied_patches[key] = loras, patches
         summary = replies[0]
         if summary.get("skipped"):
             log.warning("LoRA modules for the text encoder were skipped (the diffusion model has no such weights): "
                         "%s", summary["skipped"][:8])
         self._emit({"event": "loras", "model": handle.path, "loras": [list(lora) for lora in loras],
-                    "updated": summary.get("updated")})
+                    "patches": patches.summary() if patches else None, "updated": summary.get("updated")})
         return {name: summary.get(name) for name in ("parameters", "updated", "skipped")}
 
     def _progress_relay(self, request: LoadRequest, progress: Optional[ProgressFn]):
@@ -529,10 +569,12 @@ def _resolved(path) -> str:
     return os.path.realpath(os.path.expanduser(os.fspath(path)))
 
 
-def _model_entry(request: LoadRequest, info: ModelInfo, resident: bool,
-                 loras: Optional[LoraList] = ()) -> dict:
+def _model_entry(request: LoadRequest, info: ModelInfo, resident: bool, loras: Optional[LoraList] = (),
+                 patches: Optional[PatchSet] = None) -> dict:
+    """A model in status(): its file, options, LoRA files and ComfyUI weight patches (labels with strengths)."""
     return {"key": request.key, "path": request.path, "dtype": request.dtype, "options": request.options,
-            "resident": resident, "loras": [list(lora) for lora in loras or ()], **info.to_dict()}
+            "resident": resident, "loras": [list(lora) for lora in loras or ()],
+            "weight_patches": patches.summary() if patches else None, **info.to_dict()}
 
 
 def _model_summary(request: LoadRequest, info: ModelInfo) -> dict:

@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from .context import DeviceCache, WorkerCallContext, view_key
 from .control import ControlBlock
 from .errors import CPU_OUT_OF_MEMORY
 from .orphan import guard
+from .patch_transport import KeptSets, read_patch_set
 from .protocol import decode_tree, name_to_dtype, recv, send
 from .segments import Segment, release_retired
 
@@ -69,6 +71,7 @@ class Worker:
         self.models: dict = {}
         self.requests: dict[str, LoadRequest] = {}
         self.lora_states: dict = {}  # model key -> sp_runtime.lora.apply.LoraState, once a LoRA was set
+        self.patch_sets: dict[str, KeptSets] = {}  # model key -> ComfyUI weight patch sets received for it
         self.cache = DeviceCache()
         self.calls = 0
 
@@ -178,6 +181,7 @@ class Worker:
             self.models.pop(key, None)
             self.requests.pop(key, None)
             self.lora_states.pop(key, None)
+            self.patch_sets.pop(key, None)
         self.cache.clear()
         gc.collect()
         if self.device.type == "cuda":
@@ -185,7 +189,9 @@ class Worker:
         return {"models": list(self.models)}
 
     def op_set_loras(self, message: dict) -> dict:
-        """Make a loaded model's weights base + the LoRAs [[path, strength], ...] ([] restores the base weights)."""
+        """Make a loaded model's weights base + the LoRAs [[path, strength], ...] + a ComfyUI weight patch set
+        (message["patches"]: None, or its digest, with the set itself when this worker does not keep it yet);
+        no LoRAs and no patches restore the base weights."""
         key = message["key"]
         if key not in self.models:
             raise KeyError(f"model {key} is not loaded in worker rank {self.rank}")
@@ -194,7 +200,18 @@ class Worker:
             from ..lora.apply import lora_state
             request = self.requests[key]
             self.lora_states[key] = lora_state(self.models[key], request.header or request.path, self.device)
-        return self.lora_states[key].set(message["loras"], self._progress_fn(message["id"]))
+        patches = self._patch_set(key, message.get("patches"))
+        return self.lora_states[key].set(message["loras"], self._progress_fn(message["id"]), patches)
+
+    def _patch_set(self, key: str, entry: Optional[dict]):
+        if entry is None:
+            return None
+        kept = self.patch_sets.setdefault(key, KeptSets())
+        if "set" in entry:
+            return kept.use(entry["digest"], read_patch_set(entry))
+        if entry["digest"] not in kept:
+            raise KeyError(f"weight patch set {entry['digest']} is not kept in worker rank {self.rank}")
+        return kept.use(entry["digest"])
 
     def op_call(self, message: dict) -> dict:
         model = self.models.get(message["key"])
@@ -240,6 +257,7 @@ class Worker:
 
     def shutdown(self) -> None:
         self.lora_states.clear()
+        self.patch_sets.clear()
         self.models.clear()
         self.cache.clear()
         if dist.is_initialized():
