@@ -32,6 +32,7 @@ from .header import Header, header_config, read_checkpoint_header
 from .video_tokens import VideoGrid, pad_to_patch_3d
 from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY,
                              folder_overrides, wan_key_plan)
+from .wan_common import WanSinusoid, wan_sinusoid, wrap_pad
 from .wan_checkpoint import detect  # noqa: F401 - the family's detector (found here through FAMILIES)
 from .wan_camera import CameraAddedEmbedding, attach_camera_adapter, camera_tokens
 from .wan_humo import HumoAudio, attach_humo_modules, audio_reference_hooks, humo_block, prepare_audio
@@ -420,19 +421,6 @@ def image_context(model, clip_fea: torch.Tensor) -> torch.Tensor:
     return embedder.norm2(embedder.ff(embedder.norm1(clip_fea)))
 
 
-def wan_sinusoid(dim: int, timestep: torch.Tensor) -> torch.Tensor:
-    """Wan's own sinusoidal_embedding_1d, [cos, sin] of float32 angles, which ComfyUI uses.
-
-    Restated because diffusers' Timesteps rounds its frequencies differently (up to 6e-5 apart at t = 1000, which
-    shows in the output at 1e-5 of its scale).
-    """
-    half = dim // 2
-    position = timestep.float()
-    angles = torch.outer(position, torch.pow(10000, -torch.arange(half, device=position.device).to(position)
-                                             .div(half)))
-    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
-
-
 def time_embeddings(model, sigma: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """timestep [b] or [b, E] (E per-frame entries) -> (temb [b, E', dim], projection [b, E', 6, dim]), E' = E or 1."""
     if sigma.dim() not in (1, 2):
@@ -508,9 +496,9 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     humo = getattr(model, "audio_proj", None) is not None
     if humo and reference_latent is not None:
         time_dim_concat, reference_latent = reference_latent, None
-    latent = _wrap_pad(x, patch)
+    latent = wrap_pad(x, patch)
     if time_dim_concat is not None:
-        latent = torch.cat([latent, _wrap_pad(time_dim_concat, patch).expand(x.shape[0], -1, -1, -1, -1)], dim=2)
+        latent = torch.cat([latent, wrap_pad(time_dim_concat, patch).expand(x.shape[0], -1, -1, -1, -1)], dim=2)
     lead = int(reference_latent is not None and getattr(model, "ref_conv", None) is not None)
     if lead:
         latent = torch.cat([torch.zeros_like(latent[:, :, :1]), latent], dim=2)
@@ -532,9 +520,9 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     extra = {} if vace_context is None else _diffusers_vace_arguments(model, vace_context, vace_strength, patch)
     saved = model.attn_processors, model.condition_embedder.timesteps_proj, model.patch_embedding
     model.set_attn_processor(WanAttnProcessor())
-    model.condition_embedder.timesteps_proj = _WanSinusoid(model.config.freq_dim)
+    model.condition_embedder.timesteps_proj = WanSinusoid(model.config.freq_dim)
     if lead:
-        reference = _wrap_pad(reference_latent.unsqueeze(2), patch)[:, :, 0]
+        reference = wrap_pad(reference_latent.unsqueeze(2), patch)[:, :, 0]
         model.patch_embedding = ReferenceFirstEmbedding(model, reference.to(device, compute))
     if camera_conditions is not None and getattr(model, "control_adapter", None) is not None:
         model.patch_embedding = CameraAddedEmbedding(model, camera_conditions.to(device, compute))
@@ -557,23 +545,5 @@ def _diffusers_vace_arguments(model, vace_context: torch.Tensor, vace_strength: 
         raise ValueError("diffusers' WanVACETransformer3DModel takes one hint video (vace_context [B, 1, ...])")
     strength = 1.0 if vace_strength is None else float(vace_strength[0])
     device, compute = model.scale_shift_table.device, model.scale_shift_table.dtype
-    return {"control_hidden_states": _wrap_pad(vace_context[:, 0], patch).to(device, compute),
+    return {"control_hidden_states": wrap_pad(vace_context[:, 0], patch).to(device, compute),
             "control_hidden_states_scale": torch.full((len(model.config.vace_layers),), strength, device=device)}
-
-
-class _WanSinusoid(torch.nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.dim = dim
-
-    def forward(self, timestep: torch.Tensor) -> torch.Tensor:
-        return wan_sinusoid(self.dim, timestep)
-
-
-def _wrap_pad(latent: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
-    """Circular padding by concatenating each axis' first entries (written apart from pad_to_patch_3d)."""
-    for axis, size in enumerate(patch, start=2):
-        extra = (-latent.shape[axis]) % size
-        if extra:
-            latent = torch.cat([latent, latent.narrow(axis, 0, extra)], dim=axis)
-    return latent

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d, patch_linear
+from .wan_common import WanSinusoid, wrap_pad
 from .wan_humo import AudioAttention, frame_local_attention
 
 LATENT_CHANNELS = 16
@@ -338,7 +339,6 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
     its stock attention processors."""
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-    from .wan import _WanSinusoid
     compute, device = model.scale_shift_table.dtype, model.scale_shift_table.device
     hidden, positions, sigma, grid = _whole_sequence(model, x, timestep, reference_latent, reference_motion,
                                                      control_video)
@@ -346,7 +346,7 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
     rotary = tuple(part.to(device) for part in _whole_rotary(model.rope, positions))
     saved = model.attn_processors, model.condition_embedder.timesteps_proj
     model.set_attn_processor(WanAttnProcessor())
-    model.condition_embedder.timesteps_proj = _WanSinusoid(model.config.freq_dim)
+    model.condition_embedder.timesteps_proj = WanSinusoid(model.config.freq_dim)
     try:
         with torch.no_grad():
             temb, projection, text, _ = model.condition_embedder(
@@ -371,18 +371,17 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
 def _whole_sequence(model, x, timestep, reference_latent, reference_motion, control_video):
     """Every token of the call embedded [B, S, dim], their positions [S, 3] and timesteps [B, S] (ComfyUI's entries
     spread as its repeat_e does), and the video's grid."""
-    from .wan import _wrap_pad
     compute, device = model.scale_shift_table.dtype, model.scale_shift_table.device
     patch, batch = tuple(model.config.patch_size), x.shape[0]
-    embedded = model.patch_embedding(_wrap_pad(x, patch).to(device, torch.float32)).to(compute)
+    embedded = model.patch_embedding(wrap_pad(x, patch).to(device, torch.float32)).to(compute)
     if control_video is not None:
-        embedded = embedded + model.cond_encoder(_wrap_pad(control_video, patch).to(device, compute))
+        embedded = embedded + model.cond_encoder(wrap_pad(control_video, patch).to(device, compute))
     mask = model.trainable_cond_mask.weight
     tokens, positions = [embedded.flatten(2).transpose(1, 2) + mask[0]], [_grid_positions(embedded.shape[2:])]
     sigma = timestep.float().reshape(batch, -1).expand(batch, embedded.shape[2]) if timestep.dim() == 1 \
         else timestep.float()
     if reference_latent is not None:
-        ref = model.patch_embedding(_wrap_pad(reference_latent, patch).to(device, torch.float32)).to(compute)
+        ref = model.patch_embedding(wrap_pad(reference_latent, patch).to(device, torch.float32)).to(compute)
         tokens.append(ref.flatten(2).transpose(1, 2) + mask[1])
         positions.append(_grid_positions(ref.shape[2:]) + torch.tensor([max(30, embedded.shape[2] + 9), 0, 0]))
         sigma = torch.cat([sigma, torch.zeros(batch, reference_latent.shape[2])], dim=1)
