@@ -127,17 +127,20 @@ def conditioning(family: str, seed: int, batch: int = 1):
     return [[text, extra]]
 
 
-def sample(model, positive, negative, steps=3, cfg=2.0, seed=42, width=14, height=10, callback=None, frames=0):
-    """What the stock KSampler node does (nodes.common_ksampler) on an empty 16-channel latent, under
-    torch.inference_mode() as ComfyUI's executor runs every node."""
+def sample(model, positive, negative, steps=3, cfg=2.0, seed=42, width=14, height=10, callback=None, frames=0,
+           latent=None, **advanced):
+    """What the stock KSampler node does (nodes.common_ksampler) on an empty 16-channel latent (or `latent`, a
+    conditioning node's), under torch.inference_mode() as ComfyUI's executor runs every node. advanced:
+    KSamplerAdvanced's start_step, last_step, disable_noise, force_full_denoise."""
     import torch
     import comfy.sample
     with torch.inference_mode():
         shape = (1, 16, frames, height, width) if frames else (1, 16, height, width)  # video: [B, C, T, H, W]
-        latent = comfy.sample.fix_empty_latent_channels(model, torch.zeros(shape))
-        noise = comfy.sample.prepare_noise(latent, seed)
+        latent = comfy.sample.fix_empty_latent_channels(model, torch.zeros(shape) if latent is None else latent)
+        noise = torch.zeros_like(latent) if advanced.get("disable_noise") else comfy.sample.prepare_noise(latent,
+                                                                                                         seed)
         return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, latent,
-                                   denoise=1.0, seed=seed, disable_pbar=True, callback=callback)
+                                   denoise=1.0, seed=seed, disable_pbar=True, callback=callback, **advanced)
 
 
 def assert_close(actual, expected, rel=1e-5):
