@@ -133,7 +133,8 @@ LENGTH = 9           # pixel frames: 3 latent frames
 # name -> (tiny variant, seed, size) of the files the loader node reads
 SAMPLED = {"vace": ("vace", 31, VACE_SIZE), "fun_control": ("fun_control", 32, {}),
            "fun_a14b_high_noise": ("fun_a14b", 33, {}), "fun_a14b_low_noise": ("fun_a14b", 34, {}),
-           "camera": ("camera", 35, {}), "camera_2.2": ("camera_2.2", 36, {}), "humo": ("humo", 37, HUMO_SIZE)}
+           "camera": ("camera", 35, {}), "camera_2.2": ("camera_2.2", 36, {}), "humo": ("humo", 37, HUMO_SIZE),
+           "humo_17b": ("humo", 38, {**HUMO_SIZE, "in_channels": 36})}  # 17B: noise, mask, image latent
 
 
 class TinyVAE:
@@ -263,7 +264,8 @@ def test_wan_camera_image_to_video(name, sp_models, references):
     cs.assert_close(*both(sp_models, references, name, positive, negative, latent["samples"]))
 
 
-def test_wan_humo_image_to_video(sp_models, references):
+@pytest.mark.parametrize("name", ["humo", "humo_17b"])
+def test_wan_humo_image_to_video(name, sp_models, references):
     """The node's reference image (zeros on the negative side); its audio embedding has the real sizes, so a tiny
     one of the same layout [B, latent frames, window, blocks, channels] replaces it."""
     import node_helpers
@@ -276,4 +278,4 @@ def test_wan_humo_image_to_video(sp_models, references):
                         generator=torch.Generator().manual_seed(10))
     positive = node_helpers.conditioning_set_values(positive, {"audio_embed": audio})
     negative = node_helpers.conditioning_set_values(negative, {"audio_embed": torch.zeros_like(audio)})
-    cs.assert_close(*both(sp_models, references, "humo", positive, negative, latent["samples"]))
+    cs.assert_close(*both(sp_models, references, name, positive, negative, latent["samples"]))
