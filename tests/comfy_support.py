@@ -152,6 +152,17 @@ def assert_close(actual, expected, rel=1e-5):
     return diff
 
 
+# ----- example workflows -----
+EXAMPLES = os.path.join(ROOT, "example_workflows")
+# examples whose stock nodes need a newer ComfyUI than the tested 0.3.64: name -> (those node classes, the version)
+NEEDS_NEWER_COMFYUI = {"flux2_dev_t2i": (("EmptyFlux2LatentImage", "Flux2Scheduler"), "0.3.7x (Flux.2)")}
+
+
+def example_name(file_name: str) -> str:
+    """'wan21_t2v_api.json' and 'wan21_t2v.json' -> 'wan21_t2v'"""
+    return file_name.removesuffix(".json").removesuffix("_api")
+
+
 # ----- a real ComfyUI server with this package installed -----
 @contextlib.contextmanager
 def running_server(base: str):
