@@ -1,8 +1,9 @@
 """The Wan variants against ComfyUI's own code (needs COMFYUI_PATH; skipped otherwise): the pool at degrees 1-4 equals
 ComfyUI's VaceWanModel, CameraWanModel, HumoWanModel and WanModel with ref_conv (Fun Control, 48 and 52 channels) on
 the same tiny files and inputs; and the stock sampler through the loader node's MODEL, with ComfyUI's conditioning
-nodes (WanVaceToVideo, WanFunControlToVideo, Wan22FunControlToVideo with both A14B experts in one pool,
-WanCameraEmbedding + WanCameraImageToVideo, WanHuMoImageToVideo), equals the same sampling on ComfyUI's own model."""
+nodes (WanVaceToVideo, WanFunInpaintToVideo, WanFunControlToVideo, Wan22FunControlToVideo with both A14B experts in
+one pool, WanCameraEmbedding + WanCameraImageToVideo, WanHuMoImageToVideo for HuMo 1.7B and 17B), equals the same
+sampling on ComfyUI's own model (the class ComfyUI's detection picks, its network holding the file's weights)."""
 from __future__ import annotations
 
 import os
@@ -131,7 +132,8 @@ def test_pool_equals_comfys_own_model_class(name, family_pool, files, comfy_outp
 WIDTH = HEIGHT = 48  # pixels: 6 x 6 latent, 9 tokens per latent frame
 LENGTH = 9           # pixel frames: 3 latent frames
 # name -> (tiny variant, seed, size) of the files the loader node reads
-SAMPLED = {"vace": ("vace", 31, VACE_SIZE), "fun_control": ("fun_control", 32, {}),
+SAMPLED = {"vace": ("vace", 31, VACE_SIZE), "fun_inp": ("i2v", 39, {}), "fun_inp_2.2": ("i2v_concat", 40, {}),
+           "fun_control": ("fun_control", 32, {}),
            "fun_a14b_high_noise": ("fun_a14b", 33, {}), "fun_a14b_low_noise": ("fun_a14b", 34, {}),
            "camera": ("camera", 35, {}), "camera_2.2": ("camera_2.2", 36, {}), "humo": ("humo", 37, HUMO_SIZE),
            "humo_17b": ("humo", 38, {**HUMO_SIZE, "in_channels": 36})}  # 17B: noise, mask, image latent
@@ -226,10 +228,26 @@ def test_wan_vace_to_video(sp_models, references):
     assert trimmed.shape[2] == 4
 
 
+def clip_vision_output(seed: int) -> SimpleNamespace:
+    """What a CLIPVisionEncode node gives the Wan nodes (they read its penultimate hidden states)."""
+    return SimpleNamespace(penultimate_hidden_states=torch.randn(1, 5, 1280,
+                                                                 generator=torch.Generator().manual_seed(seed)))
+
+
+@pytest.mark.parametrize("name", ["fun_inp", "fun_inp_2.2"])
+def test_wan_fun_inpaint_to_video(name, sp_models, references):
+    """Wan 2.1 Fun InP (CLIP) and Wan 2.2 Fun InP A14B style (no CLIP): start and end image in the extra channels."""
+    from comfy_extras.nodes_wan import WanFunInpaintToVideo
+    clip_vision = clip_vision_output(11) if name == "fun_inp" else None
+    positive, negative, latent = WanFunInpaintToVideo.execute(
+        cs.conditioning("wan", 1), cs.conditioning("wan", 2), TinyVAE(), WIDTH, HEIGHT, LENGTH, 1,
+        start_image=images(1, 12), end_image=images(1, 13), clip_vision_output=clip_vision).result
+    cs.assert_close(*both(sp_models, references, name, positive, negative, latent["samples"]))
+
+
 def test_wan_fun_control_to_video(sp_models, references):
     from comfy_extras.nodes_wan import WanFunControlToVideo
-    clip_vision = SimpleNamespace(penultimate_hidden_states=torch.randn(1, 5, 1280,
-                                                                        generator=torch.Generator().manual_seed(3)))
+    clip_vision = clip_vision_output(3)
     positive, negative, latent = WanFunControlToVideo.execute(
         cs.conditioning("wan", 1), cs.conditioning("wan", 2), TinyVAE(), WIDTH, HEIGHT, LENGTH, 1,
         start_image=images(1, 4), clip_vision_output=clip_vision, control_video=images(LENGTH, 5)).result
