@@ -16,8 +16,8 @@ import comfy_support as cs
 from family_support import assert_parity
 from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_runtime.tiny_models.wan import CAMERA_TINY, HUMO_TINY, VACE_TINY, tiny_config
-from test_wan_camera import MODELS as CAMERA_MODELS, make_cases as camera_cases
-from test_wan_fun import MODELS as FUN_MODELS, make_cases as fun_cases
+from test_wan_camera import make_cases as camera_cases
+from test_wan_fun import make_cases as fun_cases
 from test_wan_humo import SIZE as HUMO_SIZE, make_cases as humo_cases
 from test_wan_vace import SIZE as VACE_SIZE, make_cases as vace_cases
 
