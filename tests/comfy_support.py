@@ -127,17 +127,20 @@ def conditioning(family: str, seed: int, batch: int = 1):
     return [[text, extra]]
 
 
-def sample(model, positive, negative, steps=3, cfg=2.0, seed=42, width=14, height=10, callback=None, frames=0):
-    """What the stock KSampler node does (nodes.common_ksampler) on an empty 16-channel latent, under
-    torch.inference_mode() as ComfyUI's executor runs every node."""
+def sample(model, positive, negative, steps=3, cfg=2.0, seed=42, width=14, height=10, callback=None, frames=0,
+           latent=None, **advanced):
+    """What the stock KSampler node does (nodes.common_ksampler) on an empty 16-channel latent (or `latent`, a
+    conditioning node's), under torch.inference_mode() as ComfyUI's executor runs every node. advanced:
+    KSamplerAdvanced's start_step, last_step, disable_noise, force_full_denoise."""
     import torch
     import comfy.sample
     with torch.inference_mode():
         shape = (1, 16, frames, height, width) if frames else (1, 16, height, width)  # video: [B, C, T, H, W]
-        latent = comfy.sample.fix_empty_latent_channels(model, torch.zeros(shape))
-        noise = comfy.sample.prepare_noise(latent, seed)
+        latent = comfy.sample.fix_empty_latent_channels(model, torch.zeros(shape) if latent is None else latent)
+        noise = torch.zeros_like(latent) if advanced.get("disable_noise") else comfy.sample.prepare_noise(latent,
+                                                                                                         seed)
         return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, latent,
-                                   denoise=1.0, seed=seed, disable_pbar=True, callback=callback)
+                                   denoise=1.0, seed=seed, disable_pbar=True, callback=callback, **advanced)
 
 
 def assert_close(actual, expected, rel=1e-5):
@@ -147,6 +150,17 @@ def assert_close(actual, expected, rel=1e-5):
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert diff <= rel * scale, f"max abs diff {diff:.3g} > {rel:g} x scale {scale:.3g}"
     return diff
+
+
+# ----- example workflows -----
+EXAMPLES = os.path.join(ROOT, "example_workflows")
+# examples whose stock nodes need a newer ComfyUI than the tested 0.3.64: name -> (those node classes, the version)
+NEEDS_NEWER_COMFYUI = {"flux2_dev_t2i": (("EmptyFlux2LatentImage", "Flux2Scheduler"), "0.3.7x (Flux.2)")}
+
+
+def example_name(file_name: str) -> str:
+    """'wan21_t2v_api.json' and 'wan21_t2v.json' -> 'wan21_t2v'"""
+    return file_name.removesuffix(".json").removesuffix("_api")
 
 
 # ----- a real ComfyUI server with this package installed -----

@@ -154,7 +154,11 @@ def _tiny_original(**extra) -> dict:
     ({"casual_audio_encoder.encoder.final_linear.weight": torch.zeros(2, 2)},
      "this Wan S2V checkpoint has 0 audio injectors and 0 adaptive norms"),
     ({"face_adapter.fuser_blocks.0.k_norm.weight": torch.zeros(2)}, "Wan 2.2 Animate"),
-    ({"blocks.0.self_attn.lora_down.weight": torch.zeros(2, 2)}, "tensors this loader does not know"),
+    ({"blocks.0.self_attn.lora_down.weight": torch.zeros(2, 2)},
+     r"modules this loader does not know: blocks\.\*\.self_attn\.lora_down \(1 tensors\)"),
+    ({f"blocks.{b}.motion_adapter.proj.{kind}": torch.zeros(2) for b in range(2) for kind in ("weight", "bias")}
+     | {"style_encoder.weight": torch.zeros(2)},
+     r"has modules this loader does not know: blocks\.\*\.motion_adapter\.proj, style_encoder \(5 tensors\)"),
     ({"blocks.0.self_attn.q.comfy_quant": torch.tensor(list(b'{"format": "awq_w4a16"}'), dtype=torch.uint8)},
      "'awq_w4a16', which is not supported; supported ComfyUI formats: scaled fp8, float8_e4m3fn"),
 ])

@@ -174,7 +174,7 @@ def test_panel_unload_button_empties_the_model_list(server, page):
     assert server.get_json("/ulysses_sp/status")["pools"][0]["models"] != []
 
 
-EXAMPLES = os.path.join(cs.ROOT, "example_workflows")
+EXAMPLES = cs.EXAMPLES
 UI_WORKFLOWS = sorted(name for name in os.listdir(EXAMPLES) if name.endswith(".json") and "_api" not in name)
 
 
@@ -194,6 +194,9 @@ def test_ui_example_workflow_loads_and_matches_its_api_twin(page, name):
     }""", ui_workflow)
     close_dialogs(page)
     assert set(prompt) == set(api_workflow)
+    newer_nodes, _ = cs.NEEDS_NEWER_COMFYUI.get(cs.example_name(name), ((), ""))
     for node_id, node in api_workflow.items():
+        if node["class_type"] in newer_nodes:  # a class this ComfyUI's frontend does not know: nothing to compare
+            continue
         assert prompt[node_id]["class_type"] == node["class_type"]
         assert prompt[node_id]["inputs"] == node["inputs"], node_id

@@ -185,10 +185,18 @@ def _reject_unsupported(header: Header, keys: dict) -> None:
 
 
 def _reject_unknown(header: Header, keys: dict, plan: dict) -> None:
-    unknown = sorted(key for key in keys if key not in plan)
+    unknown = [key for key in keys if key not in plan]
     if unknown:
-        raise ValueError(f"{header.path!r} looks like Wan but has {len(unknown)} tensors this loader does not know "
-                         f"(e.g. {unknown[:4]}): a Wan variant with extra modules, which is not supported")
+        modules = _module_names(unknown)
+        shown = ", ".join(modules[:8]) + (f" and {len(modules) - 8} more" if len(modules) > 8 else "")
+        raise ValueError(f"{header.path!r} looks like Wan but has modules this loader does not know: {shown} "
+                         f"({len(unknown)} tensors): a Wan variant with extra modules, which is not supported")
+
+
+def _module_names(keys: list) -> list:
+    """The modules that hold `keys`, block numbers as '*' (blocks.*.audio_adapter.proj, not one per block)."""
+    names = {".".join("*" if part.isdigit() else part for part in key.split(".")[:-1]) or key for key in keys}
+    return sorted(names)
 
 
 def _with_heads(config: dict, head_dim: Optional[int]) -> dict:
