@@ -18,6 +18,7 @@ import torch
 
 from ..families.header import Header
 from ..formats import QuantLinear
+from ..sharding import model_shards
 from .base import BaseWeights
 from .files import Adapter, LoraFile, adapter_delta, adapter_factors, file_identity, read_lora_file
 from .keys import KeyResolver, Target, family_plans
@@ -70,6 +71,10 @@ class LoraState:
     def _targets(self) -> dict[str, torch.Tensor]:
         """What a LoRA may change: the parameters, and quantized weights (as meta tensors of their shape)."""
         targets = dict(self.model.named_parameters())
+        shards = model_shards(self.model)  # sharded blocks hold placeholders: their slots give the shapes
+        targets.update({name: torch.empty(block.layout.slots[index].shape, dtype=block.layout.slots[index].dtype,
+                                          device="meta")
+                        for name, (block, index) in (shards.names.items() if shards else ()) if name in targets})
         targets.update({name: torch.empty(module.out_features, module.in_features, device="meta")
                         for name, module in self.quantized.items()})
         return targets
@@ -124,6 +129,7 @@ class LoraState:
         from safetensors import safe_open
 
         deltas = _DeltaCache(uses, [name for name in changed if name not in self.quantized])
+        shards = model_shards(self.model)
         with contextlib.ExitStack() as stack, self.base.reader(self.device) as read_base, torch.no_grad():
             handles = {}
 
@@ -143,7 +149,12 @@ class LoraState:
                 for use in uses.get(name, ()):
                     delta = deltas.get(use, handle(files[use.entry].path))
                     value += (strengths[use.entry] * use.adapter.scale) * delta.reshape(value.shape)
-                parameter.copy_(store_as(value, parameter.dtype, name))
+                stored = store_as(value, parameter.dtype, name)
+                located = shards.locate(name) if shards else None
+                if located:  # a sharded block's weight: this rank keeps its bytes of it
+                    located[0].write(located[1], stored)
+                else:
+                    parameter.copy_(stored)
                 self._record(name, wanted, progress, done, len(changed))
 
     def _record(self, name: str, wanted: dict, progress: Progress, done: int, total: int) -> None:

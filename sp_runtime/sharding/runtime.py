@@ -15,8 +15,8 @@ SHARDS_ATTRIBUTE = "sp_weight_shards"  # set on a diffusers model whose blocks a
 class ShardedBlock:
     """One block: this rank's slice of its flat buffer, and the owners of its slots."""
 
-    def __init__(self, block: torch.nn.Module, layout: BlockLayout, shard: torch.Tensor):
-        self.block, self.layout, self.shard = block, layout, shard
+    def __init__(self, block: torch.nn.Module, layout: BlockLayout, shard: torch.Tensor, rank: int):
+        self.block, self.layout, self.shard, self.rank = block, layout, shard, rank
         self.owners = [block.get_submodule(slot.module) for slot in layout.slots]
         for slot, owner in zip(layout.slots, self.owners):  # fresh placeholders: the loaded tensors are dropped
             empty = torch.empty(0, dtype=slot.dtype, device=shard.device)
@@ -44,13 +44,11 @@ class ShardedBlock:
     def write(self, slot_index: int, value: torch.Tensor) -> None:
         """Store a new value of one slot (e.g. a LoRA-patched weight): this rank keeps only its bytes of it."""
         slot = self.layout.slots[slot_index]
-        lo, hi = self.layout.shard_range(self.shard_rank)
+        lo, hi = self.layout.shard_range(self.rank)
         start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.nbytes)
         if start < stop:
             data = value.detach().to(slot.dtype).contiguous().reshape(-1).view(torch.uint8)
             self.shard[start - lo: stop - lo].copy_(data[start - slot.offset: stop - slot.offset])
-
-    shard_rank = 0  # set by WeightShards
 
 
 class WeightShards:
@@ -64,8 +62,6 @@ class WeightShards:
 
     def __init__(self, blocks: list[ShardedBlock], rank: int, world: int, group=None):
         self.blocks, self.rank, self.world, self.group = blocks, rank, world, group
-        for block in blocks:
-            block.shard_rank = rank
         self.successor = {index: index + 1 for index in range(len(blocks) - 1)}
         self.first = 0
         self.previous: Optional[int] = None
@@ -162,9 +158,9 @@ class WeightShards:
                 stem = f"{block_name}.{slot.module}." if slot.module else f"{block_name}."
                 self.names[stem + slot.name] = (sharded, position)
 
-    def accounting(self) -> dict:
-        return {"resident": self.resident_bytes, "full": self.full_bytes, "gathered_peak": self.gathered_peak,
-                "gathered_now": self.gathered_bytes, "bytes_moved": self.bytes_moved}
+    @property
+    def largest_block(self) -> int:
+        return max((block.layout.total for block in self.blocks), default=0)
 
 
 def attach(model: torch.nn.Module, blocks: list[ShardedBlock], names: list[str], rank: int, world: int,
@@ -188,7 +184,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int, group=None) -> We
         device = entries[0][3].device if entries else torch.device("cpu")
         lo, hi = layout.shard_range(rank)
         shard = pack(layout, [t for *_, t in entries], device)[lo:hi].clone()
-        sharded.append(ShardedBlock(block, layout, shard))
+        sharded.append(ShardedBlock(block, layout, shard, rank))
     return attach(model, sharded, [name for name, _ in named], rank, world, group)
 
 

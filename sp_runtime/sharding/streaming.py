@@ -105,7 +105,7 @@ class ShardSink:
         device = entries[0][3].device if entries else torch.device("cpu")
         lo, hi = layout.shard_range(self.spec.rank)
         shard = pack(layout, [t for *_, t in entries], device)[lo:hi].clone()
-        self.done[name] = ShardedBlock(block, layout, shard)
+        self.done[name] = ShardedBlock(block, layout, shard, self.spec.rank)
 
 
 def _install_quant_placeholder(block: torch.nn.Module, key: str, weight: QuantWeight,
