@@ -14,8 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 from sp_runtime.config import SPConfig
+from sp_runtime.families import family_module
 from sp_runtime.pool import WorkerPool
-from sp_runtime.sharding.layout import ALIGN
+from sp_runtime.sharding import ShardSpec, model_shards, sharded_loading
+from sp_runtime.sharding.layout import ALIGN, block_slots, find_blocks, pack
 from sp_runtime.tiny_models import write_tiny_checkpoint
 from sp_runtime.tiny_models.quant_files import write_quantized
 from test_formats_models import make_case
@@ -36,6 +38,41 @@ def hybrid_pool(request):
     ulysses, ring, cfg = request.param
     with WorkerPool(SPConfig(["cpu"] * 4, ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg)) as pool:
         yield pool
+
+
+# in one process: what each rank reads while loading, against the whole model's blocks
+
+@pytest.mark.parametrize("family, layout, dtype", [
+    ("qwen_image", "original", "float32"), ("flux", "original", "bfloat16"), ("flux", "diffusers", "float32"),
+    ("wan", "original", "float32"), ("flux2", "original", "float32"), ("qwen_image21", "original", "float32"),
+    ("flux", "comfy_quant", "default"), ("wan", "gguf", "default")])
+def test_each_rank_loads_exactly_its_bytes_of_every_block(tmp_path, family, layout, dtype):
+    """Three ranks (uneven splits) each load their shards straight from the file (plain files: only the rows they
+    hold; quantized files: blocks read whole and cut); side by side they are the whole model's blocks, byte for
+    byte, in the layout every rank agrees on."""
+    if layout in ("comfy_quant", "gguf"):
+        path = str(tmp_path / f"q.{'gguf' if layout == 'gguf' else 'safetensors'}")
+        write_quantized(family, path, str(tmp_path / "reference.safetensors"), layout, 5, "",
+                        {"ulysses_sp.head_dim": "16"} if family == "wan" else None,
+                        **(dict(ffn_dim=256) if family == "wan" else {}))
+    else:
+        path = write_tiny_checkpoint(family, str(tmp_path / "m.safetensors"), layout=layout, seed=5)
+    load = family_module(family).load_model
+    options = OPTIONS.get(family, {})
+    whole = load(path, dtype, options=options)[0]
+    ranks = []
+    for rank in range(3):
+        with sharded_loading(ShardSpec(rank, 3)):
+            ranks.append(model_shards(load(path, dtype, options=options)[0]))
+    named = find_blocks(whole)
+    assert len(named) == len(ranks[0].blocks) >= 2
+    for index, (_, block) in enumerate(named):
+        entries = block_slots(block)
+        layout_of = ranks[0].blocks[index].layout
+        assert [(s.module, s.name, s.shape, s.dtype) for s in layout_of.slots] == \
+            [(m, n, tuple(t.shape), t.dtype) for m, n, _, t in entries]
+        joined = torch.cat([shards.blocks[index].shard for shards in ranks])
+        assert torch.equal(joined, pack(layout_of, [t for *_, t in entries], "cpu"))
 
 
 def weights(pool) -> list[dict]:

@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", action="store_true", help="load option: overlap the output exchange")
     parser.add_argument("--compile", action="store_true",
                         help="load option: torch.compile the blocks (the warm-up calls compile; use --warmup >= 1)")
+    parser.add_argument("--shard-weights", action="store_true",
+                        help="load option: each rank keeps 1/N of every block, gathered per block at each step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join("out", "bench.json"),
                         help="JSON report path; the plot goes next to it as .png (default: out/bench.json)")
@@ -118,7 +120,7 @@ class _Plan:
 def load_options(args) -> dict:
     """The model load options the bench was asked for (sp_runtime.attention.options), defaults left out."""
     options = {"attention": args.attention, "fp8_exchange": args.fp8_exchange, "overlap": args.overlap,
-               "compile": args.compile}
+               "compile": args.compile, "shard_weights": args.shard_weights}
     return {key: value for key, value in options.items() if value not in (False, "sdpa")}
 
 

@@ -263,8 +263,8 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
     from ..sharding import ShardSink
 
     device = torch.device(device)
-    sink = ShardSink.for_model(model)  # a sharded load (load option shard_weights): blocks go there
     targets = target_dtypes(model, dtypes)
+    sink = ShardSink.for_model(model, targets, device, plain=dtypes.quant is None)  # shard_weights: blocks go there
     linear_weights = {f"{name}.weight" for name, module in model.named_modules()
                       if isinstance(module, torch.nn.Linear)} if dtypes.keep_quantized else set()
     ignore = set(ignore)
@@ -285,6 +285,10 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
                 outputs = [(name, None)] if plan is None else plan.get(name)
                 if outputs is None or any(target not in targets for target, _ in outputs):
                     unexpected.append(name)
+                    continue
+                sliced = sink.read_slices(handle, key, outputs) if sink else None  # this rank's rows only
+                if sliced is not None:
+                    reporter.advance(sliced)
                     continue
                 weight = formats.read_quant(handle, key, name, quant)
                 kept = weight is not None and all(target in linear_weights for target, _ in outputs)
