@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import resource
 import statistics
@@ -24,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sp_runtime import SPConfig, WorkerPool  # noqa: E402
+from sp_runtime.cli.bench import reset_cpu_peaks  # noqa: E402
 from sp_runtime.cli.machine import LoadMonitor, describe_machine, write_json  # noqa: E402
 from sp_runtime.cli.presets import Preset, get_preset, materialize  # noqa: E402
 from sp_runtime.cli.sampling import make_workload, model_timestep  # noqa: E402
@@ -45,13 +45,24 @@ def big_workload(info):
                          text_tokens=BIG.text_tokens)
 
 
+def warm_up(pool) -> None:
+    """Load and run the small demo model once (the workers import diffusers), then unload it."""
+    warm = pool.load_model(materialize(get_preset("demo")), "float32")
+    workload = make_workload("qwen_image", warm.info.config, warm.info.in_channels, 64, 64, text_tokens=4)
+    warm(workload.noise, model_timestep("qwen_image", 0.7, 1), **workload.conditioning)
+    pool.unload_all()
+
+
 def memory_table(path: str, world: int) -> tuple[dict, dict]:
-    """Per-rank figures whole and sharded, and the outputs of both."""
+    """Per-rank figures idle (after a warm-up), sharded, then whole (a freed model's heap stays in the RSS, so the
+    smaller one goes first; peak RSS reset before each), and the outputs of both."""
     rows, outputs = {}, {}
     with WorkerPool(SPConfig(["cpu"] * world)) as pool:
-        for shard in (False, True):
+        warm_up(pool)
+        rows["idle"] = rank_figures(pool)
+        for shard in (True, False):
             pool.unload_all()
-            gc.collect()
+            reset_cpu_peaks(pool)
             handle = pool.load_model(path, "float32", shard_weights=shard)
             workload = big_workload(handle.info)
             name = "sharded" if shard else "whole"
@@ -59,10 +70,14 @@ def memory_table(path: str, world: int) -> tuple[dict, dict]:
             rows[name] = rank_figures(pool)
     whole, sharded = rows["whole"][0]["resident"], rows["sharded"][0]["resident"]
     blocks = rows["sharded"][0]["sharded_blocks"]
-    print(f"world {world}: weights per rank {whole / MIB:.1f} MiB whole, {sharded / MIB:.1f} MiB sharded "
+    peaks = {name: max(rank["peak_rss"] - idle["rss"] for rank, idle in zip(rows[name], rows["idle"]))
+             for name in ("whole", "sharded")}
+    print(f"world {world}: peak RSS above idle {peaks['whole'] / MIB:.0f} MiB whole, {peaks['sharded'] / MIB:.0f} "
+          f"MiB sharded; weights per rank {whole / MIB:.1f} MiB whole, {sharded / MIB:.1f} MiB sharded "
           f"(x{sharded / whole:.3f}; blocks {blocks / MIB:.1f} MiB, 1/{world} of them {blocks / world / MIB:.1f}); "
           f"peak gathered {rows['sharded'][0]['gathered_peak'] / MIB:.1f} MiB", flush=True)
     return {"world_size": world, "per_rank": rows, "resident_ratio": round(sharded / whole, 4),
+            "peak_rss_above_idle_bytes": peaks,
             "block_bytes": blocks, "expected_ratio": round((whole - blocks + blocks / world) / whole, 4),
             "bitwise_equal": bool(torch.equal(outputs["sharded"], outputs["whole"]))}, outputs
 
@@ -114,10 +129,7 @@ def capped_pool(world: int, extra_bytes: int):
     """A fresh pool warmed with the small demo model (libraries loaded, no big allocation freed into the heap), each
     worker's data segment then capped at what it uses + extra_bytes; yields (pool, {pid: cap})."""
     with WorkerPool(SPConfig(["cpu"] * world)) as pool:
-        warm = pool.load_model(materialize(get_preset("demo")), "float32")
-        workload = make_workload("qwen_image", warm.info.config, warm.info.in_channels, 64, 64, text_tokens=4)
-        warm(workload.noise, model_timestep("qwen_image", 0.7, 1), **workload.conditioning)
-        pool.unload_all()
+        warm_up(pool)
         caps = {}
         for pid in pool.worker_pids:
             caps[pid] = data_segment(pid) + extra_bytes

@@ -223,7 +223,7 @@ class _Bench:
         for _ in range(self.args.warmup):
             handle(workload.noise, t, **workload.conditioning)
             warmups.append(pool.stats["last_call_s"])
-        _reset_cpu_peaks(pool)
+        reset_cpu_peaks(pool)
         steps, worker_steps, output = [], [], None
         for _ in range(self.args.steps):
             result = handle(workload.noise, t, **workload.conditioning)
@@ -382,7 +382,7 @@ def _size(dtype: str) -> int:
 
 
 # ---- memory --------------------------------------------------------------------------------------------------------
-def _reset_cpu_peaks(pool) -> None:
+def reset_cpu_peaks(pool) -> None:
     """Linux: reset each CPU worker's peak RSS (VmHWM) so the peak covers the timed calls only."""
     for rank in pool.status()["ranks"]:
         if rank["device"] == "cpu" and rank["pid"]:
