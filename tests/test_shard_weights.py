@@ -134,6 +134,14 @@ def test_a_quantized_file_stays_quantized_and_exact(family_pool, tmp_path, fmt):
 
 
 @pytest.mark.parametrize("family_pool", [2], indirect=True, ids=["u2"])
+def test_fp8_weights_stay_fp8_on_the_wire_and_exact(family_pool, checkpoints):
+    """fp8 storage (diffusers' layerwise casting around each layer) works on the gathered views."""
+    got, want, alone, reference = sharded_and_whole(family_pool, checkpoints["flux"], "flux", "float8_e4m3fn")
+    assert torch.equal(got, want)
+    assert_one_share_per_rank(alone, reference)
+
+
+@pytest.mark.parametrize("family_pool", [2], indirect=True, ids=["u2"])
 def test_lora_on_sharded_blocks_equals_lora_on_whole_blocks_and_comes_off_bitwise(family_pool, checkpoints,
                                                                                  tmp_path):
     g = torch.Generator().manual_seed(3)
