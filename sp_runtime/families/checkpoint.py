@@ -7,6 +7,7 @@ soon as it is read, so loading never holds more than the final model plus one so
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence
@@ -288,7 +289,8 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
                     continue
                 sliced = sink.read_slices(handle, key, outputs) if sink else None  # this rank's rows only
                 if sliced is not None:
-                    reporter.advance(sliced)
+                    shape, dtype = sliced
+                    reporter.advance(math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize)
                     continue
                 weight = formats.read_quant(handle, key, name, quant)
                 kept = weight is not None and all(target in linear_weights for target, _ in outputs)

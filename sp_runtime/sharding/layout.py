@@ -2,8 +2,9 @@
 where each sits in its block's flat byte buffer, the unit that is split across ranks and all-gathered."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -33,10 +34,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -57,6 +55,20 @@ class BlockLayout:
     def view(self, buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
         """The tensor of `slot` inside a gathered (full) buffer, without a copy."""
         return buffer[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).reshape(slot.shape)
+
+    def overlap(self, slot: Slot, rank: int) -> Optional[tuple[int, int, int]]:
+        """(first byte of the slot that `rank` holds, how many bytes, where they sit in its shard), or None."""
+        lo, hi = self.shard_range(rank)
+        start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.nbytes)
+        return (start - slot.offset, stop - start, start - lo) if start < stop else None
+
+    def write(self, shard: torch.Tensor, slot: Slot, rank: int, value: torch.Tensor) -> None:
+        """Copy `rank`'s bytes of a slot's whole value (cast to the slot's dtype) into its shard."""
+        overlap = self.overlap(slot, rank)
+        if overlap is not None:
+            first, count, at = overlap
+            data = value.detach().to(slot.dtype).contiguous().reshape(-1).view(torch.uint8)
+            shard[at: at + count].copy_(data[first: first + count])
 
 
 def block_slots(block: torch.nn.Module) -> list[tuple[str, str, str, torch.Tensor]]:

@@ -43,12 +43,7 @@ class ShardedBlock:
 
     def write(self, slot_index: int, value: torch.Tensor) -> None:
         """Store a new value of one slot (e.g. a LoRA-patched weight): this rank keeps only its bytes of it."""
-        slot = self.layout.slots[slot_index]
-        lo, hi = self.layout.shard_range(self.rank)
-        start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.nbytes)
-        if start < stop:
-            data = value.detach().to(slot.dtype).contiguous().reshape(-1).view(torch.uint8)
-            self.shard[start - lo: stop - lo].copy_(data[start - slot.offset: stop - slot.offset])
+        self.layout.write(self.shard, self.layout.slots[slot_index], self.rank, value)
 
 
 class WeightShards:

@@ -9,6 +9,7 @@ block's tensors are read whole, packed, and all but this rank's bytes dropped.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, replace
 from typing import Iterator, Mapping, Optional, Union
 
@@ -100,9 +101,10 @@ class ShardSink:
                  for slot in layout.slots}
         self.planned[name] = (layout, slots, torch.zeros(layout.shard_bytes, dtype=torch.uint8, device=self.device))
 
-    def read_slices(self, handle, key: str, outputs) -> Optional[int]:
+    def read_slices(self, handle, key: str, outputs) -> Optional[tuple[tuple[int, ...], str]]:
         """Read this rank's rows of the tensor `key` for its block targets `outputs` [(target, transform)]; returns
-        the tensor's size in bytes, or None when it is not a tensor of planned blocks (read it whole, then put)."""
+        the file tensor's shape and safetensors dtype, or None when it is not a tensor of planned blocks (read it
+        whole, then put)."""
         blocks = [self.block_of(target) for target, _ in outputs]
         if not hasattr(handle, "get_slice") or any(block not in self.planned for block in blocks):
             return None
@@ -113,18 +115,18 @@ class ShardSink:
             rows = _source_rows(shape, slots[target].shape, transform)
             if rows is None:  # not a row selection: this rank's bytes of the whole tensor
                 whole = handle.get_tensor(key)
-                _write_bytes(shard, layout, slots[target], self.spec.rank, transform(whole) if transform else whole)
+                layout.write(shard, slots[target], self.spec.rank, transform(whole) if transform else whole)
             else:
                 _write_rows(shard, layout, slots[target], self.spec.rank, source, rows)
             self._received(block, target, None)
-        return _numel(shape) * _ITEM_SIZES.get(source.get_dtype(), 1)
+        return shape, source.get_dtype()
 
     # ---- every file: tensors read whole -------------------------------------------------------------------------
     def put(self, block: str, key: str, value: Value) -> None:
         """A block tensor as it will be stored (cast, or a quantized weight)."""
         if block in self.planned:
             layout, slots, shard = self.planned[block]
-            _write_bytes(shard, layout, slots[key], self.spec.rank, value)
+            layout.write(shard, slots[key], self.spec.rank, value)
             value = None
         self._received(block, key, value)
 
@@ -169,33 +171,6 @@ class ShardSink:
         return layout, pack(layout, [t for *_, t in entries], self.device)[lo:hi].clone()
 
 
-_ITEM_SIZES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-               "I8": 1, "U8": 1, "BOOL": 1}
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def _overlap(layout: BlockLayout, slot, rank: int) -> Optional[tuple[int, int, int]]:
-    """(first byte of the slot this rank holds, bytes, where they go in its shard), or None."""
-    lo, hi = layout.shard_range(rank)
-    start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.nbytes)
-    return (start - slot.offset, stop - start, start - lo) if start < stop else None
-
-
-def _write_bytes(shard: torch.Tensor, layout: BlockLayout, slot, rank: int, value: torch.Tensor) -> None:
-    """Copy this rank's bytes of a slot's whole value into its shard."""
-    overlap = _overlap(layout, slot, rank)
-    if overlap is not None:
-        first, count, at = overlap
-        data = value.detach().to(slot.dtype).contiguous().reshape(-1).view(torch.uint8)
-        shard[at: at + count].copy_(data[first: first + count])
-
-
 def _source_rows(shape: tuple, target_shape: tuple, transform) -> Optional[torch.Tensor]:
     """The file tensor's row behind each row of the target (the key plan's transforms select rows: an index column
     through the transform says which), or None when the transform does something else (or the tensor is 0-d)."""
@@ -214,11 +189,11 @@ def _source_rows(shape: tuple, target_shape: tuple, transform) -> Optional[torch
 def _write_rows(shard: torch.Tensor, layout: BlockLayout, slot, rank: int, source, rows: torch.Tensor) -> None:
     """Copy this rank's bytes of a slot from the file, reading only the rows that hold them (a run of consecutive
     rows per get_slice; rows out of order are read one run at a time)."""
-    overlap = _overlap(layout, slot, rank)
+    overlap = layout.overlap(slot, rank)
     if overlap is None:
         return
     first, count, at = overlap
-    row_bytes = _numel(slot.shape[1:]) * slot.dtype.itemsize
+    row_bytes = math.prod(slot.shape[1:]) * slot.dtype.itemsize
     start, stop = first // row_bytes, -(-(first + count) // row_bytes)
     picked = rows[start:stop].tolist()
     runs, begin = [], 0
