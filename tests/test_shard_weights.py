@@ -86,6 +86,8 @@ def sharded_and_whole(pool, path: str, family: str, dtype: str = "float32") -> t
     sharded = pool.load_model(path, dtype, shard_weights=True, **OPTIONS[family])
     got = sharded(x, t, **inputs)
     alone = weights(pool)
+    ranks = pool.status()["ranks"]
+    assert [rank["memory"]["weights"] for rank in ranks] == [rank["weights"]["resident"] for rank in ranks]
     pool.unload_all()
     whole = pool.load_model(path, dtype, **OPTIONS[family])
     want = whole(x, t, **inputs)
