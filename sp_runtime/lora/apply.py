@@ -71,10 +71,9 @@ class LoraState:
     def _targets(self) -> dict[str, torch.Tensor]:
         """What a LoRA may change: the parameters, and quantized weights (as meta tensors of their shape)."""
         targets = dict(self.model.named_parameters())
-        shards = model_shards(self.model)  # sharded blocks hold placeholders: their slots give the shapes
-        targets.update({name: torch.empty(block.layout.slots[index].shape, dtype=block.layout.slots[index].dtype,
-                                          device="meta")
-                        for name, (block, index) in (shards.names.items() if shards else ()) if name in targets})
+        shards = model_shards(self.model)  # sharded blocks hold placeholders: their real shapes
+        targets.update({name: meta for name, meta in (shards.meta_tensors() if shards else {}).items()
+                        if name in targets})
         targets.update({name: torch.empty(module.out_features, module.in_features, device="meta")
                         for name, module in self.quantized.items()})
         return targets

@@ -55,8 +55,8 @@ class WeightShards:
     blocks in the same order, so the collectives match.
     """
 
-    def __init__(self, blocks: list[ShardedBlock], rank: int, world: int, group=None):
-        self.blocks, self.rank, self.world, self.group = blocks, rank, world, group
+    def __init__(self, blocks: list[ShardedBlock]):
+        self.blocks = blocks
         self.successor = {index: index + 1 for index in range(len(blocks) - 1)}
         self.first = 0
         self.previous: Optional[int] = None
@@ -116,18 +116,18 @@ class WeightShards:
         if index not in self.pending:
             self._issue(index)
         work, buffer = self.pending.pop(index)
-        if work is not None:
-            work.wait()
+        work.wait()
         self.blocks[index].install(buffer)
         self.live[index] = buffer
         following = self.successor.get(index)
-        if following is not None and following != index:
+        if following is not None and following != index and following not in self.pending:
             self._issue(following)
 
     def _issue(self, index: int) -> None:
         sharded = self.blocks[index]
         buffer = torch.empty(sharded.layout.total, dtype=torch.uint8, device=sharded.shard.device)
-        work = dist.all_gather_into_tensor(buffer, sharded.shard, group=self.group, async_op=True)
+        # the default group spans every rank of the pool (NCCL on GPUs, gloo on CPUs)
+        work = dist.all_gather_into_tensor(buffer, sharded.shard, async_op=True)
         self.pending[index] = (work, buffer)
         self.gathered_bytes += buffer.numel()
         self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
@@ -135,8 +135,7 @@ class WeightShards:
 
     def _drop_pending(self, index: int) -> None:
         work, buffer = self.pending.pop(index)
-        if work is not None:
-            work.wait()
+        work.wait()
         self._forget(buffer)
 
     def _forget(self, buffer: torch.Tensor) -> None:
@@ -145,6 +144,12 @@ class WeightShards:
     def locate(self, name: str) -> Optional[tuple[ShardedBlock, int]]:
         """(block, slot index) of a model tensor name such as 'transformer_blocks.3.attn.to_q.weight'."""
         return self.names.get(name)
+
+    def meta_tensors(self) -> dict[str, torch.Tensor]:
+        """Every sharded tensor by model name, as a meta tensor of its real shape and dtype (the module holds an
+        empty placeholder between calls)."""
+        return {name: torch.empty(block.layout.slots[index].shape, dtype=block.layout.slots[index].dtype,
+                                  device="meta") for name, (block, index) in self.names.items()}
 
     def name_blocks(self, names: list[str]) -> None:
         """Record each block's name in the model (find_blocks order), for locate()."""
@@ -158,15 +163,15 @@ class WeightShards:
         return max((block.layout.total for block in self.blocks), default=0)
 
 
-def attach(model: torch.nn.Module, blocks: list[ShardedBlock], names: list[str], rank: int, world: int,
-           group=None) -> WeightShards:
-    shards = WeightShards(blocks, rank, world, group)
+def attach(model: torch.nn.Module, blocks: list[ShardedBlock], names: list[str]) -> WeightShards:
+    """The model's WeightShards over its sharded blocks (named as in the model), kept on the model."""
+    shards = WeightShards(blocks)
     shards.name_blocks(names)
     setattr(model, SHARDS_ATTRIBUTE, shards)
     return shards
 
 
-def shard_model(model: torch.nn.Module, rank: int, world: int, group=None) -> WeightShards:
+def shard_model(model: torch.nn.Module, rank: int, world: int) -> WeightShards:
     """Shard the blocks of a model that holds its whole weights (one block at a time, so memory only drops)."""
     named = find_blocks(model)
     if not named:
@@ -180,7 +185,7 @@ def shard_model(model: torch.nn.Module, rank: int, world: int, group=None) -> We
         lo, hi = layout.shard_range(rank)
         shard = pack(layout, [t for *_, t in entries], device)[lo:hi].clone()
         sharded.append(ShardedBlock(block, layout, shard, rank))
-    return attach(model, sharded, [name for name, _ in named], rank, world, group)
+    return attach(model, sharded, [name for name, _ in named])
 
 
 def model_shards(model: Any) -> Optional[WeightShards]:

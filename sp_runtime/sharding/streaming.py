@@ -142,8 +142,7 @@ class ShardSink:
             if block not in self.done and self.expected[block] <= set(self.received[block]):
                 self._finish_block(block)
         if len(self.done) == len(self.order):
-            attach(self.model, [self.done[name] for name in self.order], self.order, self.spec.rank,
-                   self.spec.world)
+            attach(self.model, [self.done[name] for name in self.order], self.order)
 
     def _finish_block(self, name: str) -> None:
         values, self.received[name] = self.received[name], {}
