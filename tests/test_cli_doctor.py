@@ -6,7 +6,7 @@ import json
 import pytest
 
 from sp_runtime.__main__ import main
-from sp_runtime.cli.recommend import Throughput, recommend, transfer_seconds
+from sp_runtime.cli.recommend import Throughput, recommend, shard_weights_estimate, transfer_seconds
 
 
 def test_doctor_on_cpu_workers_writes_its_report(tmp_path, capsys):
@@ -97,3 +97,18 @@ def test_recommendation_stays_small_when_the_link_is_slow_and_names_head_padding
     wan = recommend("wan", 832, 480, 81, None, ["cuda:0", "cuda:1", "cuda:2"], _link(100), H100_LIKE, 24e9)
     assert any("padded to 42" in reason for reason in wan["candidates"][-1]["reasons"])
     assert any("do not fit in 24.0 GB" in reason for reason in wan["reasons"])
+
+
+def test_recommendation_weighs_shard_weights_when_the_model_does_not_fit():
+    gpus = [f"cuda:{i}" for i in range(4)]
+    fast = recommend("qwen-image", 1328, 1328, 1, None, gpus, _link(1000), H100_LIKE, 24e9)
+    weights = fast["parameters"] * 2
+    sharding = fast["shard_weights"]
+    assert sharding["bytes_moved_per_step"] == pytest.approx(weights * 3 / 4, rel=1e-6)
+    assert weights / 4 < sharding["weights_per_device_bytes"] < weights / 4 + 0.1 * weights  # + two blocks
+    assert any("load with shard_weights" in reason for reason in fast["reasons"])
+    assert "(overlapped: hidden)" in sharding["advice"]
+    compute_s = fast["candidates"][-1]["compute_ms"] / 1e3
+    slow = shard_weights_estimate(weights, fast["attention_layers"], 4, _link(25), compute_s)
+    assert slow["gather_ms"] > 10 * sharding["gather_ms"] and "adds ~" in slow["advice"]
+    assert shard_weights_estimate(weights, 60, 1, _link(25), compute_s) is None

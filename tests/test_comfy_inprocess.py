@@ -239,3 +239,19 @@ def test_other_layouts_through_the_stock_sampler_equal_comfys_model(comfy_env, r
     cs.assert_close(cs.sample(model, positive, negative), cs.sample(references["qwen_image"], positive, negative))
     pool = comfy_env["owner"].status()["pools"][0]
     assert pool["layout"] == ("cfg2" if layout.get("cfg_parallel") else "r2")
+
+
+def test_loader_with_shard_weights_samples_exactly_like_without(comfy_env, sp_models):
+    """The loader's shard_weights input: the workers hold 1/2 of each block, the stock sampler's result is the same,
+    bitwise."""
+    loader = cs.import_node_module("loader")
+    path = comfy_env["checkpoints"]["flux"]
+    sharded = loader.SPModelLoader.execute(unet_name=os.path.basename(path), weight_dtype="fp32", devices="cpu:2",
+                                           ulysses_degree=0, ring_degree=1, cfg_parallel=False,
+                                           shard_weights=True).result[0]
+    positive, negative = cs.conditioning("flux", 1), cs.conditioning("flux", 2)
+    assert (cs.sample(sharded, positive, negative) == cs.sample(sp_models["flux"], positive, negative)).all()
+    pool = next(iter(sharded.model.diffusion_model.owner._pools.values()))
+    ranks = pool.status()["ranks"]
+    assert all(rank["weights"]["sharded_blocks"] > 0 for rank in ranks)
+    assert [model["options"] for model in pool.status()["models"] if model["options"]] == [{"shard_weights": True}]

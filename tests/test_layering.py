@@ -15,7 +15,7 @@ LAYERS = [
     ("config",),
     ("groups",),
     ("attention", "compile", "formats"),
-    ("model_options",),
+    ("model_options", "sharding"),
     ("families",),
     ("cfg_parallel", "lora", "tiny_models"),
     ("pool",),

@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", action="store_true", help="load option: overlap the output exchange")
     parser.add_argument("--compile", action="store_true",
                         help="load option: torch.compile the blocks (the warm-up calls compile; use --warmup >= 1)")
+    parser.add_argument("--shard-weights", action="store_true",
+                        help="load option: each rank keeps 1/N of every block, gathered per block at each step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join("out", "bench.json"),
                         help="JSON report path; the plot goes next to it as .png (default: out/bench.json)")
@@ -118,7 +120,7 @@ class _Plan:
 def load_options(args) -> dict:
     """The model load options the bench was asked for (sp_runtime.attention.options), defaults left out."""
     options = {"attention": args.attention, "fp8_exchange": args.fp8_exchange, "overlap": args.overlap,
-               "compile": args.compile}
+               "compile": args.compile, "shard_weights": args.shard_weights}
     return {key: value for key, value in options.items() if value not in (False, "sdpa")}
 
 
@@ -221,7 +223,7 @@ class _Bench:
         for _ in range(self.args.warmup):
             handle(workload.noise, t, **workload.conditioning)
             warmups.append(pool.stats["last_call_s"])
-        _reset_cpu_peaks(pool)
+        reset_cpu_peaks(pool)
         steps, worker_steps, output = [], [], None
         for _ in range(self.args.steps):
             result = handle(workload.noise, t, **workload.conditioning)
@@ -380,7 +382,7 @@ def _size(dtype: str) -> int:
 
 
 # ---- memory --------------------------------------------------------------------------------------------------------
-def _reset_cpu_peaks(pool) -> None:
+def reset_cpu_peaks(pool) -> None:
     """Linux: reset each CPU worker's peak RSS (VmHWM) so the peak covers the timed calls only."""
     for rank in pool.status()["ranks"]:
         if rank["device"] == "cpu" and rank["pid"]:

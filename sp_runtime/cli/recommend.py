@@ -90,10 +90,16 @@ def recommend(model: str, width: int, height: int, frames: int, text_tokens: Opt
     best = _choose(candidates)
     weights = parameters * DTYPE_BYTES[dtype]
     reasons = [_verdict(best, candidates)] + list(best["reasons"])
+    sharding = shard_weights_estimate(weights, shape.layers, len(devices), sweep, best["compute_ms"] / 1e3)
     if memory_bytes is not None and weights > 0.9 * memory_bytes:
+        fits = sharding is not None and sharding["weights_per_device_bytes"] <= 0.9 * memory_bytes
         reasons.append(f"the {weights / 1e9:.1f} GB of bf16 weights do not fit in {memory_bytes / 1e9:.1f} GB per "
-                       f"device (every rank holds all weights): load fp8 weights ({weights / 2e9:.1f} GB) or use "
-                       f"larger GPUs")
+                       f"device (every rank holds all weights): " + (
+                           f"load with shard_weights ({sharding['weights_per_device_bytes'] / 1e9:.1f} GB per "
+                           f"device), or fp8 weights ({weights / 2e9:.1f} GB)" if fits else
+                           f"load fp8 weights ({weights / 2e9:.1f} GB) or use larger GPUs"))
+    if sharding is not None:
+        reasons.append(sharding["advice"])
     if shared_cores:
         reasons.append("CPU workers share the same cores: sequence parallelism adds no compute on a CPU-only "
                        "machine (use it for correctness checks); on GPUs each rank brings its own")
@@ -102,8 +108,32 @@ def recommend(model: str, width: int, height: int, frames: int, text_tokens: Opt
             "heads": shape.heads, "head_dim": shape.head_dim, "attention_layers": shape.layers,
             "parameters": parameters, "weights_gb_bf16": round(weights / 1e9, 2),
             "estimated_one_device_ms": round((attention_s + linear_s) * 1e3, 1), "throughput": throughput.__dict__,
-            "candidates": candidates, "recommended_layout": best["layout"], "reasons": reasons,
+            "candidates": candidates, "recommended_layout": best["layout"], "shard_weights": sharding,
+            "reasons": reasons,
             "note": "estimate from measured throughput and link speed; measure with `python -m sp_runtime bench`"}
+
+
+def shard_weights_estimate(weights: int, blocks: int, ranks: int, sweep: Optional[Sequence[dict]],
+                           compute_s: float) -> Optional[dict]:
+    """What load option shard_weights would cost on `ranks` devices: weights per device (1/N of the blocks plus two
+    gathered blocks; the few non-block weights counted as blocks), bytes each device receives per step ((N-1)/N of
+    all blocks), and that traffic's time at the measured link speed (one all-to-all-sized transfer per block; the
+    next block's gather overlaps the current block's compute, so only what exceeds the compute shows)."""
+    if ranks < 2:
+        return None
+    block = weights / max(1, blocks)
+    moved = weights * (ranks - 1) / ranks
+    gather_s = blocks * transfer_seconds(block, sweep) if sweep else None
+    result = {"weights_per_device_bytes": int(weights / ranks + 2 * block), "bytes_moved_per_step": int(moved),
+              "gather_ms": None if gather_s is None else round(gather_s * 1e3, 1)}
+    shown = "link speed not measured" if gather_s is None else (
+        f"~{gather_s * 1e3:.0f} ms of gathers per step at the measured link speed against {compute_s * 1e3:.0f} ms "
+        f"of compute (overlapped: " + ("hidden" if gather_s <= compute_s else
+                                       f"adds ~{(gather_s - compute_s) * 1e3:.0f} ms") + ")")
+    result["advice"] = (f"shard_weights on {ranks} devices: {result['weights_per_device_bytes'] / 1e9:.1f} GB of "
+                        f"weights per device instead of {weights / 1e9:.1f}; each step moves "
+                        f"{moved / 1e9:.1f} GB to every device, {shown}; use it when the model does not fit")
+    return result
 
 
 def _verdict(best: dict, candidates: list[dict]) -> str:

@@ -7,6 +7,7 @@ soon as it is read, so loading never holds more than the final model plus one so
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence
@@ -266,9 +267,11 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
     Missing model keys and unknown source keys raise ValueError naming them. Returns the model, in eval mode.
     """
     from .. import formats
+    from ..sharding import ShardSink
 
     device = torch.device(device)
     targets = target_dtypes(model, dtypes)
+    sink = ShardSink.for_model(model, targets, device, plain=dtypes.quant is None)  # shard_weights: blocks go there
     linear_weights = {f"{name}.weight" for name, module in model.named_modules()
                       if isinstance(module, torch.nn.Linear)} if dtypes.keep_quantized else set()
     ignore = set(ignore)
@@ -290,20 +293,33 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
                 if outputs is None or any(target not in targets for target, _ in outputs):
                     unexpected.append(name)
                     continue
+                sliced = sink.read_slices(handle, key, outputs) if sink else None  # this rank's rows only
+                if sliced is not None:
+                    shape, dtype = sliced
+                    reporter.advance(math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize)
+                    continue
                 weight = formats.read_quant(handle, key, name, quant)
                 kept = weight is not None and all(target in linear_weights for target, _ in outputs)
                 tensor = None if kept else handle.get_tensor(key) if weight is None else weight.dequantize()
                 for target, transform in outputs:
+                    block = sink.block_of(target) if sink else None
                     if kept:
-                        quantized[target] = weight.map_rows(transform).owned()
+                        value = weight.map_rows(transform)
                     else:
-                        cast = _cast(transform(tensor) if transform else tensor, targets[target])
-                        state[target] = out_of_file(cast, tensor)
+                        value = _cast(transform(tensor) if transform else tensor, targets[target])
+                    if block is not None:
+                        sink.put(block, target, value)  # packed into this rank's shard: copied there
+                    elif kept:
+                        quantized[target] = value.owned()
+                    else:
+                        state[target] = out_of_file(value, tensor)
                 reporter.advance(weight.nbytes if weight is not None else tensor.numel() * tensor.element_size())
                 del tensor, weight
-    _check_keys(source, targets, {**state, **quantized}, unexpected)
+    _check_keys(source, targets, {*state, *quantized, *(sink.names if sink else ())}, unexpected)
     formats.install_quant_linears(model, quantized, state)
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=sink is None, assign=True)  # sharded blocks: placeholders set already
+    if sink is not None:
+        sink.finish()
     _move_buffers(model, device)
     model.requires_grad_(False)
     reporter.done()
@@ -324,8 +340,8 @@ def out_of_file(tensor: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _check_keys(source: CheckpointSource, targets: Mapping, state: Mapping, unexpected: list[str]) -> None:
-    missing = sorted(set(targets) - set(state))
+def _check_keys(source: CheckpointSource, targets: Mapping, loaded: set, unexpected: list[str]) -> None:
+    missing = sorted(set(targets) - loaded)
     if missing or unexpected:
         parts = []
         if missing:

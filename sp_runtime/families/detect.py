@@ -90,10 +90,16 @@ def load_worker_model(request, device, groups, progress):
 
     from ..formats import weight_bytes
     from ..model_options import with_runtime_options
+    from ..sharding import ShardSpec, shard_option, shard_worker, sharded_loading
     header = request.header or read_checkpoint_header(request.path)
     detection = detect(header)
-    worker = family_module(detection.family).load(request, detection, device, groups, progress)
+    world = groups.config.world_size if groups is not None else 1
+    shard = ShardSpec(groups.rank, world) if shard_option(request.options) and world > 1 else None
+    with sharded_loading(shard):  # blocks read straight into this rank's shards
+        worker = family_module(detection.family).load(request, detection, device, groups, progress)
+    if shard is not None:
+        worker = shard_worker(worker, shard.rank, shard.world)  # shards a model its family loaded whole
     if isinstance(getattr(worker, "model", None), torch.nn.Module):
         worker.info.quant = detection.quant
-        worker.info.weight_bytes = weight_bytes(worker.model)
+        worker.info.weight_bytes = weight_bytes(worker.model) + (worker.shards.resident_bytes if shard else 0)
     return with_runtime_options(worker, request.options)

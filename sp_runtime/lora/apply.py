@@ -18,6 +18,7 @@ import torch
 
 from ..families.header import Header
 from ..formats import QuantLinear
+from ..sharding import model_shards
 from .base import BaseWeights
 from .files import Adapter, LoraFile, adapter_delta, adapter_factors, file_identity, read_lora_file
 from .keys import KeyResolver, Target, family_plans
@@ -82,6 +83,9 @@ class LoraState:
     def _targets(self) -> dict[str, torch.Tensor]:
         """What a LoRA may change: the parameters, and quantized weights (as meta tensors of their shape)."""
         targets = dict(self.model.named_parameters())
+        shards = model_shards(self.model)  # sharded blocks hold placeholders: their real shapes
+        targets.update({name: meta for name, meta in (shards.meta_tensors() if shards else {}).items()
+                        if name in targets})
         targets.update({name: torch.empty(module.out_features, module.in_features, device="meta")
                         for name, module in self.quantized.items()})
         return targets
@@ -137,6 +141,7 @@ class LoraState:
         grouped = {target.parameter for targets in change.groups.values() for target in targets}
         deltas = _DeltaCache(change.uses, [name for name in change.names if name not in self.quantized])
         done = iter(range(len(change.names)))
+        store = _Store(change.parameters, model_shards(self.model))
         with contextlib.ExitStack() as stack, self.base.reader(self.device) as read_base, torch.no_grad():
             handles = {}
 
@@ -164,16 +169,16 @@ class LoraState:
                 if name in self.quantized:
                     self.quantized[name].deltas = file_deltas(name)
                 else:
-                    change.parameters[name].copy_(store_as(value(name), change.parameters[name].dtype, name))
+                    store(name, value(name))
                 self._record(name, change.wanted, progress, next(done), len(change.names))
             members = set(change.names)
             for key, targets in change.groups.items():
                 if targets[0].parameter in members:  # a group changes whole
-                    self._write_patched(key, targets, change, value, file_deltas)
+                    self._write_patched(key, targets, change, value, file_deltas, store)
                     for target in targets:
                         self._record(target.parameter, change.wanted, progress, next(done), len(change.names))
 
-    def _write_patched(self, key: str, targets: list, change: "_Change", value, file_deltas) -> None:
+    def _write_patched(self, key: str, targets: list, change: "_Change", value, file_deltas, store) -> None:
         """One checkpoint weight under ComfyUI patches: put together from its parameters (each base + LoRA files),
         patched, split back; quantized parameters get the change as unmerged terms."""
         target = change.patches.targets[key]
@@ -195,8 +200,7 @@ class LoraState:
             if name in quantized:
                 self.quantized[name].deltas = quantized[name] + [(patched[name] - values[name], None, 1.0)]
             else:
-                parameter = change.parameters[name]
-                parameter.copy_(store_as(patched[name], parameter.dtype, name))
+                store(name, patched[name])
 
     def _record(self, name: str, wanted: dict, progress: Progress, done: int, total: int) -> None:
         if wanted.get(name):
@@ -254,6 +258,22 @@ def _additive_terms(key: str, target, targets: list[Target], sources: list, para
     total = patched_weight(torch.zeros(target.shape, device=sources[0].device), target.patches, key)
     return {name: [(delta.reshape(parameters[name].shape[0], -1), None, 1.0)]
             for name, delta in split(total, targets, sources, parameters).items()}
+
+
+class _Store:
+    """Writes a LoRA-patched weight: into the parameter, or for a sharded block (sharding) only this rank's bytes."""
+
+    def __init__(self, parameters: dict, shards):
+        self.parameters, self.shards = parameters, shards
+
+    def __call__(self, name: str, value: torch.Tensor) -> None:
+        parameter = self.parameters[name]
+        stored = store_as(value, parameter.dtype, name)
+        located = self.shards.locate(name) if self.shards else None
+        if located:
+            located[0].write(located[1], stored)
+        else:
+            parameter.copy_(stored)
 
 
 class _DeltaCache:

@@ -80,7 +80,7 @@ class WorkerPool:
         self.restarts = 0
         self.stats = {"calls": 0, "last_call_s": None, "last_worker_s": None, "last_bytes_copied": 0,
                       "last_conditioning_bytes_copied": 0, "last_copied": {}, "bytes_copied_total": 0}
-        self._ranks = [{"calls": 0, "last_call_s": None, "memory": {}} for _ in self.config.devices]
+        self._ranks = [{"calls": 0, "last_call_s": None, "memory": {}, "weights": {}} for _ in self.config.devices]
         self._names = claim_names(self._token)  # first: its owner file proves the later names this pool's
         try:
             self._control = ControlBlock.create(self._token, self.config.world_size)
@@ -214,13 +214,14 @@ class WorkerPool:
             worker = workers[rank] if rank < len(workers) else None
             alive = worker is not None and worker.alive()
             memory = rank_memory(device, worker.pid if alive else None, self._ranks[rank]["memory"])
-            if alive and weights:
-                memory["weights"] = weights
+            if alive and weights:  # the rank's own figure (sharded blocks count as its shards), else the model's
+                memory["weights"] = self._ranks[rank]["weights"].get("resident", weights)
             ranks.append({"rank": rank, "device": device, "pid": worker.pid if worker else None, "alive": alive,
                           "exit_cause": None if alive or worker is None else worker.exit_cause(),
                           "coords": dict(zip(("cfg", "ring", "ulysses"), self.config.coords(rank))),
                           "memory": memory,
                           "models": [_model_summary(*entry) for entry in resident if alive],
+                          "weights": self._ranks[rank]["weights"] if alive else {},
                           "calls": self._ranks[rank]["calls"],
                           "last_call_s": self._ranks[rank]["last_call_s"],
                           "blocks_done": self._control.counter(rank) if self._control and alive else None})
@@ -515,6 +516,8 @@ class WorkerPool:
         for rank, reply in enumerate(replies):
             if reply.get("memory"):
                 self._ranks[rank]["memory"] = reply["memory"]
+            if "weights" in reply:
+                self._ranks[rank]["weights"] = reply["weights"]
         return replies
 
     def _note_error(self, error: BaseException) -> None:
@@ -557,7 +560,9 @@ def _request_for(path: str, dtype, options: dict, header, stamp: list) -> LoadRe
     model)."""
     from ..families.checkpoint import resolved_dtype_name
     from ..families.detect import detect
+    from ..sharding import shard_option
     detection = detect(header)
+    shard_option(options)  # a bad value fails here, before any worker loads
     try:
         json.dumps(options)
     except TypeError as error:

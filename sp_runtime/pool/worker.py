@@ -137,6 +137,7 @@ class Worker:
             reply = self._handle(message)
             reply["id"] = message.get("id")
             reply["memory"] = self.memory()
+            reply["weights"] = self.weight_accounting()
             send(self.conn, reply)
 
     def _handle(self, message: dict) -> dict:
@@ -155,6 +156,18 @@ class Worker:
                 "reserved": torch.cuda.memory_reserved(self.device),
                 "peak": torch.cuda.max_memory_allocated(self.device),
                 "total": torch.cuda.mem_get_info(self.device)[1]}
+
+    def weight_accounting(self) -> dict:
+        """Over the loaded models: bytes of weights this rank holds (sharded blocks count as their shards); of the
+        sharded blocks their whole size, the largest one, the most bytes gathered at once and gathered from other
+        ranks since load."""
+        from ..sharding import model_shards
+        shards = [s for s in (model_shards(getattr(m, "model", None)) for m in self.models.values()) if s]
+        return {"resident": sum(model.info.weight_bytes for model in self.models.values()),
+                "sharded_blocks": sum(s.full_bytes for s in shards),
+                "largest_block": max((s.largest_block for s in shards), default=0),
+                "gathered_peak": max((s.gathered_peak for s in shards), default=0),
+                "bytes_moved": sum(s.bytes_moved for s in shards)}
 
     def op_load(self, message: dict) -> dict:
         request = LoadRequest.from_message(message["request"])
