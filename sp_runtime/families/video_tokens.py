@@ -15,17 +15,23 @@ import torch.nn.functional as F
 Box = tuple[int, int, int, int, int, int]  # frames [f0, f1), rows [r0, r1), cols [c0, c1) of the token grid
 
 
-def conv_patch_embed(conv: torch.nn.Conv3d, patches: torch.Tensor, dtype: torch.dtype = torch.float32
+def conv_patch_embed(conv: torch.nn.Module, patches: torch.Tensor, dtype: torch.dtype = torch.float32
                      ) -> torch.Tensor:
-    """A Conv3d patch embedding (kernel == stride) as a linear over flattened patches, computed in `dtype`
-    (ComfyUI runs Wan's in float32, HunyuanVideo's in the model's dtype)."""
+    """A Conv2d / Conv3d patch embedding (kernel == stride) as a linear over flattened patches, in `dtype` (ComfyUI
+    runs Wan's patch_embedding in float32; HunyuanVideo's and Wan's other patch embeddings in the model's dtype)."""
     return F.linear(patches.to(dtype), conv.weight.flatten(1).to(dtype), conv.bias.to(dtype))
 
 
-def patch_linear(conv: torch.nn.Module, patches: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A patch-sized Conv2d / Conv3d (kernel == stride) as a linear over flattened patches in `dtype` (the embeddings
-    ComfyUI runs in the model's dtype: Fun's ref_conv, S2V's cond_encoder)."""
-    return F.linear(patches.to(dtype), conv.weight.flatten(1).to(dtype), conv.bias.to(dtype))
+def frame_runs(first: int, count: int, per_frame: int) -> list[tuple[int, int, int]]:
+    """Tokens first..first+count-1 of a frame-major sequence as (frame, start, stop) runs, start / stop counted from
+    `first`: one run per latent frame the range touches."""
+    runs, start = [], 0
+    while start < count:
+        frame = (first + start) // per_frame
+        stop = min(count, (frame + 1) * per_frame - first)
+        runs.append((frame, start, stop))
+        start = stop
+    return runs
 
 
 def pad_to_patch_3d(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:

@@ -12,12 +12,12 @@ runs self-attention through sp_attention and cross-attention locally against the
 
 Variants, each with its extra inputs split the same way: VACE (wan_vace: vace_context hint videos on the same token
 split), Fun Control's reference image (wan_fun: reference_latent as a leading frame of tokens), Fun Camera
-(wan_camera: camera_conditions embedded per token), HuMo (wan_humo) and S2V (wan_s2v: reference and motion tokens
-after the video's, frame-local audio injection).
+(wan_camera: camera_conditions embedded per token), HuMo (wan_humo: frame-local audio attention), S2V (wan_s2v:
+reference and motion tokens after the video's, frame-local audio injection) and Wan 2.2 Animate (wan_animate:
+pose_latents embedded per token, face motion tokens attended frame by frame).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Iterable, Optional
@@ -34,6 +34,8 @@ from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY,
                              folder_overrides, wan_key_plan)
 from .wan_common import WanSinusoid, wan_sinusoid, wrap_pad
 from .wan_checkpoint import detect  # noqa: F401 - the family's detector (found here through FAMILIES)
+from .wan_animate import (FaceMotion, add_pose_tokens, check_animate_inputs, diffusers_arguments, no_face_reference,
+                          prepare_face)
 from .wan_camera import CameraAddedEmbedding, attach_camera_adapter, camera_tokens
 from .wan_humo import HumoAudio, attach_humo_modules, audio_reference_hooks, humo_block, prepare_audio
 from .wan_fun import ReferenceFirstEmbedding, attach_reference_conv, embed_tokens, reference_frame
@@ -41,7 +43,8 @@ from .wan_s2v import S2VAudio, attach_s2v_modules, prepare_injection, prepare_se
 from .wan_s2v import reference_forward as s2v_reference_forward
 from .wan_vace import VaceHints, prepare_hints
 
-DESCRIPTION = "Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun InP / Control / Camera, HuMo, S2V)"
+DESCRIPTION = ("Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun InP / Control / Camera, HuMo, S2V, "
+               "Animate)")
 COMFY_PATCH = (1, 2, 2)
 
 
@@ -60,6 +63,7 @@ def _comfy_attributes(info: ModelInfo) -> dict:
 COMFY = ComfyHost(model_classes={"i2v": "WAN21_I2V", "flf2v": "WAN21_I2V", "ti2v": "WAN22_T2V", "vace": "WAN21_Vace",
                                  "fun_control": "WAN21_FunControl2V", "camera": "WAN21_Camera",
                                  "camera_2.2": "WAN22_Camera", "humo": "WAN21_HuMo", "s2v": "WAN22_S2V",
+                                 "animate": "WAN22_Animate",
                                  "": "WAN21_T2V"},
                   unet_config=_comfy_unet_config, attributes=_comfy_attributes)
 INFO_KEYS = ("patch_size", "num_layers", "text_dim", "ffn_dim", "freq_dim", "image_dim", "pos_embed_seq_len",
@@ -69,7 +73,8 @@ EXTRA_MODULE_KEYS = ("ref_in_channels", "camera_in_channels", "camera_residual_b
 # inputs of the Wan variants; ComfyUI would use them, so never ignore them silently on a model without the modules
 VARIANT_INPUTS = {"vace": ("vace_context", "vace_strength"), "camera": ("camera_conditions",),
                   "camera_2.2": ("camera_conditions",), "humo": ("audio_embed",),
-                  "s2v": ("audio_embed", "reference_motion", "control_video")}
+                  "s2v": ("audio_embed", "reference_motion", "control_video"),
+                  "animate": ("face_pixel_values", "pose_latents")}
 UNSUPPORTED_INPUTS = ("vace_context", "camera_conditions", "audio_embed", "reference_motion", "control_video",
                       "face_pixel_values", "pose_latents")
 
@@ -114,9 +119,9 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
                detection: Optional[Detection] = None, options: Optional[dict] = None,
                progress: Optional[ProgressFn] = None, header: Optional[Header] = None
                ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
-    """WanTransformer3DModel (VACE: WanVACETransformer3DModel) with the checkpoint's weights on `device`, stock
-    attention processors."""
-    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
+    """WanTransformer3DModel (VACE: WanVACETransformer3DModel, Animate: WanAnimateTransformer3DModel) with the
+    checkpoint's weights on `device`, stock attention processors."""
+    from diffusers import WanAnimateTransformer3DModel, WanTransformer3DModel, WanVACETransformer3DModel
 
     header = header or read_checkpoint_header(path)
     detection = detection or detect(header)
@@ -124,7 +129,8 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
         raise ValueError(f"{path!r} is not a Wan checkpoint")
     config = {**model_config(detection, options), **folder_overrides(header_config(header))}
     dtypes = choose_dtypes(dtype, header, detection.prefix)
-    model_class = WanVACETransformer3DModel if detection.variant == "vace" else WanTransformer3DModel
+    model_class = {"vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel}.get(
+        detection.variant, WanTransformer3DModel)
     extras = {key: config.pop(key, None) for key in EXTRA_MODULE_KEYS}
     model = build_empty_model(model_class, config, dtypes)
     attach_extra_modules(model, extras)
@@ -298,6 +304,7 @@ class _Call:
     vace: Optional[VaceHints] = None      # VACE models: the hint videos' states on this rank's tokens
     audio: Optional[HumoAudio] = None     # HuMo models called with audio_embed
     injection: Optional[S2VAudio] = None  # S2V models called with audio_embed
+    face: Optional[FaceMotion] = None     # Animate models called with face_pixel_values
 
 
 def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: str) -> _Call:
@@ -319,6 +326,8 @@ def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: 
     camera = camera_tokens(model, inputs, x, grid, lo, hi, ctx, dtype) if variant.startswith("camera") else None
     if camera is not None:
         hidden = hidden + camera
+    if variant == "animate":
+        hidden = add_pose_tokens(model, inputs, grid, lo, hi, hidden, ctx, dtype)
     context = _cross_context(model, inputs, ctx, dtype, batch)
     sigma = _per_item(ctx.to_device("timestep", timestep, torch.float32), batch)
     temb, projection = time_embeddings(model, sigma if s2v is None else s2v.timestep_entries(sigma), dtype)
@@ -333,8 +342,9 @@ def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: 
         if variant == "vace" else None
     audio = prepare_audio(model, inputs, x, grid, lo, ctx, dtype) if variant == "humo" else None
     injection = prepare_injection(model, inputs, grid, lo, hi, ctx, dtype) if variant == "s2v" else None
+    face = prepare_face(model, inputs, grid, lo, ctx, dtype) if variant == "animate" else None
     return _Call(grid, lo, lead, hidden, SelfAttentionPlan(seq, shards, cos, sin), context, block_modulation,
-                 out_modulation, vace, audio, injection)
+                 out_modulation, vace, audio, injection, face)
 
 
 def _video_latent(model, x, inputs, ctx, appended: str) -> torch.Tensor:
@@ -379,6 +389,8 @@ def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
             hidden = call.vace.add(model, index, hidden, call)
         if call.injection is not None:
             hidden = call.injection.add(model, index, hidden)
+        if call.face is not None:
+            hidden = call.face.add(model, index, hidden)
     table = model.scale_shift_table
     if call.block_modulation.dim() == 3:  # one modulation for every token
         shift, scale = (table + call.out_modulation).chunk(2, dim=1)
@@ -404,6 +416,8 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict, variant: str) -> None:
         if extra is not None and (extra.dim() != 5 or extra.shape[1] != x.shape[1] or extra.shape[3:] != x.shape[3:]):
             raise ValueError(f"{name} has shape {list(extra.shape)}; it must match x {list(x.shape)} in channels, "
                              f"height and width")
+    if variant == "animate":
+        check_animate_inputs(config, x, inputs)
     if variant in ("humo", "s2v") and inputs.get("time_dim_concat") is not None:
         raise ValueError(f"time_dim_concat is not taken by a Wan {variant} model (as ComfyUI's HumoWanModel and "
                          f"WanModel_S2V: their extra frames come as reference_latent)")
@@ -469,6 +483,7 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
                       reference_latent: Optional[torch.Tensor] = None,
                       camera_conditions: Optional[torch.Tensor] = None, audio_embed: Optional[torch.Tensor] = None,
                       reference_motion: Optional[torch.Tensor] = None, control_video: Optional[torch.Tensor] = None,
+                      pose_latents: Optional[torch.Tensor] = None, face_pixel_values: Optional[torch.Tensor] = None,
                       **_ignored) -> torch.Tensor:
     """ComfyUI's Wan diffusion_model(...) computed by diffusers' own WanTransformer3DModel.forward on one process.
 
@@ -482,6 +497,9 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     Fun Camera: the adapter's output added to patch_embedding's (wan_camera.CameraAddedEmbedding). HuMo:
     reference_latent frames appended as time_dim_concat's, audio attention hooked in (wan_humo.audio_reference_hooks).
     S2V: wan_s2v.reference_forward (diffusers' stock blocks over its whole sequence).
+    Animate: diffusers' own pose and face inputs, which it needs with matching frame counts
+    (wan_animate.diffusers_arguments); without a face video, the face adapter switched off
+    (wan_animate.no_face_reference).
     """
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
@@ -518,8 +536,13 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
             image = clip_fea.reshape(2 * clip_fea.shape[0], clip_fea.shape[1] // 2, clip_fea.shape[2])
         image = image.to(device, compute)
     extra = {} if vace_context is None else _diffusers_vace_arguments(model, vace_context, vace_strength, patch)
+    animate = getattr(model, "face_adapter", None) is not None
+    if animate:
+        pose = None if pose_latents is None else wrap_pad(pose_latents, patch)
+        extra = diffusers_arguments(model, pose, face_pixel_values, latent.shape[2])
     saved = model.attn_processors, model.condition_embedder.timesteps_proj, model.patch_embedding
-    model.set_attn_processor(WanAttnProcessor())
+    model.set_attn_processor({name: processor if name.startswith("face_adapter.") else WanAttnProcessor()
+                              for name, processor in saved[0].items()})  # Animate's face adapter keeps its own
     model.condition_embedder.timesteps_proj = WanSinusoid(model.config.freq_dim)
     if lead:
         reference = wrap_pad(reference_latent.unsqueeze(2), patch)[:, :, 0]
@@ -527,7 +550,7 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     if camera_conditions is not None and getattr(model, "control_adapter", None) is not None:
         model.patch_embedding = CameraAddedEmbedding(model, camera_conditions.to(device, compute))
     hooks = audio_reference_hooks(model, audio_embed.to(device, compute), latent.shape[2]) \
-        if humo and audio_embed is not None else nullcontext()
+        if humo and audio_embed is not None else no_face_reference(model, animate and face_pixel_values is None)
     try:
         with torch.no_grad(), hooks:
             result = model(hidden_states=latent.to(device, compute), timestep=sigma.to(device),

@@ -13,14 +13,17 @@ import math
 from typing import Optional
 
 from .base import Detection
-from .checkpoint import count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
+from .checkpoint import KeyPlan, count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
 from .header import Header, header_config
+from .wan_animate import ANIMATE_MODULES, animate_architecture, animate_key_targets
 
 FAMILY = "wan"
 DEFAULT_HEAD_DIM = 128  # every released Wan model; q/k norms span all heads, so no checkpoint shows it
 HEAD_DIM_METADATA_KEY = "ulysses_sp.head_dim"  # our tiny test checkpoints state theirs here
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 VACE_CLASS = "WanVACETransformer3DModel"
+ANIMATE_CLASS = "WanAnimateTransformer3DModel"
+DIFFUSERS_CLASSES = (DIFFUSERS_CLASS, VACE_CLASS, ANIMATE_CLASS)
 ORIGINAL_CLASS = "WanModel"  # config.json of the original Wan-AI release folders (original key names)
 CAMERA_ADAPTER = "control_adapter"  # Fun Camera's module (wan_camera), the same name in both layouts
 HUMO_AUDIO, HUMO_BLOCK_AUDIO = "audio_proj", "audio_cross_attn_wrapper"  # HuMo's modules (wan_humo), both layouts
@@ -35,11 +38,8 @@ ORIGINAL_ANCHORS = ("patch_embedding.weight", "text_embedding.0.weight", "time_e
 DIFFUSERS_ANCHORS = ("patch_embedding.weight", "condition_embedder.time_proj.weight",
                      "condition_embedder.text_embedder.linear_1.weight", "blocks.0.attn1.to_q.weight",
                      "scale_shift_table", "proj_out.weight")
-# Wan-based models with extra modules our SP forward does not run, by a key stem they carry (either layout).
-UNSUPPORTED_PARTS = {
-    "face_adapter.": "Wan 2.2 Animate",
-    "motion_encoder.": "Wan 2.2 Animate",
-}
+SUPPORTED = ("Wan 2.1 / 2.2 T2V, I2V, FLF2V, TI2V 5B, VACE, Fun InP / Control / Camera, HuMo, Wan 2.2 S2V, "
+             "Wan 2.2 Animate")
 
 # ----- original (Wan / ComfyUI) module names -> diffusers module names -----
 _TOP = {
@@ -78,13 +78,17 @@ DIFFUSERS_IGNORED_SUFFIX = ".norm_added_q.weight"
 # ---------------------------------------------------------------------------------------------------------------
 # Key plan
 
-def wan_key_plan(keys) -> dict[str, list[tuple[str, None]]]:
-    """Original-layout key (prefix stripped) -> [(diffusers key, None)]; keys it does not know are left out."""
+def wan_key_plan(keys) -> KeyPlan:
+    """Original-layout key (prefix stripped) -> [(diffusers key, transform)]; keys it does not know are left out."""
     plan = {}
     for key in keys:
-        target = _convert(key)
-        if target is not None:
-            plan[key] = [(target, None)]
+        if key.startswith(ANIMATE_MODULES):
+            targets = animate_key_targets(key)
+        else:
+            target = _convert(key)
+            targets = None if target is None else [(target, None)]
+        if targets is not None:
+            plan[key] = targets
     return plan
 
 
@@ -114,17 +118,16 @@ def _convert(key: str) -> Optional[str]:
 def detect(header: Header) -> Optional[Detection]:
     """Wan 2.1 / 2.2 from the header alone; None when the file is another family."""
     folder_config = header_config(header)
-    if folder_config is not None and folder_config.get("_class_name") not in (None, DIFFUSERS_CLASS, VACE_CLASS,
+    if folder_config is not None and folder_config.get("_class_name") not in (None, *DIFFUSERS_CLASSES,
                                                                                 ORIGINAL_CLASS):
         name = folder_config["_class_name"]
         if name.startswith("Wan"):
             raise ValueError(f"{header.path!r} is a {name}: only {DIFFUSERS_CLASS} (Wan 2.1 / 2.2 T2V, I2V, FLF2V "
-                             f"and TI2V 5B) and {VACE_CLASS} are supported")
+                             f"and TI2V 5B), {VACE_CLASS} and {ANIMATE_CLASS} are supported")
         return None
     prefix = find_prefix(header.tensors, ORIGINAL_ANCHORS)
     if prefix is not None:
         keys = strip_prefix(header.tensors, prefix)
-        _reject_unsupported(header, keys)
         _reject_unknown(header, keys, wan_key_plan(keys))
         config = architecture(keys, "original", _stated_head_dim(header, folder_config))
         return _detection(header, "original", prefix, config)
@@ -132,7 +135,6 @@ def detect(header: Header) -> Optional[Detection]:
     if prefix is None:
         return None
     keys = strip_prefix(header.tensors, prefix)
-    _reject_unsupported(header, keys)
     config = architecture(keys, "diffusers", _stated_head_dim(header, folder_config))
     return _detection(header, "diffusers", prefix, config)
 
@@ -143,16 +145,18 @@ def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detect
 
 
 def variant_of(config: dict) -> str:
-    """vace (hint blocks), s2v (speech-to-video), humo (audio), camera / camera_2.2 (Fun Camera with / without
-    CLIP), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2 5B, 48 latent channels),
-    flf2v / i2v (CLIP image input), i2v_concat (image latent in extra input channels without CLIP: Wan 2.2 A14B I2V
-    experts, Fun models) or t2v (also the Wan 2.2 A14B T2V experts)."""
+    """vace (hint blocks), s2v (speech-to-video), humo (audio), animate (pose and face inputs), camera / camera_2.2
+    (Fun Camera with / without CLIP), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2
+    5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat (image latent in extra input channels
+    without CLIP: Wan 2.2 A14B I2V experts, Fun models) or t2v (also the Wan 2.2 A14B T2V experts)."""
     if config.get("vace_layers"):
         return "vace"
     if config.get("s2v"):
         return "s2v"
     if config.get("audio_dim"):
         return "humo"
+    if config.get("motion_encoder_dim"):
+        return "animate"
     if config.get("camera_in_channels"):  # ComfyUI's model types: camera (with CLIP) and camera_2.2
         return "camera" if config.get("image_dim") else "camera_2.2"
     if config.get("image_dim") and config["in_channels"] == FUN_CONTROL_CHANNELS:
@@ -174,14 +178,6 @@ def _stated_head_dim(header: Header, folder_config: Optional[dict]) -> Optional[
     if folder_config and folder_config.get("attention_head_dim"):
         return int(folder_config["attention_head_dim"])
     return None
-
-
-def _reject_unsupported(header: Header, keys: dict) -> None:
-    for stem, name in UNSUPPORTED_PARTS.items():
-        if any(key.startswith(stem) or f".{stem}" in key for key in keys):
-            raise ValueError(f"{header.path!r} is a {name} checkpoint (it has {stem}* weights), which the "
-                             f"sequence-parallel Wan does not support; supported: Wan 2.1 / 2.2 T2V, I2V, FLF2V, "
-                             f"TI2V 5B, VACE, Fun InP / Control / Camera, HuMo, S2V")
 
 
 def _reject_unknown(header: Header, keys: dict, plan: dict) -> None:
@@ -263,6 +259,8 @@ def architecture(keys: dict, layout: str, head_dim: Optional[int] = None) -> dic
         config["s2v"] = s2v_architecture(keys, inner)
     if "ref_conv.weight" in keys:
         config["ref_in_channels"] = shape_of(keys, "ref_conv.weight")[1]
+    if "pose_patch_embedding.weight" in keys:
+        config.update(animate_architecture(keys, layout, config["num_layers"], in_channels))
     _check_qk_norm(keys, names["qk_norm"])
     return _with_heads(config, head_dim)
 
@@ -303,6 +301,6 @@ def _check_qk_norm(keys: dict, key: str) -> None:
 def folder_overrides(folder_config: Optional[dict]) -> dict:
     """Settings of a diffusers config.json that a header cannot show (eps, rope length, VACE hint placement), kept
     when present."""
-    if not folder_config or folder_config.get("_class_name") not in (DIFFUSERS_CLASS, VACE_CLASS):
+    if not folder_config or folder_config.get("_class_name") not in DIFFUSERS_CLASSES:
         return {}
     return {key: folder_config[key] for key in ("eps", "rope_max_seq_len", "vace_layers") if key in folder_config}

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d, patch_linear
+from .video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d
 
 
 def attach_reference_conv(model, in_channels: int) -> None:
@@ -43,7 +43,7 @@ def embed_tokens(model, grid: VideoGrid, latent: torch.Tensor, reference: Option
     parts = []
     if lo < lead:
         frame = VideoGrid(1, grid.rows, grid.cols, (1, *grid.patch[1:]))
-        parts.append(patch_linear(model.ref_conv, frame.patches(reference, lo, min(hi, lead)), dtype))
+        parts.append(conv_patch_embed(model.ref_conv, frame.patches(reference, lo, min(hi, lead)), dtype))
     if hi > lead or not parts:
         video = grid.patches(latent, max(lo, lead) - lead, max(hi, lead) - lead)
         parts.append(conv_patch_embed(model.patch_embedding, video).to(dtype))

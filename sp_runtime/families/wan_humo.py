@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..attention import local_attention
+from .video_tokens import frame_runs
 
 AUDIO_TOKENS = 16  # per latent frame, as ComfyUI's WanT2VCrossAttentionGather reshapes them
 
@@ -100,12 +101,8 @@ def frame_local_attention(attention: AudioAttention, hidden: torch.Tensor, audio
     query = attention.norm_q(attention.q(hidden)).unflatten(2, (attention.heads, -1))
     key = attention.norm_k(attention.k(audio)).unflatten(3, (attention.heads, -1))
     value = attention.v(audio).unflatten(3, (attention.heads, -1))
-    parts, start = [], 0
-    while start < hidden.shape[1]:
-        frame = (first + start) // per_frame
-        stop = min(hidden.shape[1], (frame + 1) * per_frame - first)
-        parts.append(local_attention(query[:, start:stop], key[:, frame], value[:, frame]))
-        start = stop
+    parts = [local_attention(query[:, start:stop], key[:, frame], value[:, frame])
+             for frame, start, stop in frame_runs(first, hidden.shape[1], per_frame)]
     out = torch.cat(parts, dim=1) if parts else query
     return attention.o(out.flatten(2, 3).type_as(hidden))
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d, patch_linear
+from .video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d
 from .wan_common import WanSinusoid, wrap_pad
 from .wan_humo import AudioAttention, frame_local_attention
 
@@ -215,8 +215,8 @@ class S2VSequence:
         mask added, then its share of the extra tokens."""
         mask = model.trainable_cond_mask.weight.to(dtype)
         if self.control is not None:
-            video = video + patch_linear(model.cond_encoder, self.grid.patches(self.control, lo, lo + video.shape[1]),
-                                         dtype)
+            patches = self.grid.patches(self.control, lo, lo + video.shape[1])
+            video = video + conv_patch_embed(model.cond_encoder, patches, dtype)
         video = video + mask[0]
         if hi <= self.grid.count:
             return video

@@ -7,10 +7,11 @@ ti2v (48 -> 48 channels: Wan 2.2 5B style, run with per-frame timesteps) and vac
 blocks with VACE hints after blocks 0 and 2, 96 hint channels as the real models) and fun_control (i2v with 48 input
 channels and Fun Control's ref_conv of a 16-channel reference latent), fun_a14b (Wan 2.2 Fun Control A14B style: 52
 input channels, no CLIP, ref_conv), camera (Wan 2.1 Fun Camera: i2v with 32 input channels and the camera adapter
-of 24-channel conditions), camera_2.2 (36 input channels, no CLIP, the adapter) and humo (t2v with HuMo's audio
-modules, audio_embed [B, T, 2, 5, 8] instead of ComfyUI's [B, T, 8, 5, 1280]) and s2v (Wan 2.2 S2V's modules, 5
+of 24-channel conditions), camera_2.2 (36 input channels, no CLIP, the adapter), humo (t2v with HuMo's audio
+modules, audio_embed [B, T, 2, 5, 8] instead of ComfyUI's [B, T, 8, 5, 1280]), s2v (Wan 2.2 S2V's modules, 5
 blocks with audio injected after blocks 0 and 4 as ComfyUI's list places 2 injectors, audio_embed [B, 25, 32, 4T]
-instead of [B, 25, 1024, 4T]). Defaults: 6 heads (4 ranks do not divide
+instead of [B, 25, 1024, 4T]) and animate (WanAnimateTransformer3DModel: i2v with 5 blocks, one face adapter block,
+and the real-size motion encoder and face encoder, whose widths ComfyUI fixes). Defaults: 6 heads (4 ranks do not divide
 them) of size 16, 2 blocks. Files state their head size in the safetensors metadata key
 `ulysses_sp.head_dim` (wan_checkpoint.HEAD_DIM_METADATA_KEY) unless head_dim_metadata=False, in which case loading
 needs the option head_dim=16. The original-layout writer is the inverse of the loader's key plan, written
@@ -33,7 +34,8 @@ CLIP_DIM = 1280         # ComfyUI's Wan image embedder input width is fixed
 FLF_CLIP_TOKENS = 10    # tiny first-last-frame models: 2 x 5 CLIP tokens
 VACE_TINY = dict(num_layers=4, vace_layers=[0, 2], vace_in_channels=96)
 VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b", "camera", "camera_2.2",
-            "humo", "s2v")
+            "humo", "s2v", "animate")
+ANIMATE_TINY = dict(num_layers=5)  # the face adapter follows every 5th block
 HUMO_TINY = dict(audio_in_features=80, audio_hidden=32, audio_dim=24)
 S2V_TINY = dict(audio_dim=32, audio_layers=25, audio_tokens=4, cond_dim=16, inject_layers=[0, 4])
 CAMERA_TINY = dict(camera_in_channels=24, camera_residual_blocks=1)
@@ -43,13 +45,13 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
     """diffusers config of a tiny Wan; `size` overrides any key (e.g. num_attention_heads=3)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown Wan variant {variant!r}; tiny Wan models exist for {VARIANTS}")
-    config = dict(WAN_TINY, **(VACE_TINY if variant == "vace" else {}))
+    config = dict(WAN_TINY, **{"vace": VACE_TINY, "animate": ANIMATE_TINY}.get(variant, {}))
     unknown = set(size) - set(config)
     if unknown:
         raise ValueError(f"unknown size options {sorted(unknown)} for wan; known: {sorted(config)}")
     config.update(size)
     inner = config["num_attention_heads"] * config["attention_head_dim"]
-    if variant in ("i2v", "flf2v", "fun_control", "camera"):
+    if variant in ("i2v", "flf2v", "fun_control", "camera", "animate"):
         config.update(in_channels=36, image_dim=CLIP_DIM, added_kv_proj_dim=inner)
     if variant == "fun_control":
         config.update(in_channels=48, ref_in_channels=16)
@@ -72,20 +74,33 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
 
 
 def build_tiny_model(seed: int = 0, variant: str = "t2v", **size) -> torch.nn.Module:
-    """A float32 WanTransformer3DModel (VACE: WanVACETransformer3DModel) with seeded random weights (stock
-    attention processors)."""
-    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
+    """A float32 WanTransformer3DModel (VACE: WanVACETransformer3DModel, Animate: WanAnimateTransformer3DModel) with
+    seeded random weights (stock attention processors)."""
+    from diffusers import WanAnimateTransformer3DModel, WanTransformer3DModel, WanVACETransformer3DModel
 
     from ..families.wan import EXTRA_MODULE_KEYS, attach_extra_modules
     config = tiny_config(variant, **size)
     extras = {key: config.pop(key) for key in EXTRA_MODULE_KEYS if key in config}
-    model_class = WanVACETransformer3DModel if variant == "vace" else WanTransformer3DModel
+    model_class = {"vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel}.get(
+        variant, WanTransformer3DModel)
     model = model_class.from_config(config)
     attach_extra_modules(model, extras)
     randomize_(model, seed)
     if variant == "s2v":  # the audio layers' mixing weights are positive in the release (they are divided by their sum)
         model.casual_audio_encoder.weights.data.abs_()
+    if variant == "animate":
+        _unit_motion_weights(model, seed)
     return model.eval().requires_grad_(False)
+
+
+def _unit_motion_weights(model, seed: int) -> None:
+    """The motion encoder's convs and linears scale their weights by 1 / sqrt(fan-in) at run time, so they get unit
+    random weights (as the real ones): scaled twice, the face video would hardly reach the output."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, parameter in model.motion_encoder.named_parameters():
+            if parameter.dim() >= 2 and name != "motion_synthesis_weight":
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
 
 
 # ----- diffusers -> original (Wan / ComfyUI) names: the inverse of wan_checkpoint's plan, stated on its own -----
@@ -119,7 +134,56 @@ _SAME_NAME_MODULES = ("control_adapter.", "audio_proj.", "trainable_cond_mask.",
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under the original Wan release's / ComfyUI's key names."""
-    return {_original_name(key): value.detach() for key, value in model.state_dict().items()}
+    state = {key: value.detach() for key, value in model.state_dict().items()}
+    animate = {key: state.pop(key) for key in list(state) if key.startswith(_ANIMATE_MODULES)}
+    out = {_original_name(key): value for key, value in state.items()}
+    if animate:
+        out.update(_original_animate(animate))
+    return out
+
+
+# ----- Wan Animate's modules: diffusers -> ComfyUI / Wan-Animate names -----
+_ANIMATE_MODULES = ("pose_patch_embedding.", "face_adapter.", "face_encoder.", "motion_encoder.")
+_FACE_BLOCK = {"to_q": "linear1_q", "to_out": "linear2", "norm_q": "q_norm", "norm_k": "k_norm"}
+_MOTION_BLOCK = {"conv1.weight": "conv1.0.weight", "conv1.act_fn.bias": "conv1.1.bias",
+                 "conv2.weight": "conv2.1.weight", "conv2.act_fn.bias": "conv2.2.bias",
+                 "conv_skip.weight": "skip.1.weight"}
+
+
+def _original_animate(state: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    blur = torch.tensor([1.0, 3.0, 3.0, 1.0])
+    blur = blur[None, :] * blur[:, None] / blur.sum() ** 2  # ComfyUI's Blur buffer (stored in released files)
+    for key, value in state.items():
+        stem, _, rest = key.partition(".")
+        if stem == "pose_patch_embedding" or rest.startswith(("out_proj.", "padding_tokens")):
+            out[key] = value
+        elif stem == "face_encoder":
+            conv, _, kind = rest.rpartition(".")
+            out[f"face_encoder.{conv}.conv.{kind}"] = value
+        elif stem == "face_adapter":
+            index, module, kind = rest.split(".")
+            if module in _FACE_BLOCK:
+                out[f"face_adapter.fuser_blocks.{index}.{_FACE_BLOCK[module]}.{kind}"] = value
+            elif module == "to_k":
+                kv = torch.cat([value, state[f"face_adapter.{index}.to_v.{kind}"]])
+                out[f"face_adapter.fuser_blocks.{index}.linear1_kv.{kind}"] = kv
+        elif rest == "motion_synthesis_weight":
+            out["motion_encoder.dec.direction.weight"] = value
+        elif rest.startswith("motion_network."):
+            out["motion_encoder.enc.fc." + rest.removeprefix("motion_network.")] = value
+        elif rest == "conv_out.weight":
+            out["motion_encoder.enc.net_app.convs.8.weight"] = value
+        elif rest.startswith("conv_in."):
+            name = "0.weight" if rest == "conv_in.weight" else "1.bias"
+            out[f"motion_encoder.enc.net_app.convs.0.{name}"] = value if value.dim() > 1 else value.view(1, -1, 1, 1)
+        else:  # res_blocks.i.*
+            _, index, module = rest.split(".", 2)
+            convs = f"motion_encoder.enc.net_app.convs.{int(index) + 1}."
+            out[convs + _MOTION_BLOCK[module]] = value if value.dim() > 1 else value.view(1, -1, 1, 1)
+            if module == "conv2.weight":
+                out[convs + "conv2.0.kernel"], out[convs + "skip.0.kernel"] = blur.clone(), blur.clone()
+    return out
 
 
 def _original_name(key: str) -> str:
