@@ -153,7 +153,7 @@ def _tiny_original(**extra) -> dict:
 @pytest.mark.parametrize("extra, message", [
     ({"casual_audio_encoder.encoder.final_linear.weight": torch.zeros(2, 2)},
      "this Wan S2V checkpoint has 0 audio injectors and 0 adaptive norms"),
-    ({"face_adapter.fuser_blocks.0.k_norm.weight": torch.zeros(2)}, "Wan 2.2 Animate"),
+    ({"face_adapter.fuser_blocks.0.k_norm.weight": torch.zeros(2)}, "no tensor 'pose_patch_embedding.weight'"),
     ({"blocks.0.self_attn.lora_down.weight": torch.zeros(2, 2)},
      r"modules this loader does not know: blocks\.\*\.self_attn\.lora_down \(1 tensors\)"),
     ({f"blocks.{b}.motion_adapter.proj.{kind}": torch.zeros(2) for b in range(2) for kind in ("weight", "bias")}
@@ -172,9 +172,9 @@ def test_unsupported_wan_files_fail_clearly(tmp_path, extra, message):
 def test_other_wan_classes_in_folders_are_named(tmp_path):
     path = write_tiny_checkpoint("wan", str(tmp_path / "folder"), layout="diffusers_folder")
     config = json.loads((tmp_path / "folder" / "config.json").read_text())
-    config["_class_name"] = "WanAnimateTransformer3DModel"
+    config["_class_name"] = "WanAnimate2Transformer3DModel"
     (tmp_path / "folder" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="is a WanAnimateTransformer3DModel: only WanTransformer3DModel"):
+    with pytest.raises(ValueError, match="is a WanAnimate2Transformer3DModel: only WanTransformer3DModel"):
         detect(path)
 
 

@@ -15,11 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ..groups import SeqParallel
+from .gather import all_gather_into
 from .lse import LseMerger, attention_with_lse, key_padding_bias
 from .shards import SeqShards
-
-# torch >= 2.13 renamed all_gather_into_tensor (and warns about the old name)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq: SeqParallel,
@@ -156,6 +154,6 @@ def _gather_rows(rows: torch.Tensor, text_rows: SeqShards, group) -> torch.Tenso
     send = rows.new_zeros(batch, heads, chunk, head_dim)
     send[:, :, :count] = rows
     received = send.new_empty(text_rows.degree * batch, heads, chunk, head_dim)
-    _all_gather(received, send, group=group)
+    all_gather_into(received, send, group=group)
     received = received.view(text_rows.degree, batch, heads, chunk, head_dim)
     return torch.cat([received[source, :, :, :size] for source, size in enumerate(text_rows.sizes)], dim=2)

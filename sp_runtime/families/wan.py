@@ -342,7 +342,7 @@ def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: 
         if variant == "vace" else None
     audio = prepare_audio(model, inputs, x, grid, lo, ctx, dtype) if variant == "humo" else None
     injection = prepare_injection(model, inputs, grid, lo, hi, ctx, dtype) if variant == "s2v" else None
-    face = prepare_face(model, inputs, grid, lo, ctx, dtype) if variant == "animate" else None
+    face = prepare_face(model, inputs, grid, lo, seq, ctx, dtype) if variant == "animate" else None
     return _Call(grid, lo, lead, hidden, SelfAttentionPlan(seq, shards, cos, sin), context, block_modulation,
                  out_modulation, vace, audio, injection, face)
 

@@ -5,10 +5,11 @@ tokens per latent frame, attended by the face adapter after main blocks 0, 5, 10
 
 SP plan: the pose tokens lie on the video's own token grid, so every rank patch-embeds only the pose patches of its
 tokens. The motion tokens are few (5 per frame) and each video token attends only to its own frame's, so every rank
-computes them all (replicated, no communication) and attends its tokens frame by frame: a shard boundary inside a
-frame splits that frame's queries, never its keys, so the result is exact without gathering anything. The motion
-encoder (a StyleGAN-style conv net on every 512 x 512 face frame) runs on every rank; per step it costs well under
-1% of a 14B model's step.
+holds them all and attends its tokens frame by frame: a shard boundary inside a frame splits that frame's queries,
+never its keys, so the result is exact without exchanging tokens. Making them: the motion encoder (a StyleGAN-style
+conv net, ~25 GFLOP per 512 x 512 face frame, 77 frames per batch item) is the one heavy part that is not per
+token, so the ranks share the face frames out, encode their share and all-gather the 512-wide motion vectors (a few
+hundred KB); the face encoder after it (three small temporal convs) runs on every rank.
 
 Original (ComfyUI) key names of the Animate modules map to diffusers' here (animate_key_targets), as diffusers'
 convert_wan_transformer_to_diffusers does for a whole state dict: linear1_kv splits into to_k / to_v, the motion
@@ -24,7 +25,8 @@ from typing import Optional
 
 import torch
 
-from ..attention import local_attention
+from ..attention import gather_rows, local_attention
+from ..groups import SeqParallel
 from .checkpoint import shape_of
 from .video_tokens import VideoGrid, conv_patch_embed, frame_runs, pad_to_patch_3d
 
@@ -162,25 +164,31 @@ class FaceMotion:
         return adapter.to_out(out.flatten(2, 3).type_as(hidden))
 
 
-def prepare_face(model, inputs: dict, grid: VideoGrid, lo: int, ctx, dtype: torch.dtype) -> Optional[FaceMotion]:
+def prepare_face(model, inputs: dict, grid: VideoGrid, lo: int, seq: SeqParallel, ctx, dtype: torch.dtype
+                 ) -> Optional[FaceMotion]:
     """The motion tokens of every latent frame, or None without face_pixel_values (ComfyUI then adds no face)."""
     face = inputs.get("face_pixel_values")
     if face is None:
         return None
-    tokens = motion_tokens(model, ctx.to_device("face_pixel_values", face, dtype))
+    tokens = motion_tokens(model, ctx.to_device("face_pixel_values", face, dtype), seq)
     if tokens.shape[1] < grid.frames:  # ComfyUI: zero motion for frames beyond the face video's, extra ones dropped
         tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], grid.frames - tokens.shape[1],
                                                      *tokens.shape[2:])], dim=1)
     return FaceMotion(tokens[:, :grid.frames], lo, grid.per_frame)
 
 
-def motion_tokens(model, face: torch.Tensor) -> torch.Tensor:
-    """face video [B, 3, F, 512, 512] -> motion tokens [B, 1 + frames, 5, dim]: the motion encoder per face frame (in
-    batches, as ComfyUI), the face encoder over time, and a zero frame first (the reference image's frame)."""
+def motion_tokens(model, face: torch.Tensor, seq: SeqParallel) -> torch.Tensor:
+    """face video [B, 3, F, 512, 512] -> motion tokens [B, 1 + frames', 5, dim]: the motion encoder per face frame
+    (this rank's share, in batches as ComfyUI), all-gathered, the face encoder over time, and a zero frame first (the
+    reference image's frame)."""
     batch, _, frames = face.shape[:3]
     images = face.transpose(1, 2).flatten(0, 1)
-    chunks = images.split(model.config.motion_encoder_batch_size)
-    motion = torch.cat([model.motion_encoder(chunk) for chunk in chunks]).view(batch, frames, -1)
+    share = -(-images.shape[0] // seq.degree)
+    mine = images[seq.rank * share:(seq.rank + 1) * share]
+    encoded = [model.motion_encoder(chunk) for chunk in mine.split(model.config.motion_encoder_batch_size)]
+    width = model.config.motion_encoder_dim
+    padding = mine.new_zeros(share - mine.shape[0], width)  # every rank sends `share` rows
+    motion = gather_rows(torch.cat([*encoded, padding]), seq)[:images.shape[0]].view(batch, frames, width)
     tokens = model.face_encoder(motion)
     return torch.cat([torch.zeros_like(tokens[:, :1]), tokens], dim=1)
 

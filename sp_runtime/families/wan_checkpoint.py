@@ -259,7 +259,7 @@ def architecture(keys: dict, layout: str, head_dim: Optional[int] = None) -> dic
         config["s2v"] = s2v_architecture(keys, inner)
     if "ref_conv.weight" in keys:
         config["ref_in_channels"] = shape_of(keys, "ref_conv.weight")[1]
-    if "pose_patch_embedding.weight" in keys:
+    if any(key.startswith(ANIMATE_MODULES) for key in keys):
         config.update(animate_architecture(keys, layout, config["num_layers"], in_channels))
     _check_qk_norm(keys, names["qk_norm"])
     return _with_heads(config, head_dim)

@@ -1,0 +1,22 @@
+"""All-gather over one sequence group (the Ulysses ranks inside each Ring block), for the few per-call values that
+the ranks share out and then all need (e.g. Wan Animate's motion vectors); attention itself never gathers."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..groups import SeqParallel
+
+# torch >= 2.13 renamed all_gather_into_tensor (and warns about the old name)
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_rows(rows: torch.Tensor, seq: SeqParallel) -> torch.Tensor:
+    """Every sequence rank's rows [n, ...] (the same n on every rank) -> [degree * n, ...] in seq.rank order:
+    gathered over the Ulysses group first, then over the Ring group (rank = ring rank x U + Ulysses rank)."""
+    for group, degree in ((seq.ulysses_group, seq.ulysses_degree), (seq.ring_group, seq.ring_degree)):
+        if degree > 1:
+            gathered = rows.new_empty(degree * rows.shape[0], *rows.shape[1:])
+            all_gather_into(gathered, rows.contiguous(), group=group)
+            rows = gathered
+    return rows

@@ -1,0 +1,161 @@
+"""Wan 2.2 Animate under Ulysses SP: ComfyUI's pose_latents (embedded per token onto frames 1..) and
+face_pixel_values (motion tokens per latent frame, attended by the face adapter after blocks 0, 5, ...) equal
+diffusers' own WanAnimateTransformer3DModel run in one process, at degrees 1-4 (3 heads of 128), token ranges that
+split frames, padded sizes, batch 2; and ComfyUI's own AnimateWanModel on the same file (COMFYUI_PATH), where the
+frame counts of the inputs need not match x's. Detection, the key plan against diffusers' converter, bad inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import comfy_support as cs
+from family_support import LocalContext, assert_parity, relative_error
+from sp_runtime.config import SPConfig
+from sp_runtime.families import wan
+from sp_runtime.families.base import LoadRequest
+from sp_runtime.families.detect import detect, load_worker_model
+from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.groups import ParallelGroups, SeqParallel
+from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, original_state_dict, write_tiny_checkpoint
+
+pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
+
+SEED = 17
+SIZE = dict(num_attention_heads=3, attention_head_dim=128)  # 3 heads: 2 and 4 ranks do not divide them
+FACE = 512  # the motion encoder's fixed input size
+
+
+def _call(generator, frames, height, width, pose_frames, face_frames, clip=True, text_tokens=512):
+    """(x, timestep, inputs) as ComfyUI's WAN22_Animate passes them (x: noise 16 + mask 4 + reference 16 channels,
+    frame 0 the reference image's); diffusers' image attention needs exactly 512 text tokens."""
+    inputs = {"context": torch.randn(2, text_tokens, 32, generator=generator),
+              "pose_latents": torch.randn(2, 16, pose_frames, height, width, generator=generator)}
+    if clip:
+        inputs["clip_fea"] = torch.randn(2, 5, 1280, generator=generator)
+    if face_frames:
+        inputs["face_pixel_values"] = torch.rand(2, 3, face_frames, FACE, FACE, generator=generator) * 2 - 1
+    x = torch.randn(2, 36, frames, height, width, generator=generator)
+    return x, torch.tensor([700.0, 300.0]), inputs
+
+
+def make_cases() -> dict:
+    """diffusers takes exactly frames - 1 pose frames and 4 (frames - 2) + 1 face frames: 30 tokens (2 frames of 15,
+    H and W padded) with one face frame, and 18 tokens (3 frames of 6) without a face video."""
+    g = torch.Generator().manual_seed(1)
+    return {"face_and_pose_padded": _call(g, 2, 5, 9, pose_frames=1, face_frames=1),
+            "pose_without_face": _call(g, 3, 4, 6, pose_frames=2, face_frames=0)}
+
+
+def comfy_cases() -> dict:
+    """Frame counts diffusers cannot take (ComfyUI pads the motion tokens with zeros, drops extra pose frames), no
+    CLIP features (the image branch attends to the text), a short prompt; ComfyUI's pose embedding needs even H, W."""
+    g = torch.Generator().manual_seed(2)
+    return {"short_face_and_pose": _call(g, 3, 4, 6, pose_frames=1, face_frames=1, text_tokens=7),
+            "long_pose_no_clip": _call(g, 3, 2, 4, pose_frames=4, face_frames=0, clip=False, text_tokens=7)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model("wan", SEED, variant="animate", **SIZE)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_tiny_checkpoint("wan", str(tmp_path_factory.mktemp("wan_animate") / "animate.safetensors"),
+                                 seed=SEED, variant="animate", prefix=COMFY_PREFIX, **SIZE)
+
+
+@pytest.fixture(scope="module")
+def references(model):
+    return {name: wan.reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in make_cases().items()}
+
+
+def test_fp32_parity(family_pool, path, references):
+    handle = family_pool.load_model(path)
+    assert (handle.info.variant, handle.info.config["num_heads"]) == ("animate", 3)
+    for name, (x, t, inputs) in make_cases().items():
+        assert_parity(handle(x, t, **inputs), references[name], "float32", f"animate/{name}")
+
+
+def test_the_face_and_the_pose_change_the_output(model, references):
+    x, t, inputs = make_cases()["face_and_pose_padded"]
+    faceless = wan.reference_forward(model, x, t, **{**inputs, "face_pixel_values": None})
+    assert relative_error(faceless, references["face_and_pose_padded"]) > 1e-3
+    x, t, inputs = make_cases()["pose_without_face"]
+    still = wan.reference_forward(model, x, t, **{**inputs, "pose_latents": torch.zeros_like(inputs["pose_latents"])})
+    assert relative_error(still, references["pose_without_face"]) > 1e-3
+
+
+def test_detection_in_every_layout(path, tmp_path):
+    header = read_checkpoint_header(path)
+    found = detect(header)
+    assert (found.variant, found.layout, found.prefix) == ("animate", "original", COMFY_PREFIX)
+    assert {key: found.config[key] for key in ("latent_channels", "motion_dim", "face_encoder_num_heads",
+                                               "num_layers", "in_channels", "image_dim")} == {
+        "latent_channels": 16, "motion_dim": 20, "face_encoder_num_heads": 4, "num_layers": 5, "in_channels": 36,
+        "image_dim": 1280}
+    assert "WAN22_Animate" == wan.COMFY.model_class(found.variant)
+    bare = write_tiny_checkpoint("wan", str(tmp_path / "bare.safetensors"), seed=SEED, variant="animate", **SIZE)
+    folder = write_tiny_checkpoint("wan", str(tmp_path / "folder"), layout="diffusers_folder", seed=SEED,
+                                   variant="animate", **SIZE)
+    assert (detect(read_checkpoint_header(bare)).prefix, detect(read_checkpoint_header(bare)).variant) == ("", "animate")
+    in_folder = detect(read_checkpoint_header(folder))
+    assert (in_folder.layout, in_folder.variant, in_folder.config["motion_style_dim"]) == ("diffusers", "animate", 512)
+
+
+def test_key_plan_equals_diffusers_converter(model):
+    """Our per-tensor plan gives what diffusers' converter gives (the blur kernels, fixed buffers that diffusers
+    rebuilds and its converter leaves unconverted, are read past), and that is the model's own state."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+    from sp_runtime.families.wan_checkpoint import wan_key_plan
+    original = original_state_dict("wan", model)
+    expected = convert_wan_transformer_to_diffusers({COMFY_PREFIX + k: v for k, v in original.items()})
+    kernels = {key for key in expected if key.endswith(".kernel")}
+    assert len(kernels) == 14 and kernels <= set(original)
+    plan = wan_key_plan(original)
+    assert set(plan) == set(original), "every original key has a destination"
+    ours = {target: transform(original[source]) if transform else original[source]
+            for source, targets in plan.items() for target, transform in targets}
+    state = model.state_dict()
+    assert ours.keys() == expected.keys() - kernels == state.keys()
+    assert all(torch.equal(ours[key], expected[key]) and torch.equal(ours[key], state[key]) for key in ours)
+
+
+def test_bad_animate_inputs_are_named(path):
+    groups = ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
+    worker = load_worker_model(LoadRequest(path), torch.device("cpu"), groups, lambda *_: None)
+    x, t, inputs = make_cases()["pose_without_face"]
+    out = torch.empty(2, 16, *x.shape[2:])
+    with pytest.raises(ValueError, match=r"pose_latents has shape \[2, 16, 2, 4, 5\]; this Wan Animate model takes "
+                                         r"\[B, 16, frames, 4, 6\]"):
+        worker.forward(x, t, {**inputs, "pose_latents": inputs["pose_latents"][..., :5]}, out, LocalContext(groups))
+    with pytest.raises(ValueError, match=r"face_pixel_values has shape \[2, 3, 1, 64, 64\]; this Wan Animate model "
+                                         r"takes \[B, 3, frames, 512, 512\]"):
+        worker.forward(x, t, {**inputs, "face_pixel_values": torch.zeros(2, 3, 1, 64, 64)}, out, LocalContext(groups))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ComfyUI's own Animate model (COMFYUI_PATH)
+
+@pytest.fixture(scope="module")
+def comfy_references(path):
+    if cs.comfyui_path() is None:
+        pytest.skip(cs.NO_COMFYUI)
+    cs.import_comfy()
+    import comfy.supported_models
+    import comfy.utils
+    unet = dict(cs.COMFY_TINY_UNET["wan"], model_type="animate", in_dim=36, dim=384, num_heads=3, num_layers=5)
+    config = comfy.supported_models.WAN22_Animate(unet)
+    config.set_inference_dtype(torch.float32, None)
+    network = config.get_model({}).diffusion_model
+    weights = comfy.utils.load_torch_file(path)
+    network.load_state_dict({key.removeprefix(COMFY_PREFIX): value for key, value in weights.items()}, strict=True)
+    assert type(network).__name__ == "AnimateWanModel"
+    with torch.no_grad():
+        return {name: network(x, t, **inputs) for name, (x, t, inputs) in comfy_cases().items()}
+
+
+def test_comfyui_animate_parity(family_pool, path, comfy_references):
+    handle = family_pool.load_model(path)
+    for name, (x, t, inputs) in comfy_cases().items():
+        assert_parity(handle(x, t, **inputs), comfy_references[name], "float32", f"animate_comfyui/{name}")
