@@ -103,6 +103,17 @@ def test_detection_in_every_layout(path, tmp_path):
     assert (in_folder.layout, in_folder.variant, in_folder.config["motion_style_dim"]) == ("diffusers", "animate", 512)
 
 
+def test_wan_animate_2_files_are_refused_by_name(tmp_path):
+    """Animate 2 files have Wan 2.1 I2V's keys; ComfyUI tells them apart by the model_type in their metadata."""
+    from safetensors.torch import save_file
+    model = build_tiny_model("wan", SEED, variant="i2v")
+    path = str(tmp_path / "animate2.safetensors")
+    save_file({k: v.contiguous() for k, v in original_state_dict("wan", model).items()}, path,
+              metadata={"config": '{"transformer": {"model_type": "animate2"}}', "ulysses_sp.head_dim": "16"})
+    with pytest.raises(ValueError, match="is a Wan Animate 2 checkpoint .*model_type 'animate2'"):
+        detect(read_checkpoint_header(path))
+
+
 def test_key_plan_equals_diffusers_converter(model):
     """Our per-tensor plan gives what diffusers' converter gives (the blur kernels, fixed buffers that diffusers
     rebuilds and its converter leaves unconverted, are read past), and that is the model's own state."""
@@ -137,25 +148,72 @@ def test_bad_animate_inputs_are_named(path):
 # ---------------------------------------------------------------------------------------------------------------
 # ComfyUI's own Animate model (COMFYUI_PATH)
 
+COMFY_UNET = dict(cs.COMFY_TINY_UNET["wan"], model_type="animate", in_dim=36, dim=384, num_heads=3, num_layers=5)
+
+
 @pytest.fixture(scope="module")
-def comfy_references(path):
+def comfy_animate(path):
+    """ComfyUI's own WAN22_Animate model (AnimateWanModel) with the file's weights, in a ModelPatcher."""
     if cs.comfyui_path() is None:
         pytest.skip(cs.NO_COMFYUI)
     cs.import_comfy()
+    import comfy.model_patcher
     import comfy.supported_models
     import comfy.utils
-    unet = dict(cs.COMFY_TINY_UNET["wan"], model_type="animate", in_dim=36, dim=384, num_heads=3, num_layers=5)
-    config = comfy.supported_models.WAN22_Animate(unet)
+    config = comfy.supported_models.WAN22_Animate(dict(COMFY_UNET))
     config.set_inference_dtype(torch.float32, None)
-    network = config.get_model({}).diffusion_model
+    model = config.get_model({})
     weights = comfy.utils.load_torch_file(path)
-    network.load_state_dict({key.removeprefix(COMFY_PREFIX): value for key, value in weights.items()}, strict=True)
-    assert type(network).__name__ == "AnimateWanModel"
-    with torch.no_grad():
-        return {name: network(x, t, **inputs) for name, (x, t, inputs) in comfy_cases().items()}
+    model.diffusion_model.load_state_dict({key.removeprefix(COMFY_PREFIX): value for key, value in weights.items()},
+                                          strict=True)
+    assert type(model.diffusion_model).__name__ == "AnimateWanModel"
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
 
 
-def test_comfyui_animate_parity(family_pool, path, comfy_references):
+def test_comfyui_animate_parity(family_pool, path, comfy_animate):
+    network = comfy_animate.model.diffusion_model
     handle = family_pool.load_model(path)
     for name, (x, t, inputs) in comfy_cases().items():
-        assert_parity(handle(x, t, **inputs), comfy_references[name], "float32", f"animate_comfyui/{name}")
+        with torch.no_grad():
+            expected = network(x, t, **inputs)
+        assert_parity(handle(x, t, **inputs), expected, "float32", f"animate_comfyui/{name}")
+
+
+def animate_conditioning(seed: int, frames: int, height: int, width: int):
+    """(positive, negative) as WanAnimateToVideo gives them (reference + video latents with their mask, pose video
+    latents, the face video, CLIP features), the negative's face video all -1 as there."""
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(seed)
+    latent = lambda channels, count: torch.randn(1, channels, count, height, width, generator=g)  # noqa: E731
+    shared = {"concat_latent_image": latent(16, frames), "concat_mask": (latent(4, frames) > 0).float(),
+              "pose_video_latent": latent(16, frames - 1),
+              "clip_vision_output": SimpleNamespace(penultimate_hidden_states=torch.randn(1, 5, 1280, generator=g))}
+    face = torch.rand(1, 3, 1, FACE, FACE, generator=g) * 2 - 1
+    positive, negative = cs.conditioning("wan", 1), cs.conditioning("wan", 2)
+    positive[0][1].update(shared, face_video_pixels=face)
+    negative[0][1].update(shared, face_video_pixels=face * 0 - 1)
+    return positive, negative
+
+
+def test_stock_sampler_on_the_sp_animate_model_equals_comfys_own(comfy_animate, path, tmp_path):
+    """The loader node's MODEL (ComfyUI's WAN22_Animate class around the pool, devices cpu:2) in the stock
+    KSampler's code, with WanAnimateToVideo's conditioning, equals ComfyUI's own Animate model."""
+    import folder_paths
+    import shutil
+    folder = tmp_path / "diffusion_models"
+    folder.mkdir()
+    shutil.copy(path, folder / "tiny_animate.safetensors")
+    folder_paths.add_model_folder_path("diffusion_models", str(folder), is_default=True)
+    owner = cs.import_node_module("pool_owner").OWNER
+    loader = cs.import_node_module("loader")
+    try:
+        model = loader.SPModelLoader.execute(unet_name="tiny_animate.safetensors", weight_dtype="fp32",
+                                             devices="cpu:2", ulysses_degree=0, ring_degree=1,
+                                             cfg_parallel=False).result[0]
+        assert type(model.model) is type(comfy_animate.model)
+        positive, negative = animate_conditioning(5, frames=3, height=4, width=6)
+        expected = cs.sample(comfy_animate, positive, negative, steps=2, frames=3, height=4, width=6)
+        cs.assert_close(cs.sample(model, positive, negative, steps=2, frames=3, height=4, width=6), expected)
+    finally:
+        owner.close_all()

@@ -9,6 +9,7 @@ give the same tensors. No torch or diffusers import here: detection runs in the 
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Optional
 
@@ -38,6 +39,9 @@ ORIGINAL_ANCHORS = ("patch_embedding.weight", "text_embedding.0.weight", "time_e
 DIFFUSERS_ANCHORS = ("patch_embedding.weight", "condition_embedder.time_proj.weight",
                      "condition_embedder.text_embedder.linear_1.weight", "blocks.0.attn1.to_q.weight",
                      "scale_shift_table", "proj_out.weight")
+# Wan models whose files look like another variant and that ComfyUI tells apart only by the model_type in the
+# file's metadata (its model_detection reads metadata["config"]["transformer"])
+UNSUPPORTED_MODEL_TYPES = {"animate2": "Wan Animate 2"}
 SUPPORTED = ("Wan 2.1 / 2.2 T2V, I2V, FLF2V, TI2V 5B, VACE, Fun InP / Control / Camera, HuMo, Wan 2.2 S2V, "
              "Wan 2.2 Animate")
 
@@ -128,6 +132,7 @@ def detect(header: Header) -> Optional[Detection]:
     prefix = find_prefix(header.tensors, ORIGINAL_ANCHORS)
     if prefix is not None:
         keys = strip_prefix(header.tensors, prefix)
+        _reject_stated_model_type(header)
         _reject_unknown(header, keys, wan_key_plan(keys))
         config = architecture(keys, "original", _stated_head_dim(header, folder_config))
         return _detection(header, "original", prefix, config)
@@ -178,6 +183,17 @@ def _stated_head_dim(header: Header, folder_config: Optional[dict]) -> Optional[
     if folder_config and folder_config.get("attention_head_dim"):
         return int(folder_config["attention_head_dim"])
     return None
+
+
+def _reject_stated_model_type(header: Header) -> None:
+    try:
+        stated = json.loads(header.metadata.get("config", "{}")).get("transformer", {}).get("model_type")
+    except (ValueError, AttributeError):  # metadata of other tools: not ComfyUI's
+        return
+    if stated in UNSUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{header.path!r} is a {UNSUPPORTED_MODEL_TYPES[stated]} checkpoint (its metadata says "
+                         f"model_type {stated!r}), which the sequence-parallel Wan does not support; supported: "
+                         f"{SUPPORTED}")
 
 
 def _reject_unknown(header: Header, keys: dict, plan: dict) -> None:
