@@ -86,21 +86,37 @@ def test_the_face_and_the_pose_change_the_output(model, references):
     assert relative_error(still, references["pose_without_face"]) > 1e-3
 
 
-def test_detection_in_every_layout(path, tmp_path):
-    header = read_checkpoint_header(path)
-    found = detect(header)
+@pytest.fixture(scope="module")
+def other_layouts(tmp_path_factory):
+    """The same weights without the prefix, and as a diffusers folder."""
+    folder = tmp_path_factory.mktemp("wan_animate_layouts")
+    return [write_tiny_checkpoint("wan", str(folder / "bare.safetensors"), seed=SEED, variant="animate", **SIZE),
+            write_tiny_checkpoint("wan", str(folder / "diffusers"), layout="diffusers_folder", seed=SEED,
+                                  variant="animate", **SIZE)]
+
+
+def test_detection_in_every_layout(path, other_layouts):
+    found = detect(read_checkpoint_header(path))
     assert (found.variant, found.layout, found.prefix) == ("animate", "original", COMFY_PREFIX)
     assert {key: found.config[key] for key in ("latent_channels", "motion_dim", "face_encoder_num_heads",
                                                "num_layers", "in_channels", "image_dim")} == {
         "latent_channels": 16, "motion_dim": 20, "face_encoder_num_heads": 4, "num_layers": 5, "in_channels": 36,
         "image_dim": 1280}
-    assert "WAN22_Animate" == wan.COMFY.model_class(found.variant)
-    bare = write_tiny_checkpoint("wan", str(tmp_path / "bare.safetensors"), seed=SEED, variant="animate", **SIZE)
-    folder = write_tiny_checkpoint("wan", str(tmp_path / "folder"), layout="diffusers_folder", seed=SEED,
-                                   variant="animate", **SIZE)
-    assert (detect(read_checkpoint_header(bare)).prefix, detect(read_checkpoint_header(bare)).variant) == ("", "animate")
-    in_folder = detect(read_checkpoint_header(folder))
-    assert (in_folder.layout, in_folder.variant, in_folder.config["motion_style_dim"]) == ("diffusers", "animate", 512)
+    assert wan.COMFY.model_class(found.variant) == "WAN22_Animate"
+    bare, folder = (detect(read_checkpoint_header(where)) for where in other_layouts)
+    assert (bare.variant, bare.layout, bare.prefix) == ("animate", "original", "")
+    assert (folder.variant, folder.layout, folder.config["motion_style_dim"]) == ("animate", "diffusers", 512)
+
+
+def test_every_layout_loads_the_same_model(other_layouts, references):
+    groups = ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
+    x, t, inputs = make_cases()["pose_without_face"]
+    for where in other_layouts:
+        worker = load_worker_model(LoadRequest(where), torch.device("cpu"), groups, lambda *_: None)
+        out = torch.empty(2, 16, *x.shape[2:])
+        with torch.no_grad():
+            worker.forward(x, t, inputs, out, LocalContext(groups))
+        assert_parity(out, references["pose_without_face"], "float32", "animate/layouts")
 
 
 def test_wan_animate_2_files_are_refused_by_name(tmp_path):
