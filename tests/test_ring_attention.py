@@ -1,4 +1,5 @@
-"""Ring attention and the Ulysses x Ring hybrid on gloo equal single-process SDPA, for awkward shapes and text."""
+"""Ring attention and the Ulysses x Ring hybrid on gloo equal single-process SDPA, for awkward shapes and text; the
+sequence group's all-gather (attention.gather_rows) returns rows in sequence-rank order."""
 import itertools
 import math
 
@@ -66,7 +67,7 @@ def _counting(module, name, calls):
 def _run_layout(rank, world_size, ulysses, ring):
     import torch.distributed as dist
 
-    from sp_runtime.attention import SeqShards, sp_attention
+    from sp_runtime.attention import SeqShards, gather_rows, sp_attention
     from sp_runtime.config import SPConfig
     from sp_runtime.groups import build_groups
 
@@ -94,13 +95,16 @@ def _run_layout(rank, world_size, ulysses, ring):
             shapes_ok = shapes_ok and text_out.shape == text[0].shape and text_out.dtype == q.dtype
         label = (case[:5], str(case[5]), text_first)
         results.append((label, err, text_err, shapes_ok, dict(calls), hi - lo))
-    return results
+    return results, gather_rows(torch.full((2, 3), float(seq.rank)), seq)
 
 
 @pytest.mark.parametrize("ulysses,ring", LAYOUTS, ids=[f"u{u}r{r}" for u, r in LAYOUTS])
 def test_ring_and_hybrid_match_sdpa(ulysses, ring):
     world_size = ulysses * ring
-    per_rank = run_distributed(_run_layout, world_size, ulysses, ring, timeout=300)
+    outcomes = run_distributed(_run_layout, world_size, ulysses, ring, timeout=300)
+    in_rank_order = torch.arange(world_size, dtype=torch.float32).repeat_interleave(2)[:, None].expand(-1, 3)
+    assert all(torch.equal(gathered, in_rank_order) for _, gathered in outcomes)
+    per_rank = [results for results, _ in outcomes]
     for rank, results in enumerate(per_rank):
         for label, err, text_err, shapes_ok, calls, tokens in results:
             bf16 = "bfloat16" in label[1]

@@ -63,7 +63,10 @@ def animate_key_targets(key: str) -> Optional[list]:
         conv = module.removesuffix(".conv")
         return [(f"face_encoder.{conv}.{kind}", None)] if conv in ("conv1_local", "conv2", "conv3") else None
     if key.startswith("face_adapter.fuser_blocks."):
-        index, module, kind = key.removeprefix("face_adapter.fuser_blocks.").split(".")
+        parts = key.removeprefix("face_adapter.fuser_blocks.").split(".")
+        if len(parts) != 3:
+            return None
+        index, module, kind = parts
         stem = f"face_adapter.{index}."
         if module == "linear1_kv":
             return [(f"{stem}to_k.{kind}", _first_half), (f"{stem}to_v.{kind}", _second_half)]
