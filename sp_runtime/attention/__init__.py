@@ -15,8 +15,7 @@ from .shards import SeqShards
 from .ulysses import ulysses_attention
 
 __all__ = ["SeqShards", "attention_over_key_shards", "gather_rows", "local_attention", "joint_local_attention",
-           "sp_attention", "ulysses_attention",
-           "ring_attention", "hybrid_attention"]
+           "sp_attention", "ulysses_attention", "ring_attention", "hybrid_attention"]
 
 
 def sp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq: SeqParallel,

@@ -204,8 +204,9 @@ def check_animate_inputs(config, x: torch.Tensor, inputs: dict) -> None:
                          f"{config.latent_channels}, frames, {x.shape[3]}, {x.shape[4]}] (pose frame j goes onto "
                          f"frame j + 1 of x)")
     if face is not None and (face.dim() != 5 or face.shape[1] != 3 or face.shape[3:] != (FACE_SIZE, FACE_SIZE)):
-        raise ValueError(f"face_pixel_values has shape {list(face.shape)}; this Wan Animate model takes [B, 3, frames, "
-                         f"{FACE_SIZE}, {FACE_SIZE}] (the face video in -1..1, as ComfyUI's WanAnimateToVideo gives it)")
+        raise ValueError(f"face_pixel_values has shape {list(face.shape)}; this Wan Animate model takes [B, 3, "
+                         f"frames, {FACE_SIZE}, {FACE_SIZE}] (the face video in -1..1, as ComfyUI's WanAnimateToVideo "
+                         f"gives it)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
