@@ -1,5 +1,6 @@
-"""All-gather over one sequence group (the Ulysses ranks inside each Ring block), for the few per-call values that
-the ranks share out and then all need (e.g. Wan Animate's motion vectors); attention itself never gathers."""
+"""All-gather over the sequence group (its Ulysses group, then its Ring group), for the few per-call values that
+the ranks compute in shares and then all need: Wan Animate's motion vectors, attention_over_key_shards' partial
+results."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,7 @@
 """Attention of replicated queries over keys split across the sequence group (e.g. LTX-2's audio attending to the
 sharded video): each rank attends to its own key shard, and the partial results merge exactly by log-sum-exp after
-one all-gather of [B, H, Lq] rows per group. Cheap when the queries are few: nothing of the keys travels.
+an all-gather of the [B, H, Lq] rows over the sequence group (gather_rows). Cheap when the queries are few: nothing
+of the keys travels.
 
 Every rank ends with the same output, bit for bit (same gathered parts, merged in rank order), so replicated
 states stay replicated. An empty shard adds nothing (its log-sum-exp is -inf).
@@ -10,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..groups import SeqParallel
+from .gather import gather_rows
 from .lse import attention_with_lse
-from .ring import _all_gather
 
 
 def attention_over_key_shards(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -25,16 +26,14 @@ def attention_over_key_shards(query: torch.Tensor, key: torch.Tensor, value: tor
     else:
         out = q.new_zeros(q.shape, dtype=torch.float32)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-    for group, degree in ((seq.ulysses_group, seq.ulysses_degree), (seq.ring_group, seq.ring_degree)):
-        if degree > 1:
-            out, lse = _merge(_gathered(out, group, degree), _gathered(lse, group, degree))
+    if seq.degree > 1:
+        out, lse = _merge(_gathered(out, seq), _gathered(lse, seq))
     return out.to(query.dtype).transpose(1, 2)
 
 
-def _gathered(tensor: torch.Tensor, group, degree: int) -> torch.Tensor:
-    received = tensor.new_empty(degree * tensor.shape[0], *tensor.shape[1:])
-    _all_gather(received, tensor.contiguous(), group=group)
-    return received.view(degree, *tensor.shape)
+def _gathered(tensor: torch.Tensor, seq: SeqParallel) -> torch.Tensor:
+    """Every sequence rank's part, stacked in rank order: [degree, *tensor.shape]."""
+    return gather_rows(tensor, seq).view(seq.degree, *tensor.shape)
 
 
 def _merge(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
