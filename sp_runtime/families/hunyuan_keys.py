@@ -69,6 +69,17 @@ _SINGLE = {"modulation.lin": "norm.linear", "linear2": "proj_out", "norm.query_n
            "norm.key_norm": "attn.norm_k"}
 _SINGLE_FUSED = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
 REFINER_STEM = "txt_in.individual_token_refiner.blocks"
+# The header facts HunyuanVideo 1.0 and 1.5 share: (ComfyUI / Tencent module name, diffusers name)
+SHARED_ARCHITECTURE_KEYS = {
+    "embed": ("img_in.proj.weight", "x_embedder.proj.weight"),
+    "head_norm": ("double_blocks.0.img_attn.norm.query_norm.scale", "transformer_blocks.0.attn.norm_q.weight"),
+    "mlp": ("double_blocks.0.img_mlp.0.weight", "transformer_blocks.0.ff.net.0.proj.weight"),
+    "out": ("final_layer.linear.weight", "proj_out.weight"),
+    "double_blocks": ("double_blocks", "transformer_blocks"),
+    "single_blocks": ("single_blocks", "single_transformer_blocks"),
+    "refiner_blocks": (REFINER_STEM, "context_embedder.token_refiner.refiner_blocks"),
+    "text": ("txt_in.input_embedder.weight", "context_embedder.proj_in.weight"),
+}
 
 
 def comfy_name(key: str) -> str:

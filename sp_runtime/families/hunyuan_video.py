@@ -30,7 +30,7 @@ from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, conf
 from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, layout_keys, load_checkpoint_model,
                          shape_of, strip_prefix)
 from .header import Header, header_config, read_checkpoint_header
-from .hunyuan_keys import REFINER_STEM, comfy_name, hunyuan_key_plan
+from .hunyuan_keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_name, hunyuan_key_plan
 from .joint_dit import rope_axes, rotary, rotate, text_key_mask
 from .video_tokens import VideoGrid, conv_patch_embed
 
@@ -43,14 +43,7 @@ CONFIG_KEYS = ("in_channels", "out_channels", "num_attention_heads", "attention_
                "guidance_embeds", "text_embed_dim", "pooled_projection_dim", "rope_axes_dim")
 # ComfyUI's module names (after hunyuan_keys.comfy_name) and diffusers' of the facts a header shows
 ARCHITECTURE_KEYS = {
-    "embed": ("img_in.proj.weight", "x_embedder.proj.weight"),
-    "head_norm": ("double_blocks.0.img_attn.norm.query_norm.scale", "transformer_blocks.0.attn.norm_q.weight"),
-    "mlp": ("double_blocks.0.img_mlp.0.weight", "transformer_blocks.0.ff.net.0.proj.weight"),
-    "out": ("final_layer.linear.weight", "proj_out.weight"),
-    "double_blocks": ("double_blocks", "transformer_blocks"),
-    "single_blocks": ("single_blocks", "single_transformer_blocks"),
-    "refiner_blocks": (REFINER_STEM, "context_embedder.token_refiner.refiner_blocks"),
-    "text": ("txt_in.input_embedder.weight", "context_embedder.proj_in.weight"),
+    **SHARED_ARCHITECTURE_KEYS,
     "pooled": ("vector_in.in_layer.weight", "time_text_embed.text_embedder.linear_1.weight"),
     "guidance": ("guidance_in.in_layer.weight", "time_text_embed.guidance_embedder.linear_1.weight"),
 }

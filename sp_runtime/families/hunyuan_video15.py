@@ -23,7 +23,7 @@ from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn
 from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, layout_keys, load_checkpoint_model,
                          shape_of, strip_prefix)
 from .header import Header, header_config, read_checkpoint_header
-from .hunyuan_keys import REFINER_STEM, hunyuan_key_plan
+from .hunyuan_keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, hunyuan_key_plan
 from .hunyuan_video import (VideoAttention, check_latent, comfy_attributes, comfy_names, embed_patches, model_info,
                             per_item, refined_text, time_embedding, use_sp_attention, video_tokens)
 from .joint_dit import rope_axes, text_key_mask
@@ -34,14 +34,7 @@ CONFIG_KEYS = ("in_channels", "out_channels", "num_attention_heads", "attention_
                "num_refiner_layers", "mlp_ratio", "patch_size", "patch_size_t", "text_embed_dim", "text_embed_2_dim",
                "image_embed_dim", "rope_axes_dim")
 ARCHITECTURE_KEYS = {
-    "embed": ("img_in.proj.weight", "x_embedder.proj.weight"),
-    "head_norm": ("double_blocks.0.img_attn.norm.query_norm.scale", "transformer_blocks.0.attn.norm_q.weight"),
-    "mlp": ("double_blocks.0.img_mlp.0.weight", "transformer_blocks.0.ff.net.0.proj.weight"),
-    "out": ("final_layer.linear.weight", "proj_out.weight"),
-    "double_blocks": ("double_blocks", "transformer_blocks"),
-    "single_blocks": ("single_blocks", "single_transformer_blocks"),
-    "refiner_blocks": (REFINER_STEM, "context_embedder.token_refiner.refiner_blocks"),
-    "text": ("txt_in.input_embedder.weight", "context_embedder.proj_in.weight"),
+    **SHARED_ARCHITECTURE_KEYS,
     "byt5": ("byt5_in.fc1.weight", "context_embedder_2.linear_1.weight"),
     "image": ("vision_in.proj.0.weight", "image_embedder.norm_in.weight"),
     "guidance": ("guidance_in.in_layer.weight", "time_embed.guidance_embedder.linear_1.weight"),
