@@ -225,3 +225,13 @@ def test_token_rectangles_cover_ranges_exactly():
             assert len(blocks) <= 3
             covered = [r * grid.cols + c for r0, r1, c0, c1 in blocks for r in range(r0, r1) for c in range(c0, c1)]
             assert covered == list(range(first, stop))
+
+
+@pytest.mark.parametrize("family_module, wrong_family, what", [
+    ("flux", "qwen_image", "Flux.1"), ("qwen_image", "flux", "Qwen-Image"), ("wan", "flux", "Wan")])
+def test_a_family_loader_refuses_another_familys_file(tmp_path, family_module, wrong_family, what):
+    import importlib
+    path = write_tiny_checkpoint(wrong_family, str(tmp_path / "other.safetensors"))
+    load_model = importlib.import_module(f"sp_runtime.families.{family_module}").load_model
+    with pytest.raises(ValueError, match=f"other.safetensors.*is not a {what} checkpoint"):
+        load_model(path)

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from .base import DTYPES, ProgressFn, dtype_name
-from .header import CheckpointSource, Header
+from .header import CheckpointSource, Header, read_checkpoint_header
 
 # Prefixes under which real checkpoints keep the diffusion model, most specific first. ComfyUI's full checkpoints use
 # "model.diffusion_model."; some exporters write "diffusion_model." or "model."; diffusers pipelines "transformer.".
@@ -90,6 +90,15 @@ def shape_of(tensors: Mapping[str, tuple], key: str) -> tuple[int, ...]:
 
 
 BITSANDBYTES_SUFFIXES = (".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4")
+
+
+def detected_checkpoint(path: str, header: Optional[Header], detection, detect: Callable, family: str, what: str):
+    """(header, detection) of `path`, each read only when not given; a file of another family raises naming `what`."""
+    header = header or read_checkpoint_header(path)
+    detection = detection or detect(header)
+    if detection is None or detection.family != family:
+        raise ValueError(f"{path!r} is not a {what} checkpoint")
+    return header, detection
 
 
 def check_quantization(header: Header, prefix: str):

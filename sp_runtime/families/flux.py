@@ -15,9 +15,9 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, Transform, WeightDtypes, count_blocks, find_prefix, layout_keys,
+from .checkpoint import (KeyPlan, Transform, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
                          load_checkpoint_model, row_split, shape_of, strip_prefix, swap_halves)
-from .header import Header, header_config, read_checkpoint_header
+from .header import Header, header_config
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rope_axes, rotary)
 
@@ -214,10 +214,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     """A diffusers FluxTransformer2DModel with the checkpoint's weights (stock attention processors)."""
     from diffusers import FluxTransformer2DModel
 
-    header = header or read_checkpoint_header(path)
-    detection = detection or detect(header)
-    if detection is None:
-        raise ValueError(f"{path!r} is not a Flux.1 checkpoint")
+    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "Flux.1")
     config = dict(detection.config)
     if options and "axes_dims_rope" in options:
         config["axes_dims_rope"] = tuple(options["axes_dims_rope"])

@@ -16,9 +16,9 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, layout_keys, load_checkpoint_model,
-                         shape_of, strip_prefix)
-from .header import Header, header_config, read_checkpoint_header
+from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
+                         load_checkpoint_model, shape_of, strip_prefix)
+from .header import Header, header_config
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rotary)
 
@@ -149,10 +149,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     """A diffusers Flux2Transformer2DModel with the checkpoint's weights (stock attention processors)."""
     from diffusers import Flux2Transformer2DModel
 
-    header = header or read_checkpoint_header(path)
-    detection = detection or detect(header)
-    if detection is None:
-        raise ValueError(f"{path!r} is not a Flux.2 checkpoint")
+    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "Flux.2")
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
     model, dtypes = load_checkpoint_model(Flux2Transformer2DModel, detection.config,
                                           header, detection, dtype, device, plan, progress)

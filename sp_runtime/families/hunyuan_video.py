@@ -27,9 +27,9 @@ import torch
 from ..attention import SeqShards, sp_attention
 from ..groups import SeqParallel
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, layout_keys, load_checkpoint_model,
-                         shape_of, strip_prefix)
-from .header import Header, header_config, read_checkpoint_header
+from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
+                         load_checkpoint_model, shape_of, strip_prefix)
+from .header import Header, header_config
 from .hunyuan_keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_name, hunyuan_key_plan
 from .joint_dit import rope_axes, rotary, rotate, text_key_mask
 from .video_tokens import VideoGrid, conv_patch_embed
@@ -160,10 +160,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     (the same weights as the plain blocks; with no token to replace they compute the plain blocks)."""
     from diffusers import HunyuanVideoTransformer3DModel
 
-    header = header or read_checkpoint_header(path)
-    detection = detection or detect(header)
-    if detection is None or detection.family != FAMILY:
-        raise ValueError(f"{path!r} is not a HunyuanVideo 1.0 checkpoint")
+    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "HunyuanVideo 1.0")
     config = {**detection.config, "image_condition_type": "token_replace"}
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
     model, dtypes = load_checkpoint_model(HunyuanVideoTransformer3DModel, config, header, detection, dtype, device,

@@ -20,9 +20,9 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, layout_keys, load_checkpoint_model,
-                         shape_of, strip_prefix)
-from .header import Header, header_config, read_checkpoint_header
+from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
+                         load_checkpoint_model, shape_of, strip_prefix)
+from .header import Header, header_config
 from .hunyuan_keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, hunyuan_key_plan
 from .hunyuan_video import (VideoAttention, check_latent, comfy_attributes, comfy_names, embed_patches, model_info,
                             per_item, refined_text, time_embedding, use_sp_attention, video_tokens)
@@ -139,10 +139,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     """A diffusers HunyuanVideo15Transformer3DModel with the checkpoint's weights (stock attention processors)."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
-    header = header or read_checkpoint_header(path)
-    detection = detection or detect(header)
-    if detection is None or detection.family != FAMILY:
-        raise ValueError(f"{path!r} is not a HunyuanVideo 1.5 checkpoint")
+    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "HunyuanVideo 1.5")
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
     model, dtypes = load_checkpoint_model(HunyuanVideo15Transformer3DModel, detection.config, header, detection,
                                           dtype, device, plan, progress)

@@ -26,8 +26,8 @@ import torch
 
 from ..attention import SeqShards, attention_over_key_shards, sp_attention
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn
-from .checkpoint import KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, load_weights, strip_prefix
-from .header import read_checkpoint_header
+from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, detected_checkpoint, load_weights,
+                         strip_prefix)
 from .ltx2_checkpoint import CONNECTORS, FAMILY, detect, ltx2_key_plan
 from .video_tokens import VideoGrid
 
@@ -108,8 +108,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     """diffusers' LTX-2 transformer with its connectors and the checkpoint's weights: (model, detection, dtypes)."""
     from accelerate import init_empty_weights
     from diffusers import LTX2VideoTransformer3DModel
-    header = header or read_checkpoint_header(path)
-    detection = detection or detect(header)
+    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "LTX-2")
     config = {key: value for key, value in detection.config.items() if key != "connector"}
     dtypes = choose_dtypes(dtype, header, detection.prefix)
     model = build_empty_model(LTX2VideoTransformer3DModel, config, dtypes)

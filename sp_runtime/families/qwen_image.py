@@ -18,9 +18,9 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, identity_plan, load_checkpoint_model,
-                         shape_of, strip_prefix)
-from .header import Header, header_config, read_checkpoint_header
+from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, identity_plan,
+                         load_checkpoint_model, shape_of, strip_prefix)
+from .header import Header, header_config
 from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
                         reference_placements, rope_axes, rotary, text_key_mask)
 
@@ -121,10 +121,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     """A diffusers QwenImageTransformer2DModel with the checkpoint's weights (stock attention processors)."""
     from diffusers import QwenImageTransformer2DModel
 
-    header = header or read_checkpoint_header(path)
-    detection = detection or detect(header)
-    if detection is None:
-        raise ValueError(f"{path!r} is not a Qwen-Image checkpoint")
+    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "Qwen-Image")
     detection = _with_options(detection, options or {})
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
     model, dtypes = load_checkpoint_model(QwenImageTransformer2DModel, detection.config,

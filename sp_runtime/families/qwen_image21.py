@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from ..attention import SeqShards
 from ..attention.ulysses import exchange_to_heads, exchange_to_tokens, gather_sequence
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, load_checkpoint_model, row_split,
-                         shape_of, strip_prefix)
-from .header import Header, header_config, read_checkpoint_header
+from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, load_checkpoint_model,
+                         row_split, shape_of, strip_prefix)
+from .header import Header, header_config
 from .joint_dit import as_list, rope_axes, rotary, rotate, text_key_mask
 
 FAMILY = "qwen_image21"
@@ -120,10 +120,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     """A diffusers QwenImage21Transformer2DModel with the checkpoint's weights (stock attention processors)."""
     from diffusers import QwenImage21Transformer2DModel
 
-    header = header or read_checkpoint_header(path)
-    detection = detection or detect(header)
-    if detection is None:
-        raise ValueError(f"{path!r} is not a Qwen-Image 2.1 checkpoint")
+    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "Qwen-Image 2.1")
     config = dict(detection.config)
     if options and "axes_dims_rope" in options:
         config["axes_dims_rope"] = tuple(options["axes_dims_rope"])

@@ -27,8 +27,8 @@ import torch
 from ..attention import SeqShards, local_attention, sp_attention
 from ..groups import SeqParallel
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries, patch_size_2
-from .checkpoint import KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, load_weights
-from .header import Header, header_config, read_checkpoint_header
+from .checkpoint import KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, detected_checkpoint, load_weights
+from .header import Header, header_config
 from .video_tokens import VideoGrid, pad_to_patch_3d
 from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY,
                              folder_overrides, wan_key_plan)
@@ -123,10 +123,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     checkpoint's weights on `device`, stock attention processors."""
     from diffusers import WanAnimateTransformer3DModel, WanTransformer3DModel, WanVACETransformer3DModel
 
-    header = header or read_checkpoint_header(path)
-    detection = detection or detect(header)
-    if detection is None or detection.family != FAMILY:
-        raise ValueError(f"{path!r} is not a Wan checkpoint")
+    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "Wan")
     config = {**model_config(detection, options), **folder_overrides(header_config(header))}
     dtypes = choose_dtypes(dtype, header, detection.prefix)
     model_class = {"vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel}.get(

@@ -20,9 +20,9 @@ import torch
 
 from ..attention import SeqShards, sp_attention
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, find_prefix, load_checkpoint_model, row_split,
-                         shape_of, strip_prefix)
-from .header import Header, header_config, read_checkpoint_header
+from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, load_checkpoint_model,
+                         row_split, shape_of, strip_prefix)
+from .header import Header, header_config
 from .joint_dit import TokenGrid, pad_to_patch, patchify, rotary, rotate
 
 FAMILY = "z_image"
@@ -162,10 +162,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     """A diffusers ZImageTransformer2DModel with the checkpoint's weights (stock attention processors)."""
     from diffusers import ZImageTransformer2DModel
 
-    header = header or read_checkpoint_header(path)
-    detection = detection or detect(header)
-    if detection is None:
-        raise ValueError(f"{path!r} is not a Z-Image checkpoint")
+    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "Z-Image")
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
     model, dtypes = load_checkpoint_model(ZImageTransformer2DModel, detection.config, header, detection, dtype,
                                           device, plan, progress, ignore=UNUSED)
