@@ -1,7 +1,9 @@
-"""LTX-2 (audio + video) under sequence parallelism: the pool's video and audio outputs equal diffusers' stock
-LTX2VideoTransformer3DModel forward on one process (its own connector forward for the prompt) at Ulysses 1-4, Ring 2,
-Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2, on a tiny ComfyUI-layout file (real head sizes 128 / 64, 3 heads each, odd token counts,
-batch 2, audio shorter than the degree, per-token timesteps)."""
+"""LTX-2 (audio + video) under sequence parallelism: the pool's video and audio outputs equal, at Ulysses 1-4, Ring 2,
+Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2, on a tiny ComfyUI-layout file (real head sizes 128 / 64, 3 heads each, odd
+token counts, batch 2, audio shorter than the degree, per-token timesteps, I2V): diffusers' stock
+LTX2VideoTransformer3DModel forward on one process (its own connector forward for the prompt) with ComfyUI's two
+choices hooked in (ltx2.comfy_hooks: the cross-modal gates, the video-to-audio norm), which test_ltx2_comfy checks
+against ComfyUI's own LTXAVModel."""
 from __future__ import annotations
 
 import json
@@ -22,34 +24,52 @@ CAPTION = 48  # the tiny model's text encoder width
 
 def make_cases(seed=4):
     """(video [B, 128, F, H, W], audio [B, 8, T, 16], sigma, inputs): 45 and 30 video tokens, 7 and 2 audio
-    tokens, a 9-token prompt."""
+    tokens, a 9-token prompt; "i2v": the first latent frame conditioned (sigma 0), batch items at other sigmas."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
         return torch.randn(*shape, generator=g)
 
+    i2v_mask = torch.ones(2, 1, 3, 5, 3)
+    i2v_mask[:, :, 0] = 0
     return {
-        "t2av": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), torch.tensor([0.7, 0.4]),
+        "t2av": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), torch.tensor([0.7, 0.7]),
                  {"context": rand(2, 9, CAPTION), "frame_rate": 24.0}),
         "two_audio_tokens": (rand(2, 128, 2, 3, 5), rand(2, 8, 2, 16), torch.tensor([0.9, 0.9]),
                              {"context": rand(2, 5, CAPTION)}),
         "per_token_timesteps": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), 0.8 * torch.rand(2, 45, generator=g),
                                 {"context": rand(2, 9, CAPTION), "audio_timestep": torch.rand(2, 7, generator=g)}),
         "batch_1": (rand(1, 128, 1, 4, 3), rand(1, 8, 5, 16), torch.tensor([0.5]), {"context": rand(1, 3, CAPTION)}),
+        "i2v": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), comfy_sigmas(torch.tensor([0.8, 0.6]), i2v_mask, 7),
+                {"context": rand(2, 9, CAPTION), "frame_rate": 24.0, "denoise_mask": i2v_mask}),
     }
 
 
+
+def comfy_sigmas(sigma, denoise_mask, audio_frames):
+    """The (video, audio) timesteps ComfyUI's LTXAV.process_timestep makes of a sigma [B] and a video denoise mask:
+    sigma x mask per video token [B, N, 1], the audio's sigma per audio token [B, T, 1]."""
+    video = (denoise_mask * sigma[:, None, None, None, None]).flatten(1).unsqueeze(-1)
+    return video, sigma[:, None, None].expand(-1, audio_frames, 1)
+
+
 def pool_call(handle, video, audio, sigma, inputs):
-    """The call the host makes: both latents packed into x, their shapes in latent_shapes; unpacked again."""
+    """The call the host makes: both latents packed into x, their shapes in latent_shapes; unpacked again. A case
+    with a denoise mask goes through the host's conversion of ComfyUI's call (pack_comfy_call)."""
+    if "denoise_mask" in inputs:
+        x, timestep, extra = ltx2.pack_comfy_call([video, audio], sigma, inputs)
+        return ltx2.unpack_comfy_output(handle(x, timestep, **extra), [video, audio])
     x = torch.cat([video.flatten(1), audio.flatten(1)], dim=1).unsqueeze(1)
     out = handle(x, sigma, latent_shapes=[list(video.shape), list(audio.shape)], **inputs)
     split = video[0].numel()
     return out[:, 0, :split].reshape(video.shape), out[:, 0, split:].reshape(audio.shape)
 
 
-def reference(model, video, audio, sigma, inputs):
-    return ltx2.reference_forward(model, video, audio, sigma, inputs["context"], inputs.get("audio_timestep"),
-                                  inputs.get("frame_rate", ltx2.DEFAULT_FRAME_RATE))
+def reference(model, video, audio, sigma, inputs, comfy=True):
+    sigma, audio_sigma = sigma if isinstance(sigma, tuple) else (sigma, inputs.get("audio_timestep"))
+    return ltx2.reference_forward(model, video, audio, sigma, inputs["context"], audio_sigma,
+                                  inputs.get("frame_rate", ltx2.DEFAULT_FRAME_RATE), comfy=comfy)
+
 
 
 @pytest.fixture(scope="session")
@@ -71,8 +91,8 @@ def check_case(handle, name, references, layout):
     assert_parity(audio, expected_audio, "float32", f"ltx2_audio/{layout}/{name}")
 
 
-# every case at degrees 1 and 2; at 3 and 4 the uneven split and the audio shorter than the degree
-CASES_AT_DEGREE = {3: ("t2av",), 4: ("t2av", "two_audio_tokens")}
+# every case at degrees 1 and 2; at 3 and 4 the uneven split, I2V and the audio shorter than the degree
+CASES_AT_DEGREE = {3: ("t2av", "i2v"), 4: ("t2av", "two_audio_tokens", "i2v")}
 
 
 def test_fp32_parity_ulysses(family_pool, ltx2_file, ltx2_references):
@@ -87,9 +107,18 @@ def test_fp32_parity_ulysses(family_pool, ltx2_file, ltx2_references):
 def test_fp32_parity_ring_hybrid_and_cfg(layout_pool, ltx2_file, ltx2_references):
     layout, pool = layout_pool
     handle = pool.load_model(ltx2_file)
-    for name in ("t2av", "two_audio_tokens"):
+    for name in ("t2av", "two_audio_tokens", "i2v"):
         check_case(handle, name, ltx2_references, layout)
     handle.unload()
+
+
+def test_comfyuis_choices_change_the_output(ltx2_references):
+    """Guards against hooks that do nothing: diffusers' unhooked forward differs from the reference, in both
+    outputs, with shared sigmas (the video-to-audio norm) and in I2V (also the gates)."""
+    model = build_tiny_model("ltx2", SEED)
+    for name in ("t2av", "i2v"):
+        for got, other in zip(reference(model, *make_cases()[name], comfy=False), ltx2_references[name]):
+            assert relative_error(got, other) > 100 * FP32_TOL
 
 
 def test_the_two_streams_reach_each_other(ltx2_references):
@@ -119,8 +148,25 @@ def test_detection_reads_shapes_and_the_release_config(ltx2_file):
     assert (config["num_attention_heads"], config["attention_head_dim"]) == (3, 128)
     assert (config["audio_num_attention_heads"], config["audio_attention_head_dim"]) == (3, 64)
     assert config["connector"] == {"num_attention_heads": 2, "attention_head_dim": 24, "num_layers": 1,
-                                   "num_learnable_registers": 8}
+                                   "num_learnable_registers": 128, "rope_type": "split"}
+    assert (config["rope_type"], config["rope_double_precision"], config["cross_attn_timestep_scale_multiplier"]) == (
+        "split", True, 1000)
+    assert config["positions"] == {"use_middle_indices_grid": True, "causal_temporal_positioning": True}
     assert json.loads(header.metadata["config"])["transformer"]["num_attention_heads"] == 3
+
+
+def test_what_the_config_metadata_leaves_out_gets_comfyuis_defaults(ltx2_file):
+    """ComfyUI's LTXAVModel defaults, not the release's values: interleaved rope in the transformer but split in
+    the connectors, float32 rope frequencies, token starts (not middles), no causal time fix, gate factor 1 / 1000."""
+    from dataclasses import replace
+    header = read_checkpoint_header(ltx2_file)
+    stated = json.loads(header.metadata["config"])["transformer"]
+    heads = {key: value for key, value in stated.items() if key.endswith(("heads", "head_dim"))}
+    config = ltx2.detect(replace(header, metadata={"config": json.dumps({"transformer": heads})})).config
+    assert (config["rope_type"], config["connector"]["rope_type"], config["rope_double_precision"]) == (
+        "interleaved", "split", False)
+    assert config["positions"] == {"use_middle_indices_grid": False, "causal_temporal_positioning": False}
+    assert config["cross_attn_timestep_scale_multiplier"] / config["timestep_scale_multiplier"] == 1e-3
 
 
 def test_newer_ltx_versions_are_a_clear_error(ltx2_file):

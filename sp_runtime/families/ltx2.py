@@ -1,12 +1,21 @@
 """LTX-2 (audio + video) under Ulysses SP: loading into diffusers' LTX2VideoTransformer3DModel (plus the two text
 connectors ComfyUI keeps in the diffusion model) and the pool call for ComfyUI's LTXAV model.
 
+It computes what ComfyUI's own LTXAVModel (comfy/ldm/lightricks/av_model.py) computes, which differs from
+diffusers' forward in a few places (all on diffusers' modules here): the audio-to-video attention is gated by the
+audio's largest sigma of the call and the video-to-audio attention by the video's (diffusers: each stream's own
+sigma); the video-to-audio attention reads the video normalised after the audio-to-video residual (diffusers:
+before); video times are frame index x (1 / frame_rate); q / k norms use eps 1e-5; token positions follow the file's
+use_middle_indices_grid / causal_temporal_positioning.
+
 Pool call (what the host's proxy makes of ComfyUI's `diffusion_model([vx, ax], (v_t, a_t), context, frame_rate)`):
 x [B, 1, N] is the video latent [B, 128, F, H, W] and the audio latent [B, 8, T, 16] flattened per item and
 concatenated (input `latent_shapes` gives both shapes); timestep the video sigma [B] or per video token [B, Nv];
 `audio_timestep` the audio sigma [B] or [B, T] (default: the video's); context the text encoder output
 [B, L, caption_channels] (the connectors run here) or the connectors' output [B, L', 2 x caption_channels];
-`frame_rate` (default 25). The output is packed like x: the video and audio velocities.
+`frame_rate` (default 25); `a2v_gate_sigma` / `v2a_gate_sigma` the sigmas of the two cross-modal gates (default: the
+largest audio / video sigma of the call; the host passes ComfyUI's, taken over the whole batch, so CFG halves gate
+alike). The output is packed like x: the video and audio velocities.
 
 SP plan: video tokens are split over the sequence group (balanced shards); every rank patch-embeds, modulates and
 writes only its own. Audio tokens are few (25 per second against thousands of video tokens per frame), so every rank
@@ -18,6 +27,7 @@ audio-token count (also fewer than the ranks) works; rank 0 of each sequence gro
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
@@ -35,6 +45,7 @@ DESCRIPTION = "LTX-2 (audio + video, 2.0)"
 CONNECTOR_ROPE_MAX_POS = 4096   # ComfyUI's Embeddings1DConnector positions: index / 4096
 CONNECTOR_MIN_TOKENS = 1024     # ComfyUI pads the prompt with learnable registers to at least this many tokens
 DEFAULT_FRAME_RATE = 25.0       # ComfyUI's LTXAV default frame_rate
+QK_NORM_EPS = 1e-5              # ComfyUI's CrossAttention q_norm / k_norm (diffusers' LTX2Attention: 1e-6)
 UNIT = (1, 1, 1)                # LTX-2 takes its latents unpatched: one token per latent pixel
 
 
@@ -48,12 +59,15 @@ UNSUPPORTED_INPUTS = ("keyframe_idxs", "guide_attention_entries", "ref_audio", "
 def _comfy_attributes(info: ModelInfo) -> dict:
     """What ComfyUI's LTXAV class reads from diffusion_model; the prompt passes through unchanged (the workers run
     the connectors, which hold weights)."""
-    return {"patch_size": 1, "vae_scale_factors": VAE_SCALE_FACTORS, "causal_temporal_positioning": True,
+    return {"patch_size": 1, "vae_scale_factors": VAE_SCALE_FACTORS,
+            "causal_temporal_positioning": info.config["causal_temporal_positioning"],
             "preprocess_text_embeds": lambda context, unprocessed=False: context}
 
 
 def pack_comfy_call(x, timestep, inputs: dict) -> tuple:
-    """ComfyUI's LTXAV call ([video, audio], (video sigma, audio sigma), ...) -> the pool's (module docstring)."""
+    """ComfyUI's LTXAV call ([video, audio], (video sigma, audio sigma), ...) -> the pool's (module docstring), with
+    the gate sigmas ComfyUI takes (each stream's largest over the whole call) and the video sigma per frame where
+    ComfyUI reads it so (comfy_video_sigma)."""
     if not isinstance(x, (list, tuple)) or len(x) != 2 or x[1].numel() == 0:
         raise ValueError("LTX-2 runs audio and video together: give both latents (an empty-audio latent for "
                          "video-only generation is not supported under sequence parallelism yet)")
@@ -64,9 +78,23 @@ def pack_comfy_call(x, timestep, inputs: dict) -> tuple:
     video, audio = x
     packed = torch.cat([video.flatten(1), audio.flatten(1)], dim=1).unsqueeze(1)
     video_sigma, audio_sigma = timestep if isinstance(timestep, (list, tuple)) else (timestep, timestep)
+    gates = {"a2v_gate_sigma": audio_sigma.max(), "v2a_gate_sigma": video_sigma.max()}
+    video_sigma = comfy_video_sigma(video_sigma, video.shape, inputs.get("denoise_mask"))
     inputs = {key: value for key, value in inputs.items() if key not in HOST_ONLY_INPUTS}
-    inputs.update(latent_shapes=[list(video.shape), list(audio.shape)], audio_timestep=audio_sigma)
+    inputs.update(latent_shapes=[list(video.shape), list(audio.shape)], audio_timestep=audio_sigma, **gates)
     return packed, video_sigma, inputs
+
+
+def comfy_video_sigma(sigma: torch.Tensor, shape, denoise_mask) -> torch.Tensor:
+    """ComfyUI's LTXAV reads a per-token video sigma once per latent frame (the frame's first token) unless batch
+    item 0's denoise mask varies within a frame (its CompressedTimestep): the same sigmas, per token."""
+    per_frame = shape[3] * shape[4]
+    if sigma.dim() < 2 or sigma[0].numel() != shape[2] * per_frame:
+        return sigma
+    if denoise_mask is not None and any(frame.numel() and frame.min() != frame.max() for frame in denoise_mask[0, 0]):
+        return sigma
+    frames = sigma.reshape(sigma.shape[0], shape[2], per_frame)[:, :, :1]
+    return frames.expand(-1, -1, per_frame).reshape(sigma.shape)
 
 
 def unpack_comfy_output(out: torch.Tensor, x) -> list:
@@ -99,7 +127,22 @@ def attach_connectors(model, connector: dict, theta: float) -> None:
             num_attention_heads=connector["num_attention_heads"], attention_head_dim=connector["attention_head_dim"],
             num_layers=connector["num_layers"], num_learnable_registers=connector["num_learnable_registers"],
             rope_base_seq_len=CONNECTOR_ROPE_MAX_POS, rope_theta=theta, rope_double_precision=True,
-            rope_type=model.config.rope_type))
+            rope_type=connector["rope_type"]))
+
+
+def use_comfy_time_origin(model, causal: bool) -> None:
+    """Video frame times as ComfyUI places them: with the file's causal_temporal_positioning the first latent frame
+    (one pixel frame) starts at 0 and the others 7 pixel frames earlier than index x 8, as diffusers' rope does with
+    causal_offset 1; without it at index x 8 (an offset of the temporal VAE factor cancels diffusers' shift)."""
+    model.rope.causal_offset = 1 if causal else model.rope.scale_factors[0]
+
+
+def use_comfy_qk_norm_eps(model) -> None:
+    """ComfyUI's q / k RMS norms (eps 1e-5) in every attention of the transformer and the connectors."""
+    from diffusers.models.transformers.transformer_ltx2 import LTX2Attention
+    for module in model.modules():
+        if isinstance(module, LTX2Attention):
+            module.norm_q.eps = module.norm_k.eps = QK_NORM_EPS
 
 
 def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
@@ -109,11 +152,13 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     from accelerate import init_empty_weights
     from diffusers import LTX2VideoTransformer3DModel
     header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "LTX-2")
-    config = {key: value for key, value in detection.config.items() if key != "connector"}
+    config = {key: value for key, value in detection.config.items() if key not in ("connector", "positions")}
     dtypes = choose_dtypes(dtype, header, detection.prefix)
     model = build_empty_model(LTX2VideoTransformer3DModel, config, dtypes)
     with init_empty_weights():
         attach_connectors(model, detection.config["connector"], config["rope_theta"])
+    use_comfy_qk_norm_eps(model)
+    use_comfy_time_origin(model, detection.config["positions"]["causal_temporal_positioning"])
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
     load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
                  progress=progress)
@@ -133,7 +178,8 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
             "audio_num_attention_heads", "audio_attention_head_dim", "num_layers", "caption_channels")
     entries = {key: config[key] for key in keys}
     return ModelInfo(family=FAMILY, variant=detection.variant, in_channels=1, out_channels=1, x_ndim=3,
-                     config={**entries, "unbatched_inputs": ["latent_shapes", "frame_rate"]},
+                     config={**entries, **detection.config["positions"],
+                             "unbatched_inputs": ["latent_shapes", "frame_rate"]},
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
 
 
@@ -237,6 +283,7 @@ class LTX2Worker:
         self.model = model
         self.dtypes = dtypes
         self.info = model_info(model, detection, dtypes)
+        self.middle = detection.config["positions"]["use_middle_indices_grid"]
 
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
                 ctx) -> None:
@@ -247,7 +294,8 @@ class LTX2Worker:
         shards = SeqShards.balanced(grid.count, seq.degree)
         lo, hi = shards.range(seq.rank)
         context = ctx.to_device("context", inputs["context"], dtype)
-        video, audio = _prepare_streams(model, latents, grid, (lo, hi), context, timestep, inputs, ctx, dtype)
+        video, audio = _prepare_streams(model, latents, grid, (lo, hi), context, timestep, inputs, ctx, dtype,
+                                        self.middle)
         for block in model.transformer_blocks:
             ctx.check_cancel()
             video.hidden, audio.hidden = _block(block, video, audio, seq, shards)
@@ -259,7 +307,7 @@ class LTX2Worker:
 
 
 def _prepare_streams(model, latents: Latents, grid: VideoGrid, token_range: tuple[int, int], context, timestep,
-                     inputs, ctx, dtype) -> tuple[Stream, Stream]:
+                     inputs, ctx, dtype, middle: bool) -> tuple[Stream, Stream]:
     config = model.config
     batch, device = latents.video.shape[0], ctx.device
     lo, hi = token_range
@@ -274,35 +322,63 @@ def _prepare_streams(model, latents: Latents, grid: VideoGrid, token_range: tupl
         audio_sigma = full_sigma
     else:
         raise ValueError("a per-token video timestep needs audio_timestep ([B] or one per audio token)")
+    a2v_gate, v2a_gate = (_gate_sigma(inputs, name, default, batch, ctx) for name, default in
+                          (("a2v_gate_sigma", audio_sigma), ("v2a_gate_sigma", full_sigma)))
     frame_rate = float(inputs.get("frame_rate") or DEFAULT_FRAME_RATE)
     video_text, audio_text = connect_text(model, context)
 
-    video_coords = model.rope.prepare_video_coords(batch, *grid_shape(grid), device, fps=frame_rate)[:, :, lo:hi]
+    video_coords = comfy_video_coords(model, batch, grid_shape(grid), frame_rate, device)[:, :, lo:hi]
     audio_coords = model.audio_rope.prepare_audio_coords(batch, audio_frames, device)
     video_tokens = grid.patches(latents.video, lo, hi).to(dtype)
     audio_tokens = latents.audio.transpose(1, 2).flatten(2).to(dtype)
     scale = config.timestep_scale_multiplier
     gate_factor = config.cross_attn_timestep_scale_multiplier / scale
-    video = _stream(model, "", model.proj_in(video_tokens), sigma * scale, gate_factor,
-                    model.rope(video_coords, device=device), model.cross_attn_rope(video_coords[:, 0:1], device=device),
+    video = _stream(model, "", model.proj_in(video_tokens), sigma * scale, a2v_gate * scale * gate_factor,
+                    model.rope(_self_positions(video_coords, middle), device=device),
+                    model.cross_attn_rope(video_coords[:, 0:1], device=device),
                     model.caption_projection(video_text), ("av_cross_attn_video_scale_shift",
                                                            "av_cross_attn_video_a2v_gate"), dtype)
-    audio = _stream(model, "audio_", model.audio_proj_in(audio_tokens), audio_sigma * scale, gate_factor,
-                    model.audio_rope(audio_coords, device=device),
+    audio = _stream(model, "audio_", model.audio_proj_in(audio_tokens), audio_sigma * scale,
+                    v2a_gate * scale * gate_factor,
+                    model.audio_rope(_self_positions(audio_coords, middle), device=device),
                     model.cross_attn_audio_rope(audio_coords[:, 0:1], device=device),
                     model.audio_caption_projection(audio_text), ("av_cross_attn_audio_scale_shift",
                                                                  "av_cross_attn_audio_v2a_gate"), dtype)
     return video, audio
 
 
+def _gate_sigma(inputs: dict, name: str, sigmas: torch.Tensor, batch: int, ctx) -> torch.Tensor:
+    """A cross-modal gate's sigma as [B, 1]: the input `name`, else the largest of `sigmas` (ComfyUI's choice)."""
+    given = inputs.get(name)
+    value = sigmas.max() if given is None else ctx.to_device(name, torch.as_tensor(given), torch.float32)
+    if value.numel() != 1:
+        raise ValueError(f"{name} is one sigma for the whole call; got shape {list(value.shape)}")
+    return value.reshape(1, 1).expand(batch, 1)
+
+
+def comfy_video_coords(model, batch: int, shape: tuple[int, int, int], frame_rate: float, device) -> torch.Tensor:
+    """The video tokens' [start, end) bounds [B, 3, N, 2] as ComfyUI computes them: latent corners x the VAE factors,
+    the first frame's causal fix where the file asks for it (model.rope.causal_offset, set at load), time x
+    (1 / frame_rate) (diffusers divides by the rate, which rounds differently)."""
+    coords = model.rope.prepare_video_coords(batch, *shape, device, fps=1.0)
+    coords[:, 0] = coords[:, 0] * (1.0 / frame_rate)
+    return coords
+
+
+def _self_positions(coords: torch.Tensor, middle: bool) -> torch.Tensor:
+    """Self-attention positions: the token middles ([start, end) bounds, which diffusers' rope averages) or, for a
+    file without use_middle_indices_grid, the starts (ComfyUI's choice)."""
+    return coords if middle else coords[..., 0]
+
+
 def grid_shape(grid: VideoGrid) -> tuple[int, int, int]:
     return grid.frames, grid.rows, grid.cols
 
 
-def _stream(model, prefix: str, hidden, timestep, gate_factor: float, rope, cross_rope, text, cross_modules,
+def _stream(model, prefix: str, hidden, timestep, gate_timestep, rope, cross_rope, text, cross_modules,
             dtype) -> Stream:
-    """Modulations of one modality, as diffusers' forward computes them (cross-attention ones from the same
-    modality's timestep)."""
+    """Modulations of one modality: its own timestep for the block, the output and the cross-modal scale / shift;
+    `gate_timestep` (the other stream's largest, ComfyUI's choice) for the gate of the attention into it."""
     batch = hidden.shape[0]
 
     def embed(module, values):
@@ -311,7 +387,7 @@ def _stream(model, prefix: str, hidden, timestep, gate_factor: float, rope, cros
 
     temb, embedded = embed(getattr(model, f"{prefix}time_embed"), timestep)
     scale_shift, _ = embed(getattr(model, cross_modules[0]), timestep)
-    gate, _ = embed(getattr(model, cross_modules[1]), timestep * gate_factor)
+    gate, _ = embed(getattr(model, cross_modules[1]), gate_timestep)
     return Stream(hidden, temb, embedded, scale_shift, gate, rope, cross_rope,
                   text.view(batch, -1, hidden.shape[-1]))
 
@@ -342,7 +418,9 @@ def _out(attn, attended: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _block(block, video: Stream, audio: Stream, seq, shards: SeqShards) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' LTX2VideoTransformerBlock.forward (LTX-2.0: no gates, no prompt AdaLN) on this rank's tokens."""
+    """ComfyUI's BasicAVTransformerBlock.forward (LTX-2.0: no gated attention, no prompt AdaLN) on this rank's tokens,
+    with diffusers' modules. Unlike diffusers' block, the video-to-audio attention reads the video normalised after
+    the audio-to-video residual."""
     v, a = video.hidden, audio.hidden
     v_shift, v_scale, v_gate, v_shift_mlp, v_scale_mlp, v_gate_mlp = _modulation(block.scale_shift_table, video.temb)
     a_shift, a_scale, a_gate, a_shift_mlp, a_scale_mlp, a_gate_mlp = _modulation(block.audio_scale_shift_table,
@@ -357,7 +435,7 @@ def _block(block, video: Stream, audio: Stream, seq, shards: SeqShards) -> tuple
     v = v + block.attn2(block.norm2(v), encoder_hidden_states=video.text)
     a = a + block.audio_attn2(block.audio_norm2(a), encoder_hidden_states=audio.text)
 
-    v_normed, a_normed = block.audio_to_video_norm(v), block.video_to_audio_norm(a)
+    a_normed = block.video_to_audio_norm(a)
     v_a2v_scale, v_a2v_shift, v_v2a_scale, v_v2a_shift = _modulation(
         block.video_a2v_cross_attn_scale_shift_table[:4], video.cross_scale_shift)
     a_a2v_scale, a_a2v_shift, a_v2a_scale, a_v2a_shift = _modulation(
@@ -365,14 +443,15 @@ def _block(block, video: Stream, audio: Stream, seq, shards: SeqShards) -> tuple
     a2v_gate = _modulation(block.video_a2v_cross_attn_scale_shift_table[4:], video.cross_gate)[0]
     v2a_gate = _modulation(block.audio_a2v_cross_attn_scale_shift_table[4:], audio.cross_gate)[0]
 
-    a2v = block.audio_to_video_attn(v_normed * (1 + v_a2v_scale) + v_a2v_shift,
+    a2v = block.audio_to_video_attn(block.audio_to_video_norm(v) * (1 + v_a2v_scale) + v_a2v_shift,
                                     encoder_hidden_states=a_normed * (1 + a_a2v_scale) + a_a2v_shift,
                                     query_rotary_emb=video.cross_rope, key_rotary_emb=audio.cross_rope)
+    v = v + a2v * a2v_gate
     query, key, value = _heads(block.video_to_audio_attn, a_normed * (1 + a_v2a_scale) + a_v2a_shift,
-                               v_normed * (1 + v_v2a_scale) + v_v2a_shift, audio.cross_rope, video.cross_rope)
+                               block.audio_to_video_norm(v) * (1 + v_v2a_scale) + v_v2a_shift, audio.cross_rope,
+                               video.cross_rope)
     v2a = _out(block.video_to_audio_attn, attention_over_key_shards(query, key, value, seq), a)
-    v = v + a2v_gate * a2v
-    a = a + v2a_gate * v2a
+    a = a + v2a * v2a_gate
 
     v = v + block.ff(block.norm3(v) * (1 + v_scale_mlp) + v_shift_mlp) * v_gate_mlp
     a = a + block.audio_ff(block.audio_norm3(a) * (1 + a_scale_mlp) + a_shift_mlp) * a_gate_mlp
@@ -388,15 +467,35 @@ def _head(model, stream: Stream, prefix: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Single-device reference (tests, CLI demo): diffusers' own forward
+# Single-device reference (tests, CLI demo): diffusers' stock forward with ComfyUI's choices hooked in
 
 def reference_forward(model, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor,
                       context: torch.Tensor, audio_timestep: Optional[torch.Tensor] = None,
-                      frame_rate: float = DEFAULT_FRAME_RATE) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers' LTX2VideoTransformer3DModel.forward on the whole sequence, the prompt through diffusers' own
-    connector forward (padding replaced by registers): (video velocity [B, C, F, H, W], audio [B, C, T, M])."""
+                      frame_rate: float = DEFAULT_FRAME_RATE, comfy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' LTX2VideoTransformer3DModel.forward on the whole sequence, given ComfyUI's video token times
+    (comfy_video_coords), the prompt through diffusers' own connector forward (padding replaced by registers), and
+    (comfy=True) ComfyUI's gates and video-to-audio norm hooked in (comfy_hooks): (video velocity [B, C, F, H, W],
+    audio [B, C, T, M]). For files with use_middle_indices_grid (diffusers' rope always takes token middles)."""
     batch, channels, frames, height, width = video.shape
-    texts = []
+    texts = reference_prompts(model, context)
+    scale = model.config.timestep_scale_multiplier
+    sigma = timestep.reshape(batch, -1) * scale
+    audio_sigma = sigma if audio_timestep is None else audio_timestep.reshape(batch, -1) * scale
+    coords = comfy_video_coords(model, batch, (frames, height, width), frame_rate, video.device)
+    with torch.no_grad(), (comfy_hooks(model, sigma, audio_sigma) if comfy else contextlib.nullcontext()):
+        out, audio_out = model(hidden_states=video.flatten(2).transpose(1, 2),
+                               audio_hidden_states=audio.transpose(1, 2).flatten(2), encoder_hidden_states=texts[0],
+                               audio_encoder_hidden_states=texts[1], timestep=sigma, audio_timestep=audio_sigma,
+                               video_coords=coords, audio_num_frames=audio.shape[2], return_dict=False)
+    video_out = out.transpose(1, 2).reshape(batch, -1, frames, height, width)
+    audio_out = audio_out.unflatten(2, (audio.shape[1], audio.shape[3])).transpose(1, 2)
+    return video_out, audio_out
+
+
+def reference_prompts(model, context: torch.Tensor) -> list[torch.Tensor]:
+    """The video and audio prompts through diffusers' own connector forward: the prompt padded to whole register
+    tiles of at least 1024 tokens, the padding masked (diffusers swaps it for registers)."""
+    batch, texts = context.shape[0], []
     for name in CONNECTORS:
         connector = getattr(model, name)
         count = connector.learnable_registers.shape[0]
@@ -404,16 +503,46 @@ def reference_forward(model, video: torch.Tensor, audio: torch.Tensor, timestep:
         padded = torch.cat([context, context.new_zeros(batch, length - context.shape[1], context.shape[2])], dim=1)
         keep = torch.arange(length) < context.shape[1]
         mask = torch.where(keep, 0.0, -1e4).expand(batch, length)[:, None, None, :]
-        texts.append(connector(padded, mask)[0])
-    scale = model.config.timestep_scale_multiplier
-    sigma = timestep.reshape(batch, -1)
-    audio_sigma = sigma if audio_timestep is None else audio_timestep.reshape(batch, -1)
-    with torch.no_grad():
-        out, audio_out = model(hidden_states=video.flatten(2).transpose(1, 2),
-                               audio_hidden_states=audio.transpose(1, 2).flatten(2), encoder_hidden_states=texts[0],
-                               audio_encoder_hidden_states=texts[1], timestep=sigma * scale,
-                               audio_timestep=audio_sigma * scale, num_frames=frames, height=height, width=width,
-                               fps=frame_rate, audio_num_frames=audio.shape[2], return_dict=False)
-    video_out = out.transpose(1, 2).reshape(batch, -1, frames, height, width)
-    audio_out = audio_out.unflatten(2, (audio.shape[1], audio.shape[3])).transpose(1, 2)
-    return video_out, audio_out
+        with torch.no_grad():
+            texts.append(connector(padded, mask)[0])
+    return texts
+
+
+@contextlib.contextmanager
+def comfy_hooks(model, video_timestep: torch.Tensor, audio_timestep: torch.Tensor):
+    """While open, diffusers' stock forward computes what ComfyUI's LTXAVModel does for LTX-2.0: the audio-to-video
+    gate embeds the audio's largest timestep of the call and the video-to-audio gate the video's (diffusers: each
+    stream's own), and each block's video-to-audio attention reads the video normalised after the audio-to-video
+    residual (the block's normalised video is rewritten in place once that residual is known). Written apart from
+    the pool's forward."""
+    factor = model.config.cross_attn_timestep_scale_multiplier / model.config.timestep_scale_multiplier
+    gates = {}
+
+    def gate_hook(name, timestep):
+        def hook(module, args, kwargs, out):
+            replaced = module.forward(timestep.max().expand_as(args[0]) * factor, **kwargs)
+            gates[name] = replaced[0].view(kwargs["batch_size"], -1, replaced[0].shape[-1])
+            return replaced
+        return hook
+
+    handles = [model.av_cross_attn_video_a2v_gate.register_forward_hook(gate_hook("a2v", audio_timestep),
+                                                                        with_kwargs=True),
+               model.av_cross_attn_audio_v2a_gate.register_forward_hook(gate_hook("v2a", video_timestep),
+                                                                        with_kwargs=True)]
+    for block in model.transformer_blocks:
+        seen = {}
+        norm = block.audio_to_video_norm
+        handles.append(norm.register_forward_hook(lambda module, args, out, seen=seen: seen.update(x=args[0], n=out)))
+        handles.append(block.audio_to_video_attn.register_forward_hook(
+            lambda module, args, out, block=block, seen=seen: _renormalise_after_a2v(block, seen, gates["a2v"], out)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _renormalise_after_a2v(block, seen: dict, gate_embedding: torch.Tensor, a2v: torch.Tensor) -> None:
+    table = block.video_a2v_cross_attn_scale_shift_table[4:]
+    gate = block.get_mod_params(table, gate_embedding, a2v.shape[0])[0].squeeze(2)
+    seen["n"].copy_(block.audio_to_video_norm.forward(seen["x"] + gate * a2v))

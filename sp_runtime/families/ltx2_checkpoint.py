@@ -15,14 +15,18 @@ FAMILY = "ltx2"
 ANCHORS = ("av_ca_a2v_gate_adaln_single.emb.timestep_embedder.linear_1.weight", "audio_patchify_proj.weight",
            "patchify_proj.weight", "transformer_blocks.0.video_to_audio_attn.to_q.weight")
 CONNECTORS = ("video_embeddings_connector", "audio_embeddings_connector")
-# The LTX-2 release's `config` metadata (JSON, section "transformer") -> what we take from it, with its defaults
+# What ComfyUI's LTXAVModel takes from the file's `config` metadata (JSON, section "transformer"), with ComfyUI's own
+# defaults for a key the file leaves out (ComfyUI builds its model from exactly these; so do we). ComfyUI ignores
+# `positional_embedding_theta` (its rotary tables always use 10000) and `rope_type` has two defaults: "interleaved"
+# for the transformer, "split" for the text connectors.
 RELEASE_DEFAULTS = {
     "num_attention_heads": 32, "attention_head_dim": 128, "audio_num_attention_heads": 32,
-    "audio_attention_head_dim": 64, "positional_embedding_theta": 10000.0,
-    "positional_embedding_max_pos": [20, 2048, 2048], "audio_positional_embedding_max_pos": [20],
-    "timestep_scale_multiplier": 1000, "av_ca_timestep_scale_multiplier": 1000, "rope_type": "interleaved",
-    "frequencies_precision": "float64", "connector_num_attention_heads": 30, "connector_attention_head_dim": 128,
+    "audio_attention_head_dim": 64, "positional_embedding_max_pos": [20, 2048, 2048],
+    "audio_positional_embedding_max_pos": [20], "timestep_scale_multiplier": 1000,
+    "av_ca_timestep_scale_multiplier": 1.0, "frequencies_precision": "float32", "use_middle_indices_grid": False,
+    "causal_temporal_positioning": False, "connector_num_attention_heads": 30, "connector_attention_head_dim": 128,
 }
+ROPE_THETA = 10000.0
 # Markers of LTX-2.3 / 2.5 (gated attention, prompt AdaLN, text projection before the connectors)
 NEWER_MARKERS = {"transformer_blocks.0.attn1.to_gate_logits.weight": "gated attention",
                  "transformer_blocks.0.prompt_scale_shift_table": "prompt cross-attention AdaLN",
@@ -60,8 +64,9 @@ def release_config(header: Header) -> dict:
 
 
 def architecture(keys: dict, release: dict) -> dict:
-    """diffusers' LTX2VideoTransformer3DModel config (plus `connector`, the connectors' sizes) from shapes and the
-    release config (head counts are not visible in shapes: q/k norms span all heads)."""
+    """diffusers' LTX2VideoTransformer3DModel config from shapes and the release config (head counts are not
+    visible in shapes: q/k norms span all heads), plus `connector` (the text connectors' sizes) and `positions`
+    (how ComfyUI places the video tokens in time and space, which diffusers' config cannot state)."""
     inner, in_channels = shape_of(keys, "patchify_proj.weight")
     audio_inner, audio_in = shape_of(keys, "audio_patchify_proj.weight")
     video_heads = _heads(inner, release["num_attention_heads"], release["attention_head_dim"], "video")
@@ -80,12 +85,14 @@ def architecture(keys: dict, release: dict) -> dict:
         "caption_channels": shape_of(keys, "caption_projection.linear_1.weight")[1],
         "pos_embed_max_pos": int(max_pos[0]), "base_height": int(max_pos[1]), "base_width": int(max_pos[2]),
         "audio_pos_embed_max_pos": int(release["audio_positional_embedding_max_pos"][0]),
-        "rope_theta": float(release["positional_embedding_theta"]),
+        "rope_theta": ROPE_THETA,
         "rope_double_precision": release["frequencies_precision"] == "float64",
-        "rope_type": release["rope_type"],
+        "rope_type": release.get("rope_type", "interleaved"),
         "timestep_scale_multiplier": release["timestep_scale_multiplier"],
         "cross_attn_timestep_scale_multiplier": release["av_ca_timestep_scale_multiplier"],
         "connector": connector_config(keys, release),
+        "positions": {"use_middle_indices_grid": bool(release["use_middle_indices_grid"]),
+                      "causal_temporal_positioning": bool(release["causal_temporal_positioning"])},
     }
     return config
 
@@ -106,7 +113,7 @@ def connector_config(keys: dict, release: dict) -> dict:
                    "connector")
     return {"num_attention_heads": heads, "attention_head_dim": inner // heads,
             "num_layers": count_blocks(keys, "video_embeddings_connector.transformer_1d_blocks"),
-            "num_learnable_registers": registers}
+            "num_learnable_registers": registers, "rope_type": release.get("rope_type", "split")}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Tiny LTX-2 (audio + video) models: diffusers' LTX2VideoTransformer3DModel with the real head sizes (video 128,
-audio 64) but 3 heads each, two blocks, plus the two text-embedding connectors, written as ComfyUI's files are
-(original key names under `model.diffusion_model.`, the release's `config` metadata naming the head counts).
+audio 64) but 3 heads each, two blocks, plus the two text-embedding connectors (128 registers, as ComfyUI builds
+them), written as ComfyUI's files are (original key names under `model.diffusion_model.`, the release's `config`
+metadata stating the sizes and position conventions ComfyUI builds its model from).
 
 The original-name writer is the inverse of ltx2_checkpoint's key plan, stated on its own so a round trip checks both.
 """
@@ -15,8 +16,15 @@ from .weights import cast_like_release, randomize_
 
 LTX2_TINY = dict(in_channels=128, out_channels=128, num_attention_heads=3, attention_head_dim=128,
                  cross_attention_dim=384, audio_in_channels=128, audio_out_channels=128, audio_num_attention_heads=3,
-                 audio_attention_head_dim=64, audio_cross_attention_dim=192, num_layers=2, caption_channels=48)
-CONNECTOR_TINY = dict(num_attention_heads=2, attention_head_dim=24, num_layers=1, num_learnable_registers=8)
+                 audio_attention_head_dim=64, audio_cross_attention_dim=192, num_layers=2, caption_channels=48,
+                 rope_type="split")
+CONNECTOR_TINY = dict(num_attention_heads=2, attention_head_dim=24, num_layers=1, num_learnable_registers=128,
+                      rope_type="split")
+# What the LTX-2 release's `config` metadata states besides the head counts (ComfyUI builds its model from it)
+RELEASE_FACTS = {"positional_embedding_theta": 10000.0, "positional_embedding_max_pos": [20, 2048, 2048],
+                 "audio_positional_embedding_max_pos": [20], "timestep_scale_multiplier": 1000,
+                 "av_ca_timestep_scale_multiplier": 1000, "causal_temporal_positioning": True,
+                 "use_middle_indices_grid": True, "rope_type": "split", "frequencies_precision": "float64"}
 
 
 def tiny_config(**size) -> dict:
@@ -29,25 +37,31 @@ def tiny_config(**size) -> dict:
 
 
 def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
-    """A float32 LTX2VideoTransformer3DModel with seeded random weights and its two connectors attached."""
+    """A float32 LTX2VideoTransformer3DModel with seeded random weights and its two connectors attached, with
+    ComfyUI's q / k norm eps (as the pool loads it)."""
     from diffusers import LTX2VideoTransformer3DModel
 
-    from ..families.ltx2 import attach_connectors
+    from ..families.ltx2 import attach_connectors, use_comfy_qk_norm_eps
     model = LTX2VideoTransformer3DModel.from_config(tiny_config(**size))
     attach_connectors(model, CONNECTOR_TINY, model.config.rope_theta)
+    use_comfy_qk_norm_eps(model)
     randomize_(model, seed)
     return model.eval().requires_grad_(False)
 
 
 def release_metadata(model: torch.nn.Module) -> dict[str, str]:
-    """The `config` metadata LTX-2 releases carry (section `transformer`), with this model's head counts."""
+    """The `config` metadata LTX-2 releases carry (section `transformer`), with this model's head counts and
+    sizes."""
     config = model.config
-    transformer = {"num_attention_heads": config.num_attention_heads,
+    transformer = {**RELEASE_FACTS, "num_attention_heads": config.num_attention_heads,
                    "attention_head_dim": config.attention_head_dim,
                    "audio_num_attention_heads": config.audio_num_attention_heads,
                    "audio_attention_head_dim": config.audio_attention_head_dim,
+                   "caption_channels": config.caption_channels, "cross_attention_dim": config.cross_attention_dim,
+                   "audio_cross_attention_dim": config.audio_cross_attention_dim,
                    "connector_num_attention_heads": CONNECTOR_TINY["num_attention_heads"],
-                   "connector_attention_head_dim": CONNECTOR_TINY["attention_head_dim"]}
+                   "connector_attention_head_dim": CONNECTOR_TINY["attention_head_dim"],
+                   "connector_num_layers": CONNECTOR_TINY["num_layers"]}
     return {"config": json.dumps({"transformer": transformer})}
 
 
