@@ -1,9 +1,11 @@
 """The Wan variants against ComfyUI's own code (needs COMFYUI_PATH; skipped otherwise): the pool at degrees 1-4 equals
-ComfyUI's VaceWanModel, CameraWanModel, HumoWanModel and WanModel with ref_conv (Fun Control, 48 and 52 channels) on
-the same tiny files and inputs; and the stock sampler through the loader node's MODEL, with ComfyUI's conditioning
-nodes (WanVaceToVideo, WanFunInpaintToVideo, WanFunControlToVideo, Wan22FunControlToVideo with both A14B experts in
-one pool, WanCameraEmbedding + WanCameraImageToVideo, WanHuMoImageToVideo for HuMo 1.7B and 17B), equals the same
-sampling on ComfyUI's own model (the class ComfyUI's detection picks, its network holding the file's weights)."""
+ComfyUI's VaceWanModel, CameraWanModel, HumoWanModel and WanModel with ref_conv (Fun Control, 48 and 52 channels;
+Wan 2.2 Fun 5B Control, 148 channels and a 48-channel reference, and Fun 5B InP, 100 channels, with per-frame
+timesteps) on the same tiny files and inputs; and the stock sampler through the loader node's MODEL, with ComfyUI's
+conditioning nodes (WanVaceToVideo, WanFunInpaintToVideo for Wan 2.1, A14B and 5B InP, WanFunControlToVideo,
+Wan22FunControlToVideo with both A14B experts in one pool and with the 5B model, WanCameraEmbedding +
+WanCameraImageToVideo, WanHuMoImageToVideo for HuMo 1.7B and 17B), equals the same sampling on ComfyUI's own model
+(the class ComfyUI's detection picks, its network holding the file's weights)."""
 from __future__ import annotations
 
 import os
@@ -17,7 +19,7 @@ from family_support import assert_parity
 from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_runtime.tiny_models.wan import CAMERA_TINY, HUMO_TINY, VACE_TINY, tiny_config
 from test_wan_camera import make_cases as camera_cases
-from test_wan_fun import make_cases as fun_cases
+from test_wan_fun import FIVE_B, make_cases as fun_cases
 from test_wan_humo import SIZE as HUMO_SIZE, make_cases as humo_cases
 from test_wan_vace import SIZE as VACE_SIZE, make_cases as vace_cases
 
@@ -29,6 +31,8 @@ VARIANTS = {
     "vace": ("vace", 21, VACE_SIZE, vace_cases),
     "fun_control": ("fun_control", 22, {}, lambda: fun_cases("fun_control")),
     "fun_a14b": ("fun_a14b", 23, {}, lambda: fun_cases("a14b_high_noise")),
+    "fun_5b_control": ("fun_5b_control", 27, FIVE_B, lambda: fun_cases("5b_control")),
+    "fun_5b_inp": ("fun_5b_inp", 28, FIVE_B, lambda: fun_cases("5b_inp")),
     "camera": ("camera", 24, {}, lambda: camera_cases("camera")),
     "camera_2.2": ("camera_2.2", 25, {}, lambda: camera_cases("camera_2.2")),
     "humo": ("humo", 26, HUMO_SIZE, humo_cases),
@@ -36,7 +40,8 @@ VARIANTS = {
 # ComfyUI pads x to the patch size but not the VACE hints nor the reference latents, so it cannot run these cases
 # (ours pads them too); the HuMo reference is checked on an even-sized copy instead
 COMFY_CANNOT_RUN = {"vace": ("40_tokens_padded",), "fun_control": ("40_tokens_padded",),
-                    "fun_a14b": ("40_tokens_padded",), "humo": ("reference_frame",)}
+                    "fun_a14b": ("40_tokens_padded",), "fun_5b_control": ("40_tokens_padded",),
+                    "humo": ("reference_frame",)}
 # the tiny HuMo's audio_embed [B, T, 2, 5, 8] (ComfyUI's real one: [B, T, 8, 5, 1280])
 AUDIO_WINDOW, AUDIO_BLOCKS = 2, 5
 AUDIO_CHANNELS = HUMO_TINY["audio_in_features"] // (AUDIO_WINDOW * AUDIO_BLOCKS)
@@ -133,7 +138,8 @@ WIDTH = HEIGHT = 48  # pixels: 6 x 6 latent, 9 tokens per latent frame
 LENGTH = 9           # pixel frames: 3 latent frames
 # name -> (tiny variant, seed, size) of the files the loader node reads
 SAMPLED = {"vace": ("vace", 31, VACE_SIZE), "fun_inp": ("i2v", 39, {}), "fun_inp_2.2": ("i2v_concat", 40, {}),
-           "fun_control": ("fun_control", 32, {}),
+           "fun_control": ("fun_control", 32, {}), "fun_5b_control": ("fun_5b_control", 41, FIVE_B),
+           "fun_5b_inp": ("fun_5b_inp", 42, FIVE_B),
            "fun_a14b_high_noise": ("fun_a14b", 33, {}), "fun_a14b_low_noise": ("fun_a14b", 34, {}),
            "camera": ("camera", 35, {}), "camera_2.2": ("camera_2.2", 36, {}), "humo": ("humo", 37, HUMO_SIZE),
            "humo_17b": ("humo", 38, {**HUMO_SIZE, "in_channels": 36})}  # 17B: noise, mask, image latent
@@ -149,15 +155,24 @@ class TinyVAE:
         return 8
 
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[N, H, W, 3] in 0..1 -> [1, 16, (N - 1) // 4 + 1, H / 8, W / 8]"""
-        pooled = torch.nn.functional.avg_pool2d(pixels.movedim(-1, 1).float(), 8)
+        """[N, H, W, 3] in 0..1 -> [1, C, (N - 1) // 4 + 1, H / s, W / s] (s: the spatial compression)"""
+        pooled = torch.nn.functional.avg_pool2d(pixels.movedim(-1, 1).float(), self.spacial_compression_encode())
         frames = [pooled[:1]] + [pooled[i:i + 4].mean(0, keepdim=True) for i in range(1, pooled.shape[0], 4)]
         mix = torch.linspace(-2.0, 2.0, 3 * self.latent_channels).view(self.latent_channels, 3)
         return torch.einsum("lc,tchw->lthw", mix, torch.cat(frames)).unsqueeze(0)
 
 
-def images(count: int, seed: int) -> torch.Tensor:
-    return torch.rand(count, HEIGHT, WIDTH, 3, generator=torch.Generator().manual_seed(seed))
+class TinyVAE22(TinyVAE):
+    """Stands for the Wan 2.2 VAE (the 5B models'): 48 channels, 16x smaller frames."""
+
+    latent_channels = 48
+
+    def spacial_compression_encode(self) -> int:
+        return 16
+
+
+def images(count: int, seed: int, scale: int = 1) -> torch.Tensor:
+    return torch.rand(count, HEIGHT * scale, WIDTH * scale, 3, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")
@@ -234,14 +249,17 @@ def clip_vision_output(seed: int) -> SimpleNamespace:
                                                                  generator=torch.Generator().manual_seed(seed)))
 
 
-@pytest.mark.parametrize("name", ["fun_inp", "fun_inp_2.2"])
+@pytest.mark.parametrize("name", ["fun_inp", "fun_inp_2.2", "fun_5b_inp"])
 def test_wan_fun_inpaint_to_video(name, sp_models, references):
-    """Wan 2.1 Fun InP (CLIP) and Wan 2.2 Fun InP A14B style (no CLIP): start and end image in the extra channels."""
+    """Wan 2.1 Fun InP (CLIP), Wan 2.2 Fun InP A14B style (no CLIP) and Wan 2.2 Fun 5B InP (48-channel latents, the
+    5B template's node): start and end image in the extra channels."""
     from comfy_extras.nodes_wan import WanFunInpaintToVideo
     clip_vision = clip_vision_output(11) if name == "fun_inp" else None
+    vae = TinyVAE22() if name == "fun_5b_inp" else TinyVAE()
+    scale = vae.spacial_compression_encode() // 8  # the same 6 x 6 latent
     positive, negative, latent = WanFunInpaintToVideo.execute(
-        cs.conditioning("wan", 1), cs.conditioning("wan", 2), TinyVAE(), WIDTH, HEIGHT, LENGTH, 1,
-        start_image=images(1, 12), end_image=images(1, 13), clip_vision_output=clip_vision).result
+        cs.conditioning("wan", 1), cs.conditioning("wan", 2), vae, WIDTH * scale, HEIGHT * scale, LENGTH, 1,
+        start_image=images(1, 12, scale), end_image=images(1, 13, scale), clip_vision_output=clip_vision).result
     cs.assert_close(*both(sp_models, references, name, positive, negative, latent["samples"]))
 
 
@@ -269,6 +287,18 @@ def test_wan22_fun_control_two_experts_in_one_pool(sp_models, references):
         results.append(cs.sample(models["fun_a14b_low_noise"], positive, negative, latent=high, steps=4,
                                  start_step=2, last_step=4, disable_noise=True, force_full_denoise=True))
     cs.assert_close(*results)
+
+
+def test_wan22_fun_control_5b(sp_models, references):
+    """Wan 2.2 Fun 5B Control as its template runs it (Wan22FunControlToVideo with the Wan 2.2 VAE's 48 channels: the
+    control video, mask and start-image channels, the reference image through ref_conv), one KSampler."""
+    from comfy_extras.nodes_wan import Wan22FunControlToVideo
+    size = 2 * WIDTH  # 6 x 6 latent
+    positive, negative, latent = Wan22FunControlToVideo.execute(
+        cs.conditioning("wan", 1), cs.conditioning("wan", 2), TinyVAE22(), size, size, LENGTH, 1,
+        ref_image=images(1, 14, 2), control_video=images(LENGTH, 15, 2)).result
+    assert latent["samples"].shape[1] == 48 and "reference_latents" in positive[0][1]
+    cs.assert_close(*both(sp_models, references, "fun_5b_control", positive, negative, latent["samples"]))
 
 
 @pytest.mark.parametrize("name", ["camera", "camera_2.2"])

@@ -373,7 +373,7 @@ def _whole_sequence(model, x, timestep, reference_latent, reference_motion, cont
     spread as its repeat_e does), and the video's grid."""
     compute, device = model.scale_shift_table.dtype, model.scale_shift_table.device
     patch, batch = tuple(model.config.patch_size), x.shape[0]
-    embedded = model.patch_embedding(wrap_pad(x, patch).to(device, torch.float32)).to(compute)
+    embedded = _float32_embedding(model.patch_embedding, wrap_pad(x, patch).to(device)).to(compute)
     if control_video is not None:
         embedded = embedded + model.cond_encoder(wrap_pad(control_video, patch).to(device, compute))
     mask = model.trainable_cond_mask.weight
@@ -381,7 +381,7 @@ def _whole_sequence(model, x, timestep, reference_latent, reference_motion, cont
     sigma = timestep.float().reshape(batch, -1).expand(batch, embedded.shape[2]) if timestep.dim() == 1 \
         else timestep.float()
     if reference_latent is not None:
-        ref = model.patch_embedding(wrap_pad(reference_latent, patch).to(device, torch.float32)).to(compute)
+        ref = _float32_embedding(model.patch_embedding, wrap_pad(reference_latent, patch).to(device)).to(compute)
         tokens.append(ref.flatten(2).transpose(1, 2) + mask[1])
         positions.append(_grid_positions(ref.shape[2:]) + torch.tensor([max(30, embedded.shape[2] + 9), 0, 0]))
         sigma = torch.cat([sigma, torch.zeros(batch, reference_latent.shape[2])], dim=1)
@@ -394,6 +394,11 @@ def _whole_sequence(model, x, timestep, reference_latent, reference_motion, cont
     repeats = length // sigma.shape[1]
     step = repeats if repeats * sigma.shape[1] == length else repeats + 1
     return hidden, torch.cat(positions), sigma.repeat_interleave(step, dim=1)[:, :length], embedded.shape[2:]
+
+
+def _float32_embedding(conv: nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
+    """patch_embedding in float32 whatever the model's dtype, as ComfyUI runs it (its ops cast the weights to x's)."""
+    return F.conv3d(x.float(), conv.weight.float(), conv.bias.float(), stride=conv.stride)
 
 
 def _grid_positions(grid) -> torch.Tensor:

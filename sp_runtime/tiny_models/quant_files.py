@@ -3,8 +3,9 @@ fp8, ComfyUI mixed precision (per-layer `.comfy_quant` tensors or `_quantization
 `gguf` package's own writer and quantizers. Each writer also returns the float32 weights the file encodes,
 computed here from the codes it wrote (GGUF: by gguf's numpy dequantizer), independently of sp_runtime.formats.
 
-Like released files, only the transformer blocks' Linear weights are quantized; other weights stay bf16 (ComfyUI)
-or F16 / F32 (GGUF).
+Like released files, only the transformer blocks' Linear weights are quantized (and those of Wan S2V's and Animate's
+extra modules: audio encoder and injector, face encoder, motion encoder); other weights stay bf16 (ComfyUI) or
+F16 / F32 (GGUF).
 """
 from __future__ import annotations
 
@@ -42,8 +43,11 @@ def write_quantized(family: str, path: str, reference_path: str, fmt: str, seed:
     return kinds
 
 
+WAN_VARIANT_MODULES = ("casual_audio_encoder.", "audio_injector.", "face_encoder.", "motion_encoder.")
+
+
 def _quantizable(key: str, tensor: torch.Tensor) -> bool:
-    return "blocks." in key and key.endswith(".weight") and tensor.dim() == 2
+    return ("blocks." in key or key.startswith(WAN_VARIANT_MODULES)) and key.endswith(".weight") and tensor.dim() == 2
 
 
 # ---------------------------------------------------------------------------------------------------------------

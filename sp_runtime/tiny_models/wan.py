@@ -6,7 +6,9 @@ flf2v (i2v plus first-last-frame positions), i2v_concat (36 input channels, no C
 ti2v (48 -> 48 channels: Wan 2.2 5B style, run with per-frame timesteps) and vace (WanVACETransformer3DModel: 4
 blocks with VACE hints after blocks 0 and 2, 96 hint channels as the real models) and fun_control (i2v with 48 input
 channels and Fun Control's ref_conv of a 16-channel reference latent), fun_a14b (Wan 2.2 Fun Control A14B style: 52
-input channels, no CLIP, ref_conv), camera (Wan 2.1 Fun Camera: i2v with 32 input channels and the camera adapter
+input channels, no CLIP, ref_conv), fun_5b_control / fun_5b_inp (Wan 2.2 Fun 5B: ti2v with 148 input channels,
+noise 48 + control 48 + mask 4 + start image 48, and ref_conv of a 48-channel reference latent / 100 input channels,
+noise + mask + image), camera (Wan 2.1 Fun Camera: i2v with 32 input channels and the camera adapter
 of 24-channel conditions), camera_2.2 (36 input channels, no CLIP, the adapter), humo (t2v with HuMo's audio
 modules, audio_embed [B, T, 2, 5, 8] instead of ComfyUI's [B, T, 8, 5, 1280]), s2v (Wan 2.2 S2V's modules, 5
 blocks with audio injected after blocks 0 and 4 as ComfyUI's list places 2 injectors, audio_embed [B, 25, 32, 4T]
@@ -33,8 +35,8 @@ WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=
 CLIP_DIM = 1280         # ComfyUI's Wan image embedder input width is fixed
 FLF_CLIP_TOKENS = 10    # tiny first-last-frame models: 2 x 5 CLIP tokens
 VACE_TINY = dict(num_layers=4, vace_layers=[0, 2], vace_in_channels=96)
-VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b", "camera", "camera_2.2",
-            "humo", "s2v", "animate")
+VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b", "fun_5b_control",
+            "fun_5b_inp", "camera", "camera_2.2", "humo", "s2v", "animate")
 ANIMATE_TINY = dict(num_layers=5)  # the face adapter follows every 5th block
 HUMO_TINY = dict(audio_in_features=80, audio_hidden=32, audio_dim=24)
 S2V_TINY = dict(audio_dim=32, audio_layers=25, audio_tokens=4, cond_dim=16, inject_layers=[0, 4])
@@ -67,8 +69,12 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
         config["pos_embed_seq_len"] = FLF_CLIP_TOKENS
     if variant == "i2v_concat":
         config["in_channels"] = 36
-    if variant == "ti2v":
+    if variant == "ti2v" or variant.startswith("fun_5b"):
         config.update(in_channels=48, out_channels=48)
+    if variant == "fun_5b_control":
+        config.update(in_channels=148, ref_in_channels=48)
+    if variant == "fun_5b_inp":
+        config["in_channels"] = 100
     config.update({key: value for key, value in size.items() if key in ("in_channels", "out_channels")})
     return config
 
