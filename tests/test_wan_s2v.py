@@ -183,6 +183,29 @@ def test_comfyui_parity(comfy_outputs, family_pool, path):
         assert_parity(handle(x, t, **inputs), expected, "float32", f"comfyui_s2v/{name}")
 
 
+def comfy_unet_config() -> dict:
+    """ComfyUI's WAN22_S2V unet config of the tiny S2V (its detection assumes the real sizes)."""
+    import comfy_support as cs
+    return dict(cs.COMFY_TINY_UNET["wan"], model_type="s2v", dim=384, num_heads=3, num_layers=5,
+                audio_dim=S2V_TINY["audio_dim"], num_audio_token=S2V_TINY["audio_tokens"],
+                cond_dim=S2V_TINY["cond_dim"], audio_inject_layers=S2V_TINY["inject_layers"])
+
+
+def s2v_conditioning(seed: int = 5):
+    """(positive, negative) as WanSoundImageToVideo sets them: audio_embed (silent for the negative),
+    reference_latents, reference_motion, control_video; for 3 latent frames of 10 x 14."""
+    import comfy_support as cs
+    import node_helpers
+    g = torch.Generator().manual_seed(seed)
+    audio = torch.randn(1, S2V_TINY["audio_layers"], S2V_TINY["audio_dim"], 12, generator=g)
+    shared = {"reference_latents": [torch.randn(1, 16, 1, 10, 14, generator=g)],
+              "reference_motion": torch.randn(1, 16, 19, 10, 14, generator=g),
+              "control_video": torch.randn(1, 16, 3, 10, 14, generator=g)}
+    positive = node_helpers.conditioning_set_values(cs.conditioning("wan", 1), {**shared, "audio_embed": audio})
+    negative = node_helpers.conditioning_set_values(cs.conditioning("wan", 2), {**shared, "audio_embed": audio * 0})
+    return positive, negative
+
+
 def test_stock_sampler_on_the_sp_model_equals_comfys_own(comfyui, path, tmp_path):
     """The SP loader's MODEL (ComfyUI's WAN22_S2V host class around the pool, cpu:2) in the stock sampler, with
     conditioning as WanSoundImageToVideo sets it (audio_embed, silent for the negative, reference_latents,
@@ -194,15 +217,11 @@ def test_stock_sampler_on_the_sp_model_equals_comfys_own(comfyui, path, tmp_path
     import comfy.utils
     import comfy_support as cs
     import folder_paths
-    import node_helpers
     models = tmp_path / "diffusion_models"
     models.mkdir()
     shutil.copy(path, models / "s2v.safetensors")
     folder_paths.add_model_folder_path("diffusion_models", str(models), is_default=True)
-    config = comfy.supported_models.WAN22_S2V(dict(
-        cs.COMFY_TINY_UNET["wan"], model_type="s2v", dim=384, num_heads=3, num_layers=5,
-        audio_dim=S2V_TINY["audio_dim"], num_audio_token=S2V_TINY["audio_tokens"], cond_dim=S2V_TINY["cond_dim"],
-        audio_inject_layers=S2V_TINY["inject_layers"]))
+    config = comfy.supported_models.WAN22_S2V(comfy_unet_config())
     config.set_inference_dtype(torch.float32, None)
     own = config.get_model({})
     own.diffusion_model.load_state_dict({key[len(COMFY_PREFIX):]: value
@@ -214,13 +233,7 @@ def test_stock_sampler_on_the_sp_model_equals_comfys_own(comfyui, path, tmp_path
             unet_name="s2v.safetensors", weight_dtype="fp32", devices="cpu:2", ulysses_degree=0,
             ring_degree=1, cfg_parallel=False).result[0]
         assert type(sp_model.model) is type(own.model)
-        g = torch.Generator().manual_seed(5)
-        audio = torch.randn(1, S2V_TINY["audio_layers"], S2V_TINY["audio_dim"], 12, generator=g)
-        shared = {"reference_latents": [torch.randn(1, 16, 1, 10, 14, generator=g)],
-                  "reference_motion": torch.randn(1, 16, 19, 10, 14, generator=g),
-                  "control_video": torch.randn(1, 16, 3, 10, 14, generator=g)}
-        positive = node_helpers.conditioning_set_values(cs.conditioning("wan", 1), {**shared, "audio_embed": audio})
-        negative = node_helpers.conditioning_set_values(cs.conditioning("wan", 2), {**shared, "audio_embed": audio * 0})
+        positive, negative = s2v_conditioning()
         expected = cs.sample(own, positive, negative, frames=3)
         cs.assert_close(cs.sample(sp_model, positive, negative, frames=3), expected)
     finally:
