@@ -1,7 +1,8 @@
 """Wan Fun Camera under Ulysses SP: ComfyUI's camera_conditions through control_adapter (Wan 2.1 with CLIP and 32
 channels; Wan 2.2 style, 36 channels and no CLIP) equals a single-process diffusers forward with the adapter's output
 added to the patch embedding, at degrees 1-4 (6 heads), token ranges that split frames, batch 2; bad conditions are
-named."""
+named; Wan 2.2 Fun 5B Control-Camera files (48-channel latents, which no ComfyUI model class takes) are refused by
+name."""
 from __future__ import annotations
 
 import pytest
@@ -84,3 +85,11 @@ def test_bad_camera_conditions_are_named(files):
                                          r"model takes \[B, 24, 5, 48, 48\]"):
         worker.forward(x, t, {**inputs, "camera_conditions": inputs["camera_conditions"][..., :6, :6]}, out,
                        LocalContext(groups))
+
+
+def test_the_5b_control_camera_is_refused_by_name(tmp_path):
+    from sp_runtime.families.detect import detect
+    path = write_tiny_checkpoint("wan", str(tmp_path / "fun_5b_camera.safetensors"), variant="camera_2.2",
+                                 in_channels=100, out_channels=48, prefix=COMFY_PREFIX)
+    with pytest.raises(ValueError, match=r"Wan 2\.2 Fun 5B Control-Camera checkpoint \(48-channel latents, 100 input"):
+        detect(path)

@@ -163,6 +163,11 @@ def variant_of(config: dict) -> str:
     if config.get("motion_encoder_dim"):
         return "animate"
     if config.get("camera_in_channels"):  # ComfyUI's model types: camera (with CLIP) and camera_2.2
+        if config["out_channels"] == 48:
+            raise ValueError(f"this is a Wan 2.2 Fun 5B Control-Camera checkpoint (48-channel latents, "
+                             f"{config['in_channels']} input channels, the camera adapter): ComfyUI has no model "
+                             f"class for it (its camera_2.2 models take 36 channels), so it is not supported; "
+                             f"supported: {SUPPORTED}")
         return "camera" if config.get("image_dim") else "camera_2.2"
     if config.get("image_dim") and config["in_channels"] == FUN_CONTROL_CHANNELS:
         return "fun_control"
