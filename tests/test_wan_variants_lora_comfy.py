@@ -3,7 +3,9 @@ WAN22_Animate model with the same LoRA through the stock LoraLoaderModelOnly, in
 variants' conditioning: the stock node on the SP MODEL and the LoRA (Ulysses SP) node both equal it at strengths 1.0
 and 0.5, with LoRA keys on the variants' extra modules (S2V: audio injector, its adaptive norm, the audio encoder;
 Animate: the face adapter's fused kv, the face encoder, the motion encoder) besides the blocks; the base MODEL
-samples bitwise as before afterwards. Needs COMFYUI_PATH; skipped otherwise."""
+samples bitwise as before afterwards. The same on quantized files kept quantized (S2V as GGUF, Animate as ComfyUI
+mixed precision, their extra modules quantized too; bf16 compute) against ComfyUI's model on the dequantized weights,
+within bf16 rounding. Needs COMFYUI_PATH; skipped otherwise."""
 from __future__ import annotations
 
 import os
@@ -12,11 +14,14 @@ import pytest
 import torch
 
 import comfy_support as cs
+from family_support import BF16_TOL
 from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
+from sp_runtime.tiny_models.quant_files import write_quantized
 
 pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 
 RANK = 4
+QUANTIZED = {"s2v_gguf": ("s2v", "gguf"), "animate_comfy_quant": ("animate", "comfy_quant")}  # name -> (variant, format)
 # variant -> (LoRA naming, {module (ComfyUI's name): (rows, columns) of its weight})
 LORAS = {
     "s2v": ("kohya", {"audio_injector.injector.0.k": (384, 384), "audio_injector.injector_adain_layers.1.linear":
@@ -76,19 +81,28 @@ def env(tmp_path_factory):
     for kind in ("diffusion_models", "loras"):
         os.makedirs(root / kind)
         folder_paths.add_model_folder_path(kind, str(root / kind), is_default=True)
-    sources = {variant: write_tiny_checkpoint("wan", str(root / "diffusion_models" / f"tiny_{variant}.safetensors"),
-                                              seed=module.SEED, variant=variant, prefix=COMFY_PREFIX, **module.SIZE)
-               for variant, module in (("s2v", test_wan_s2v), ("animate", test_wan_animate))}
+    modules = {"s2v": test_wan_s2v, "animate": test_wan_animate}
     owner = cs.import_node_module("pool_owner").OWNER
     loader = cs.import_node_module("loader")
     sp_models, own = {}, {}
-    for seed, (variant, source) in enumerate(sources.items()):
+    for seed, (variant, module) in enumerate(modules.items()):
         save_file(lora_state(variant, seed), str(root / "loras" / f"{variant}_lora.safetensors"))
-        sp_models[variant] = loader.SPModelLoader.execute(
-            unet_name=f"tiny_{variant}.safetensors", weight_dtype="fp32", devices="cpu:2", ulysses_degree=0,
+    for name in (*modules, *QUANTIZED):
+        variant, fmt = QUANTIZED.get(name, (name, None))
+        size = modules[variant].SIZE
+        file = f"tiny_{name}.{'gguf' if fmt == 'gguf' else 'safetensors'}"
+        if fmt is None:  # the variant's own test file; ComfyUI's model holds the same weights
+            source = write_tiny_checkpoint("wan", str(root / "diffusion_models" / file), seed=modules[variant].SEED,
+                                           variant=variant, prefix=COMFY_PREFIX, **size)
+        else:  # ComfyUI's model holds the weights the quantized file encodes
+            source = str(root / f"{name}_dequantized.safetensors")
+            write_quantized("wan", str(root / "diffusion_models" / file), source, fmt, 7, "",
+                            {"ulysses_sp.head_dim": "128"}, variant=variant, **size)
+        sp_models[name] = loader.SPModelLoader.execute(
+            unet_name=file, weight_dtype="fp32" if fmt is None else "default", devices="cpu:2", ulysses_degree=0,
             ring_degree=1, cfg_parallel=False).result[0]
-        own[variant] = comfy_own(variant, source)
-        assert type(sp_models[variant].model) is type(own[variant].model)
+        own[name] = comfy_own(variant, source)
+        assert type(sp_models[name].model) is type(own[name].model)
     yield {"sp": sp_models, "own": own}
     owner.close_all()
 
@@ -113,14 +127,18 @@ def sp_lora(model, variant: str, strength: float):
                                                               strength).result[0]
 
 
-@pytest.mark.parametrize("variant", LORAS)
-def test_loras_on_the_variants_extra_modules_equal_comfys_model(variant, env):
-    sp, own = env["sp"][variant], env["own"][variant]
+@pytest.mark.parametrize("name", [*LORAS, *QUANTIZED])
+def test_loras_on_the_variants_extra_modules_equal_comfys_model(name, env):
+    """fp32 files: within 1e-5 of ComfyUI's model; quantized files kept quantized (bf16 compute): within bf16
+    rounding of ComfyUI's fp32 model on the dequantized weights."""
+    variant = QUANTIZED.get(name, (name,))[0]
+    bound = BF16_TOL if name in QUANTIZED else 1e-5
+    sp, own = env["sp"][name], env["own"][name]
     base = run(sp, variant)
-    cs.assert_close(base, run(own, variant))
+    cs.assert_close(base, run(own, variant), bound)
     for strength in (1.0, 0.5):
         expected = run(stock_lora(own, variant, strength), variant)
         assert (expected - base).abs().max() > 1e-3, "the LoRA changed nothing"
-        cs.assert_close(run(stock_lora(sp, variant, strength), variant), expected)
-        cs.assert_close(run(sp_lora(sp, variant, strength), variant), expected)
+        cs.assert_close(run(stock_lora(sp, variant, strength), variant), expected, bound)
+        cs.assert_close(run(sp_lora(sp, variant, strength), variant), expected, bound)
     assert run(sp, variant).equal(base)  # the patches came off exactly
