@@ -69,12 +69,12 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
         config["pos_embed_seq_len"] = FLF_CLIP_TOKENS
     if variant == "i2v_concat":
         config["in_channels"] = 36
-    if variant == "ti2v" or variant.startswith("fun_5b"):
+    if variant == "ti2v":
         config.update(in_channels=48, out_channels=48)
     if variant == "fun_5b_control":
-        config.update(in_channels=148, ref_in_channels=48)
+        config.update(in_channels=148, out_channels=48, ref_in_channels=48)
     if variant == "fun_5b_inp":
-        config["in_channels"] = 100
+        config.update(in_channels=100, out_channels=48)
     config.update({key: value for key, value in size.items() if key in ("in_channels", "out_channels")})
     return config
 
