@@ -1,0 +1,154 @@
+"""ComfyUI tier: LTX-2 through the pool equals ComfyUI's own LTXAVModel (comfy.ldm.lightricks.av_model) on the same
+tiny file, called as ComfyUI's LTXAV model class calls it (its process_timestep: sigma x denoise mask per video
+token; the prompt after its preprocess_text_embeds), at Ulysses 1-4 and Ulysses 2 x CFG 2: text-to-video,
+image-to-video (first latent frame at sigma 0), an inpainting mask that varies within frames of the second batch
+item only with batch items at different sigmas, and a file whose config metadata states only sizes (ComfyUI's
+defaults: token starts, no causal time fix, interleaved rope, gate factor 1 / 1000). The diffusers-based reference
+of test_ltx2 (ltx2.reference_forward) is checked against it too. Skips without COMFYUI_PATH, or when that ComfyUI
+has no LTXAV model (0.3.64 has none)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from family_support import assert_parity
+from sp_runtime.families import ltx2
+from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+
+pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
+SEED = 21
+CAPTION = 48  # the tiny model's text encoder width
+SIZES_ONLY = ("heads", "head_dim", "channels", "cross_attention_dim", "connector_num_layers")
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    """ComfyUI's av_model module, or a skip naming what is missing."""
+    from comfy_support import NO_COMFYUI, comfyui_path, import_comfy
+    path = comfyui_path()
+    if path is None:
+        pytest.skip(NO_COMFYUI)
+    if not os.path.isfile(os.path.join(path, "comfy", "ldm", "lightricks", "av_model.py")):
+        pytest.skip(f"ComfyUI at {path} has no comfy.ldm.lightricks.av_model (LTX-2's LTXAVModel); needs ComfyUI "
+                    f">= 0.8")
+    import_comfy()
+    import comfy.ldm.lightricks.av_model as av_model
+    return av_model
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The tiny file with the release's config metadata, and the same weights with only the sizes stated."""
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path_factory.mktemp("ltx2_comfy")
+    release = write_tiny_checkpoint("ltx2", str(folder / "release.safetensors"), seed=SEED, prefix=COMFY_PREFIX)
+    stated = json.loads(read_checkpoint_header(release).metadata["config"])["transformer"]
+    sizes = {key: value for key, value in stated.items() if key.endswith(SIZES_ONLY)}
+    bare = str(folder / "sizes_only.safetensors")
+    save_file(load_file(release), bare, metadata={"config": json.dumps({"transformer": sizes})})
+    return {"release": release, "sizes_only": bare}
+
+
+def comfy_model(av_model, path: str):
+    """ComfyUI's LTXAVModel as its loader builds it: the unet config from comfy.model_detection (shapes plus the
+    file's config metadata), the weights loaded strictly."""
+    import comfy.model_detection
+    import comfy.ops
+    from safetensors.torch import load_file
+    state = {key[len(COMFY_PREFIX):]: value for key, value in load_file(path).items()}
+    config = comfy.model_detection.detect_unet_config(state, "", read_checkpoint_header(path).metadata)
+    config.pop("image_model")
+    model = av_model.LTXAVModel(**config, dtype=torch.float32, device="cpu",
+                                operations=comfy.ops.disable_weight_init)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def make_calls(seed=5):
+    """name -> (video, audio, sigma [B], video denoise mask or None, raw prompt, frame rate)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    i2v = torch.ones(2, 1, 3, 5, 3)
+    i2v[:, :, 0] = 0
+    inpaint = torch.ones(2, 1, 3, 5, 3)
+    inpaint[1, :, 1, :2] = 0.25  # item 1 only: ComfyUI reads item 0's mask and takes each frame's first token
+    return {"t2v": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), torch.tensor([0.7, 0.7]), None, rand(2, 9, CAPTION),
+                    24.0),
+            "i2v": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), torch.tensor([0.8, 0.8]), i2v, rand(2, 9, CAPTION),
+                    25.0),
+            "inpaint": (rand(2, 128, 3, 5, 3), rand(2, 8, 2, 16), torch.tensor([0.9, 0.6]), inpaint,
+                        rand(2, 6, CAPTION), 24.0)}
+
+
+def comfy_call(model, video, audio, sigma, mask, prompt, frame_rate):
+    """ComfyUI's LTXAV model class around its diffusion model: process_timestep (sigma x mask per video token, the
+    audio's sigma as it is), extra_conds' preprocess_text_embeds (per conditioning, before batching), then the
+    diffusion model."""
+    timestep = sigma
+    if mask is not None:
+        timestep = model.patchifier.patchify((mask * sigma.view(-1, 1, 1, 1, 1))[:, :1])[0]
+    with torch.no_grad():
+        context = torch.cat([model.preprocess_text_embeds(item[None]) for item in prompt])
+        out = model([video, audio], (timestep, sigma), context, frame_rate=frame_rate, transformer_options={},
+                    denoise_mask=mask)
+    return (timestep, sigma), out
+
+
+def pool_call(handle, video, audio, timesteps, mask, prompt, frame_rate):
+    """What the host's proxy does with the same call (ltx2.COMFY's pack_call / unpack_output)."""
+    inputs = {"context": prompt, "frame_rate": frame_rate, **({"denoise_mask": mask} if mask is not None else {})}
+    x, timestep, extra = ltx2.pack_comfy_call([video, audio], timesteps, inputs)
+    return ltx2.unpack_comfy_output(handle(x, timestep, **extra), [video, audio])
+
+
+@pytest.fixture(scope="module")
+def expected(comfy, files):
+    """(file, call) -> ((video, audio) timesteps ComfyUI's model got, its [video, audio] output)."""
+    results = {}
+    for name, path in files.items():
+        model = comfy_model(comfy, path)
+        for call, (video, audio, sigma, mask, prompt, rate) in make_calls().items():
+            results[name, call] = comfy_call(model, video, audio, sigma, mask, prompt, rate)
+    return results
+
+
+def check_pool(pool, files, expected, layout):
+    for name, path in files.items():
+        handle = pool.load_model(path)
+        for call, (video, audio, sigma, mask, prompt, rate) in make_calls().items():
+            timesteps, reference = expected[name, call]
+            got = pool_call(handle, video, audio, timesteps, mask, prompt, rate)
+            for output, want, what in zip(got, reference, ("video", "audio")):
+                assert_parity(output, want, "float32", f"comfyui_ltx2_{what}/{layout}/{name}/{call}")
+        handle.unload()
+
+
+def test_pool_equals_comfyuis_ltxav(family_pool, files, expected):
+    check_pool(family_pool, files, expected, f"u{family_pool.config.world_size}")
+
+
+def test_pool_equals_comfyuis_ltxav_under_cfg_parallel(layout_pool, files, expected):
+    """The batch halves on two groups gate with the whole call's largest sigmas, as ComfyUI does."""
+    layout, pool = layout_pool
+    if layout != "u2cfg2":
+        pytest.skip("checked under Ulysses 2 x CFG 2")
+    check_pool(pool, files, expected, layout)
+
+
+def test_diffusers_reference_equals_comfyui(files, expected):
+    """test_ltx2's reference (diffusers' stock forward with ComfyUI's choices hooked in) on the release file's
+    conventions, per token as ComfyUI's model reads the timesteps."""
+    model = build_tiny_model("ltx2", SEED)
+    for call, (video, audio, sigma, mask, prompt, rate) in make_calls().items():
+        (video_t, audio_t), reference = expected["release", call]
+        video_t = ltx2.comfy_video_sigma(video_t, video.shape, mask)
+        got = ltx2.reference_forward(model, video, audio, video_t, prompt, audio_t, rate)
+        for output, want, what in zip(got, reference, ("video", "audio")):
+            assert_parity(output, want, "float32", f"comfyui_ltx2_{what}/diffusers_reference/{call}")
