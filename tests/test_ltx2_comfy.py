@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+import comfy_support as cs
 from family_support import assert_parity
 from sp_runtime.families import ltx2
 from sp_runtime.families.header import read_checkpoint_header
@@ -25,17 +26,24 @@ CAPTION = 48  # the tiny model's text encoder width
 SIZES_ONLY = ("heads", "head_dim", "channels", "cross_attention_dim", "connector_num_layers")
 
 
+def missing_comfyui() -> str:
+    """Why this module cannot run ("" when it can), decided before any pool starts."""
+    path = cs.comfyui_path()
+    if path is None:
+        return cs.NO_COMFYUI
+    if not os.path.isfile(os.path.join(path, "comfy", "ldm", "lightricks", "av_model.py")):
+        return (f"ComfyUI at {path} has no comfy.ldm.lightricks.av_model (LTX-2's LTXAVModel); needs ComfyUI "
+                f">= 0.8")
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(missing_comfyui()), reason=missing_comfyui())
+
+
 @pytest.fixture(scope="module")
 def comfy():
-    """ComfyUI's av_model module, or a skip naming what is missing."""
-    from comfy_support import NO_COMFYUI, comfyui_path, import_comfy
-    path = comfyui_path()
-    if path is None:
-        pytest.skip(NO_COMFYUI)
-    if not os.path.isfile(os.path.join(path, "comfy", "ldm", "lightricks", "av_model.py")):
-        pytest.skip(f"ComfyUI at {path} has no comfy.ldm.lightricks.av_model (LTX-2's LTXAVModel); needs ComfyUI "
-                    f">= 0.8")
-    import_comfy()
+    """ComfyUI's av_model module."""
+    cs.import_comfy()
     import comfy.ldm.lightricks.av_model as av_model
     return av_model
 
