@@ -208,3 +208,18 @@ def test_comfy_call_convention_round_trip(family_pool, ltx2_file, ltx2_reference
     with pytest.raises(ValueError, match="both latents"):
         ltx2.pack_comfy_call([video, audio[:, :, :0]], sigma, {})
     assert ltx2.COMFY.attributes(handle.info)["preprocess_text_embeds"](inputs["context"]) is inputs["context"]
+
+
+def test_the_host_reads_the_video_sigma_per_frame_as_comfyui_does():
+    """ComfyUI's LTXAV takes each latent frame's first token's sigma unless batch item 0's denoise mask varies
+    within a frame; the gates take each stream's largest sigma of the whole call."""
+    video, audio = torch.zeros(2, 128, 3, 5, 3), torch.zeros(2, 8, 7, 16)
+    sigma = torch.arange(90.0).reshape(2, 45, 1) / 90
+    mask = torch.ones(2, 1, 3, 5, 3)
+    mask[1, :, 1, 2:] = 0.5  # item 1 only
+    _, timestep, extra = ltx2.pack_comfy_call([video, audio], (sigma, sigma[:, :7] / 2), {"denoise_mask": mask})
+    frames = sigma.reshape(2, 3, 15)[:, :, :1].expand(-1, -1, 15)
+    assert torch.equal(timestep, frames.reshape(2, 45, 1))
+    assert (extra["v2a_gate_sigma"], extra["a2v_gate_sigma"]) == (sigma.max(), sigma[:, :7].max() / 2)
+    mask[0, :, 2, 0] = 0.5  # now item 0 varies within a frame: every token keeps its own sigma
+    assert ltx2.pack_comfy_call([video, audio], (sigma, sigma[:, :7]), {"denoise_mask": mask})[1] is sigma
