@@ -19,6 +19,9 @@ from .model_spec import ModelSpec
 from .pool_owner import OWNER
 
 HOST_ONLY_KEYS = ("transformer_options", "control")
+# Options ComfyUI's LTX-2 network reads to skip streams or blocks (STG guidance); the workers always run everything.
+STREAM_SWITCH_DEFAULTS = {"run_vx": True, "run_ax": True, "a2v_cross_attn": True, "v2a_cross_attn": True,
+                          "stg_self_attn_blocks": False, "stg_skip_self_attn": False}
 
 
 class SPPoolError(RuntimeError):
@@ -91,6 +94,12 @@ def _reject_host_patches(transformer_options: dict, control) -> None:
                           "network would have to run inside the SP workers. Remove the ControlNet apply node.")
     patches = {key: value for key, value in (transformer_options.get("patches") or {}).items() if value}
     replaces = {key: value for key, value in (transformer_options.get("patches_replace") or {}).items() if value}
+    switched = {key: transformer_options[key] for key, default in STREAM_SWITCH_DEFAULTS.items()
+                if key in transformer_options and bool(transformer_options[key]) != default}
+    if switched:
+        raise SPPoolError(f"transformer options {switched} (set by a guidance node such as STG or a stream switch) "
+                          f"would change what ComfyUI's network runs, and the Ulysses SP workers run every stream "
+                          f"and block in full; remove that node for SP models")
     if patches or replaces:
         names = sorted(patches) + sorted(replaces)
         raise SPPoolError(f"model patches {names} (added by a node such as an IP-Adapter, PuLID or attention "

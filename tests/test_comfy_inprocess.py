@@ -255,3 +255,15 @@ def test_loader_with_shard_weights_samples_exactly_like_without(comfy_env, sp_mo
     ranks = pool.status()["ranks"]
     assert all(rank["weights"]["sharded_blocks"] > 0 for rank in ranks)
     assert [model["options"] for model in pool.status()["models"] if model["options"]] == [{"shard_weights": True}]
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"patches": {"attn2_patch": [object()]}}, "attn2_patch"),
+    ({"stg_self_attn_blocks": [3]}, "stg_self_attn_blocks"),
+    ({"run_ax": False}, "run_ax"),
+    ({"a2v_cross_attn": False}, "a2v_cross_attn")])
+def test_host_patches_and_stream_switches_are_refused_not_ignored(comfy_env, options, named):
+    proxy_module = cs.import_node_module("proxy")
+    with pytest.raises(proxy_module.SPPoolError, match=named):
+        proxy_module._reject_host_patches(options, None)
+    proxy_module._reject_host_patches({"run_vx": True, "stg_self_attn_blocks": [], "patches": {}}, None)
