@@ -71,6 +71,8 @@ class SPDiffusionModel(torch.nn.Module):
     def _forward(self, x, timestep, context, transformer_options, **kwargs):
         _reject_host_patches(transformer_options, kwargs.get("control"))
         extra = {key: value for key, value in kwargs.items() if key not in HOST_ONLY_KEYS}
+        if self.host is not None and self.host.sampler_inputs is not None:
+            extra.update(self.host.sampler_inputs(transformer_options, extra))
         packing = self.host is not None and self.host.pack_call is not None
         try:
             packed, timestep, extra = self.host.pack_call(x, timestep, extra) if packing else (x, timestep, extra)

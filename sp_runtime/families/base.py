@@ -101,6 +101,8 @@ class ComfyHost:
         `diffusion_model` (e.g. LTX-2's patchifiers); the host builds them (sp_runtime never imports ComfyUI).
     pack_call / unpack_output: for models whose ComfyUI call is not the pool's (x a list of latents, timestep a
         tuple): (x, timestep, inputs) -> the pool's (x, timestep, inputs), and (pool output, x) -> ComfyUI's output.
+    sampler_inputs: (transformer_options, inputs) -> extra pool inputs taken from the sampler's state, for models
+        whose ComfyUI network reads it there (HunyuanVideo 1.5 SR: the next sigma); transformer_options stays host-only.
     """
 
     model_classes: Mapping[str, str]
@@ -109,6 +111,7 @@ class ComfyHost:
     helpers: Mapping[str, tuple] = field(default_factory=dict)
     pack_call: Optional[Callable] = None
     unpack_output: Optional[Callable] = None
+    sampler_inputs: Optional[Callable[[dict, dict], dict]] = None
 
     def model_class(self, variant: str) -> Optional[str]:
         return self.model_classes.get(variant or "") or self.model_classes.get("")

@@ -244,38 +244,70 @@ def _qkv(attn, states: torch.Tensor, projections, norms) -> list[torch.Tensor]:
 
 @dataclass(frozen=True)
 class VideoTokens:
-    """This rank's share [lo, hi) of the video tokens and their rotary factors."""
+    """This rank's share [lo, hi) of the image tokens and their rotary factors. The image tokens are the video's,
+    led by those of a reference latent when there is one (HunyuanVideo 1.5's ref_latent: ComfyUI puts them ahead
+    of the video and drops them from the output)."""
 
     grid: VideoGrid
     shards: SeqShards
     lo: int
     hi: int
     rope: tuple[torch.Tensor, torch.Tensor]
+    reference: Optional[VideoGrid] = None
+
+    @property
+    def lead(self) -> int:
+        """How many reference tokens lead the sequence."""
+        return 0 if self.reference is None else self.reference.count
+
+    def video_range(self) -> tuple[int, int]:
+        """This rank's share of the video's own tokens, counted from the video's first."""
+        return max(self.lo - self.lead, 0), max(self.hi - self.lead, 0)
 
     def first_frame_tokens(self) -> int:
         """How many of this rank's tokens lie in the first latent frame (they lead its range)."""
         return max(0, min(self.hi, self.grid.per_frame) - self.lo)
 
     def write(self, out: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Unpatchify this rank's output tokens [B, n, C*pt*ph*pw] (features (c, pt, ph, pw), as HunyuanVideo's
-        final projection orders them) into out [B, C, T, H, W]."""
+        """Unpatchify this rank's video output tokens [B, n, C*pt*ph*pw] (features (c, pt, ph, pw), as HunyuanVideo's
+        final projection orders them; reference tokens dropped) into out [B, C, T, H, W]."""
         channels = out.shape[1]
+        first, stop = self.video_range()
+        tokens = tokens[:, tokens.shape[1] - (stop - first):]
         tokens = tokens.unflatten(-1, (channels, -1)).transpose(-1, -2).flatten(-2)  # -> (pt, ph, pw, c)
-        self.grid.write(out, tokens.to(out.dtype).cpu(), self.lo)
+        self.grid.write(out, tokens.to(out.dtype).cpu(), first)
 
 
-def video_tokens(x: torch.Tensor, patch: tuple[int, int, int], seq: SeqParallel, axes, device) -> VideoTokens:
-    """The token split of latent x [B, C, T, H, W] (whole patches) and this rank's rotary (frame, row, column)."""
+def video_tokens(x: torch.Tensor, patch: tuple[int, int, int], seq: SeqParallel, axes, device,
+                 reference: Optional[torch.Tensor] = None) -> VideoTokens:
+    """The token split of latent x [B, C, T, H, W] (whole patches), led by reference latent `reference`'s tokens if
+    given, and this rank's rotary (frame, row, column): ComfyUI places reference tokens at frame -1, their columns
+    shifted right by the video's width."""
     grid = VideoGrid.of(tuple(x.shape[2:]), patch)
-    shards = SeqShards.balanced(grid.count, seq.degree)
+    ahead = None if reference is None else VideoGrid.of(tuple(reference.shape[2:]), patch)
+    lead = 0 if ahead is None else ahead.count
+    shards = SeqShards.balanced(lead + grid.count, seq.degree)
     lo, hi = shards.range(seq.rank)
-    rope = rotary(grid.positions(lo, hi, device).float(), axes, ROPE_THETA)
-    return VideoTokens(grid, shards, lo, hi, rope)
+    positions = [grid.positions(max(lo - lead, 0), max(hi - lead, 0), device)]
+    if ahead is not None:
+        ahead_positions = ahead.positions(min(lo, lead), min(hi, lead), device)
+        ahead_positions[:, 0] = -1
+        ahead_positions[:, 2] += grid.cols
+        positions.insert(0, ahead_positions)
+    rope = rotary(torch.cat(positions).float(), axes, ROPE_THETA)
+    return VideoTokens(grid, shards, lo, hi, rope, ahead)
 
 
-def embed_patches(model, latent: torch.Tensor, tokens: VideoTokens, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's patches of latent [B, C, T, H, W] through x_embedder (in the compute dtype, as ComfyUI)."""
-    return conv_patch_embed(model.x_embedder.proj, tokens.grid.patches(latent, tokens.lo, tokens.hi), dtype)
+def embed_patches(model, latent: torch.Tensor, tokens: VideoTokens, dtype: torch.dtype,
+                  reference: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's patches of latent [B, C, T, H, W] (after its share of `reference`'s, when tokens has a
+    reference) through x_embedder (in the compute dtype, as ComfyUI)."""
+    first, stop = tokens.video_range()
+    patches = tokens.grid.patches(latent, first, stop)
+    if tokens.reference is not None and tokens.lo < tokens.lead:
+        ahead = tokens.reference.patches(reference, tokens.lo, min(tokens.hi, tokens.lead))
+        patches = torch.cat([ahead.to(patches.dtype), patches], dim=1)
+    return conv_patch_embed(model.x_embedder.proj, patches, dtype)
 
 
 def check_latent(x: torch.Tensor, channels: int, patch: tuple[int, int, int], name: str) -> None:

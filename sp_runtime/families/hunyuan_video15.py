@@ -1,17 +1,24 @@
-"""HunyuanVideo 1.5 (480p / 720p, T2V and I2V) under Ulysses SP: detection from the header, the Tencent / ComfyUI
-key layouts -> diffusers' HunyuanVideo15Transformer3DModel, and ComfyUI's
-`diffusion_model(x, timestep, context, txt_byt5, clip_fea, attention_mask)` (ComfyUI 0.3.71 or newer).
+"""HunyuanVideo 1.5 (480p / 720p T2V and I2V, the 1080p super-resolution model) under Ulysses SP: detection from
+the header, the Tencent / ComfyUI key layouts -> diffusers' HunyuanVideo15Transformer3DModel, and ComfyUI's
+`diffusion_model(x, timestep, context, txt_byt5, clip_fea, attention_mask, ref_latent, timestep_r)` (ComfyUI 0.3.71
+or newer).
 
-ComfyUI's call: x [B, 65, T, H, W] (noise 32 + image latent 32 + mask 1; zeros for text-to-video), timestep =
-sigma x 1000 [B], context [B, L, 3584] (Qwen2.5-VL tokens), txt_byt5 [B, Lb, 1472] (ByT5 glyph tokens, when the
-prompt quotes text), clip_fea [B, 729, 1152] (SigLIP image tokens, image-to-video), attention_mask [B, L] (only when
-some Qwen token is padding). Returns [B, 32, T, H, W].
+ComfyUI's call: x [B, 65, T, H, W] (noise 32 + image latent 32 + mask 1; zeros for text-to-video; the SR model:
+98 = noise 32 + its concat of 66, the upscaled low-resolution latent among them, built by ComfyUI's
+HunyuanVideo15_SR_Distilled.concat_cond), timestep = sigma x 1000 [B], context [B, L, 3584] (Qwen2.5-VL tokens),
+txt_byt5 [B, Lb, 1472] (ByT5 glyph tokens, when the prompt quotes text), clip_fea [B, 729, 1152] (SigLIP image
+tokens, image-to-video), attention_mask [B, L] (only when some Qwen token is padding), ref_latent [B, C, Tr, Hr, Wr]
+(C = x's channels; HunyuanImageToVideo's "custom" guidance: patch-embedded like x, ahead of the video tokens at
+frame -1, columns shifted by x's width, dropped from the output). Returns [B, 32, T, H, W].
 
-SP plan as HunyuanVideo 1.0's (hunyuan_video): video tokens split, each rank embedding its own share with its
-rotary slice; the text stream [SigLIP, ByT5, Qwen tokens], each with its condition-type embedding, is computed whole
-on every rank (replicated; sp_attention gives each rank its heads of it); 54 double-stream blocks; each rank writes
-its own output tokens. The super-resolution (meanflow) model is refused: it reads the sampler's sigma schedule from
-transformer_options, which the pool does not carry.
+The SR model is a meanflow model: ComfyUI adds the embedding of the sampler's next sigma to the timestep's,
+finding it in transformer_options (host-only); the host's `sampler_inputs` hands it to the pool as `timestep_r`
+(x 1000, like timestep) and the worker adds time_embed's second embedding of it, as diffusers' `timestep_r` does.
+
+SP plan as HunyuanVideo 1.0's (hunyuan_video): image tokens ([reference, video]) split, each rank embedding its
+own share with its rotary slice; the text stream [SigLIP, ByT5, Qwen tokens], each with its condition-type
+embedding, is computed whole on every rank (replicated; sp_attention gives each rank its heads of it); 54
+double-stream blocks; each rank writes its own video output tokens.
 """
 from __future__ import annotations
 
@@ -29,10 +36,10 @@ from .hunyuan_video import (VideoAttention, check_latent, comfy_attributes, comf
 from .joint_dit import rope_axes, text_key_mask
 
 FAMILY = "hunyuan_video15"
-DESCRIPTION = "HunyuanVideo 1.5 (480p / 720p, T2V, I2V)"
+DESCRIPTION = "HunyuanVideo 1.5 (480p / 720p, T2V, I2V, 1080p super-resolution)"
 CONFIG_KEYS = ("in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "num_layers",
                "num_refiner_layers", "mlp_ratio", "patch_size", "patch_size_t", "text_embed_dim", "text_embed_2_dim",
-               "image_embed_dim", "rope_axes_dim")
+               "image_embed_dim", "rope_axes_dim", "use_meanflow")
 ARCHITECTURE_KEYS = {
     **SHARED_ARCHITECTURE_KEYS,
     "byt5": ("byt5_in.fc1.weight", "context_embedder_2.linear_1.weight"),
@@ -45,6 +52,7 @@ ORIGINAL_ANCHORS = ("cond_type_embedding.weight", f"{REFINER_STEM}.0.norm1.weigh
 DIFFUSERS_ANCHORS = ("cond_type_embed.weight", "x_embedder.proj.weight", "context_embedder_2.linear_1.weight",
                      "proj_out.weight")
 TEXT, BYT5, IMAGE = 0, 1, 2  # condition types (rows of cond_type_embed)
+SR = "sr"  # the variant of meanflow (super-resolution) files
 
 
 def _comfy_unet_config(info: ModelInfo) -> dict:
@@ -52,7 +60,21 @@ def _comfy_unet_config(info: ModelInfo) -> dict:
             "vision_in_dim": info.config["image_embed_dim"]}
 
 
-COMFY = ComfyHost(model_classes={"": "HunyuanVideo15"}, unet_config=_comfy_unet_config, attributes=comfy_attributes)
+def sampler_inputs(transformer_options: dict, inputs: dict) -> dict:
+    """ComfyUI's meanflow step, read on the host: `timestep_r` = the sampler's sigma after the current one, x 1000
+    (ComfyUI's time_r_in embeds it with time factor 1000), where ComfyUI's model would use it: the current sigma is
+    in the schedule and the model call does not set disable_time_r. Models without time_r_in ignore it."""
+    sigmas, schedule = transformer_options.get("sigmas"), transformer_options.get("sample_sigmas")
+    if inputs.get("disable_time_r") or sigmas is None or schedule is None:
+        return {}
+    found = torch.where(sigmas[0] == schedule)[0]
+    if len(found) == 0:
+        return {}
+    return {"timestep_r": (schedule[found[0] + 1] * 1000).reshape(1).to(torch.float32)}
+
+
+COMFY = ComfyHost(model_classes={SR: "HunyuanVideo15_SR_Distilled", "": "HunyuanVideo15"},
+                  unet_config=_comfy_unet_config, attributes=comfy_attributes, sampler_inputs=sampler_inputs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -64,8 +86,6 @@ def detect(header: Header) -> Optional[Detection]:
     if folder_config is not None:
         if folder_config.get("_class_name") != "HunyuanVideo15Transformer3DModel":
             return None
-        if folder_config.get("use_meanflow"):
-            raise ValueError(_meanflow_refusal(header.path))
         config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
         return _detection(header, "diffusers", "", {**config, "rope_axes_dim": tuple(config["rope_axes_dim"])})
     for layout, anchors in (("original", ORIGINAL_ANCHORS), ("diffusers", DIFFUSERS_ANCHORS)):
@@ -78,21 +98,13 @@ def detect(header: Header) -> Optional[Detection]:
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    return Detection(family=FAMILY, variant="", layout=layout, prefix=prefix, config=config,
-                     files=header.source.files)
-
-
-def _meanflow_refusal(path: str) -> str:
-    return (f"{path!r} is a HunyuanVideo 1.5 super-resolution (meanflow) model, which the sequence-parallel "
-            f"HunyuanVideo 1.5 does not run yet (it reads the sampler's sigma schedule inside the model call); "
-            f"load it with ComfyUI's own loader")
+    return Detection(family=FAMILY, variant=SR if config.get("use_meanflow") else "", layout=layout, prefix=prefix,
+                     config=config, files=header.source.files)
 
 
 def architecture(keys: dict, layout: str, path: str = "") -> dict:
     """HunyuanVideo15Transformer3DModel config from a header (keys without prefix, ComfyUI or diffusers names)."""
     names = layout_keys(ARCHITECTURE_KEYS, layout)
-    if names["meanflow"] in keys:
-        raise ValueError(_meanflow_refusal(path))
     if names["guidance"] in keys or count_blocks(keys, names["single_blocks"]):
         raise ValueError(f"{path!r} is a HunyuanVideo 1.5 variant with a guidance embedding or single-stream blocks, "
                          f"which diffusers' HunyuanVideo 1.5 (and so ulysses-sp) does not have")
@@ -115,6 +127,7 @@ def architecture(keys: dict, layout: str, path: str = "") -> dict:
         "text_embed_2_dim": shape_of(keys, names["byt5"])[1],
         "image_embed_dim": shape_of(keys, names["image"])[0],
         "rope_axes_dim": rope_axes(head_dim),
+        "use_meanflow": names["meanflow"] in keys,
     }
 
 
@@ -171,16 +184,29 @@ class HunyuanVideo15Worker:
         model, dtype, config = self.model, self.dtypes.compute, self.model.config
         patch = (config.patch_size_t, config.patch_size, config.patch_size)
         _check_inputs(config, x, inputs, patch)
-        tokens = video_tokens(x, patch, ctx.groups.seq, config.rope_axes_dim, ctx.device)
-        hidden = embed_patches(model, ctx.to_device("x", x), tokens, dtype)
+        reference = inputs.get("ref_latent")
+        reference = None if reference is None else per_item(ctx.to_device("ref_latent", reference), x.shape[0])
+        tokens = video_tokens(x, patch, ctx.groups.seq, config.rope_axes_dim, ctx.device, reference)
+        hidden = embed_patches(model, ctx.to_device("x", x), tokens, dtype, reference)
         sigma = per_item(ctx.to_device("timestep", timestep.reshape(-1), torch.float32), x.shape[0])
-        temb = time_embedding(model.time_embed, sigma, dtype)
+        temb = _time_embedding(model.time_embed, sigma, inputs.get("timestep_r"), dtype, ctx)
         text, keep = _text_stream(model, inputs, sigma, x.shape[0], dtype, ctx)
         attention = VideoAttention(ctx.groups.seq, tokens.shards, tokens.rope, keep)
         for block in model.transformer_blocks:
             ctx.check_cancel()
             hidden, text = block(hidden, text, temb, None, attention)
         tokens.write(out, model.proj_out(model.norm_out(hidden, temb)))
+
+
+def _time_embedding(embed, sigma: torch.Tensor, timestep_r: Optional[torch.Tensor], dtype: torch.dtype, ctx
+                    ) -> torch.Tensor:
+    """The timestep's embedding, plus (meanflow models, when the call gives timestep_r) the next sigma's through the
+    second embedder: ComfyUI's HunyuanVideo 1.5 sums them (meanflow_sum), as diffusers does."""
+    temb = time_embedding(embed, sigma, dtype)
+    if embed.timestep_embedder_r is None or timestep_r is None:
+        return temb
+    values = per_item(ctx.to_device("timestep_r", timestep_r.reshape(-1), torch.float32), sigma.shape[0])
+    return temb + embed.timestep_embedder_r(embed.time_proj_r(values).to(dtype))
 
 
 def _text_stream(model, inputs: dict, sigma: torch.Tensor, batch: int, dtype: torch.dtype, ctx
@@ -216,8 +242,15 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict, patch) -> None:
         if value is None or value.dim() != 3 or value.shape[-1] != width:
             raise ValueError(f"HunyuanVideo 1.5 takes {name} [B, L, {width}] ({what}); got "
                              f"{None if value is None else list(value.shape)}")
-    if inputs.get("ref_latent") is not None:
-        raise ValueError("ref_latent is not supported by the sequence-parallel HunyuanVideo 1.5")
+    reference = inputs.get("ref_latent")
+    if reference is not None:
+        check_latent(reference, config.in_channels, patch, "ref_latent (patch-embedded like x) of this HunyuanVideo 1.5")
+        if reference.shape[0] not in (1, x.shape[0]):
+            raise ValueError(f"ref_latent has batch {reference.shape[0]}; x has {x.shape[0]}: give one per item or one")
+    timestep_r = inputs.get("timestep_r")
+    if timestep_r is not None and timestep_r.numel() not in (1, x.shape[0]):
+        raise ValueError(f"timestep_r has {timestep_r.numel()} values; HunyuanVideo 1.5 takes one or one per batch "
+                         f"item ({x.shape[0]})")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,20 +258,53 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict, patch) -> None:
 
 def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
                       txt_byt5: Optional[torch.Tensor] = None, clip_fea: Optional[torch.Tensor] = None,
+                      timestep_r: Optional[torch.Tensor] = None, ref_latent: Optional[torch.Tensor] = None,
                       **_ignored) -> torch.Tensor:
     """ComfyUI's HunyuanVideo 1.5 diffusion_model(...) computed by diffusers' own forward on one process; inputs
-    ComfyUI leaves out are given to diffusers as fully masked (all-zero image embeddings: text-to-video)."""
+    ComfyUI leaves out are given to diffusers as fully masked (all-zero image embeddings: text-to-video). diffusers
+    has no reference latent: with ref_latent its forward runs with hooks that put the reference's patch embeddings
+    ahead of the video's, their rotary angles (ComfyUI's positions, through diffusers' own 1-D rotary) ahead of the
+    video's, and drop them before the output projection."""
     compute, device = model.proj_out.weight.dtype, model.proj_out.weight.device
     batch, config = x.shape[0], model.config
     glyph_mask = torch.ones if txt_byt5 is not None else torch.zeros
     txt_byt5 = torch.zeros(batch, 1, config.text_embed_2_dim) if txt_byt5 is None else txt_byt5
     clip_fea = torch.zeros(batch, 1, config.image_embed_dim) if clip_fea is None else clip_fea
-    with torch.no_grad():  # diffusers embeds the timestep in its own dtype: the compute dtype, as its pipeline
-        out = model(hidden_states=x.to(device, compute), timestep=timestep.reshape(-1).expand(batch).to(device,
-                                                                                                       compute),
-                    encoder_hidden_states=context.to(device, compute),
-                    encoder_attention_mask=torch.ones(batch, context.shape[1], device=device),
-                    encoder_hidden_states_2=txt_byt5.to(device, compute),
-                    encoder_attention_mask_2=glyph_mask(batch, txt_byt5.shape[1], device=device),
-                    image_embeds=clip_fea.to(device, compute), return_dict=False)[0]
+    if timestep_r is not None and config.use_meanflow:  # ComfyUI's models without time_r_in ignore it
+        timestep_r = timestep_r.reshape(-1).expand(batch).to(device, compute)
+    else:
+        timestep_r = None
+    hooks = [] if ref_latent is None else _reference_hooks(model, x, ref_latent.expand(batch, *ref_latent.shape[1:])
+                                                           .to(device, compute))
+    try:
+        with torch.no_grad():  # diffusers embeds the timestep in its own dtype: the compute dtype, as its pipeline
+            out = model(hidden_states=x.to(device, compute),
+                        timestep=timestep.reshape(-1).expand(batch).to(device, compute), timestep_r=timestep_r,
+                        encoder_hidden_states=context.to(device, compute),
+                        encoder_attention_mask=torch.ones(batch, context.shape[1], device=device),
+                        encoder_hidden_states_2=txt_byt5.to(device, compute),
+                        encoder_attention_mask_2=glyph_mask(batch, txt_byt5.shape[1], device=device),
+                        image_embeds=clip_fea.to(device, compute), return_dict=False)[0]
+    finally:
+        for hook in hooks:
+            hook.remove()
     return out.to(x.dtype).cpu()
+
+
+def _reference_hooks(model, x: torch.Tensor, reference: torch.Tensor) -> list:
+    """Forward hooks on diffusers' x_embedder, rope and proj_out for a reference latent (reference_forward)."""
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+    config = model.config
+    patch = (config.patch_size_t, config.patch_size, config.patch_size)
+    sizes = [[size // p for size, p in zip(latent.shape[2:], patch)] for latent in (reference, x)]
+    axes = [torch.meshgrid(*(torch.arange(n, dtype=torch.float32) for n in grid), indexing="ij") for grid in sizes]
+    axes[0] = (torch.full_like(axes[0][0], -1.0), axes[0][1], axes[0][2] + sizes[1][2])  # ComfyUI's placement
+    positions = [torch.cat([grid[axis].flatten() for grid in axes]) for axis in range(3)]
+    freqs = [get_1d_rotary_pos_embed(dim, where, config.rope_theta, use_real=True)
+             for dim, where in zip(config.rope_axes_dim, positions)]
+    rope = tuple(torch.cat([f[part] for f in freqs], dim=1).to(x.device) for part in (0, 1))
+    lead = reference.shape[2] // patch[0] * sizes[0][1] * sizes[0][2]
+    embedded_reference = model.x_embedder(reference)
+    return [model.x_embedder.register_forward_hook(lambda _m, _a, out: torch.cat([embedded_reference, out], dim=1)),
+            model.rope.register_forward_hook(lambda _m, _a, _out: rope),
+            model.proj_out.register_forward_pre_hook(lambda _m, args: (args[0][:, lead:],))]

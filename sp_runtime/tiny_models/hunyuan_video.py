@@ -5,7 +5,8 @@ Tencent's key layout (as Tencent's releases and Comfy-Org's repackaged files nam
 `model.diffusion_model.`, and as diffusers files. The package's API dispatches here.
 
 1.0 variants: t2v (16 channels), i2v (33: noise + image latent + mask), skyreels_i2v (32), t2v without guidance
-embedding ("no_guidance"). 1.5: 65 -> 32 channels as released, ByT5 and SigLIP projections of small widths;
+embedding ("no_guidance"). 1.5: 65 -> 32 channels as released, ByT5 and SigLIP projections of small widths; "sr":
+the 1080p super-resolution model (98 input channels, meanflow's second timestep embedder);
 qkv="split" writes q, k and v apart as Tencent's 1.5 release does ("fused" as Comfy-Org's repackaged files). The
 Tencent-layout writer is the inverse of the loader's key plan, written separately so a round trip checks both.
 """
@@ -26,6 +27,7 @@ HV15_TINY = dict(in_channels=65, out_channels=32, num_attention_heads=3, attenti
                  image_embed_dim=40, rope_axes_dim=(16, 56, 56))
 HV_VARIANTS = {"t2v": {}, "i2v": dict(in_channels=33), "skyreels_i2v": dict(in_channels=32),
                "no_guidance": dict(guidance_embeds=False)}
+HV15_VARIANTS = {"t2v": {}, "sr": dict(in_channels=98, use_meanflow=True)}  # sr: the 1080p super-resolution model
 
 _TOP = {"x_embedder.proj": "img_in.proj",
         "context_embedder.proj_in": "txt_in.input_embedder",
@@ -42,6 +44,8 @@ _TOP_10 = {"time_text_embed.timestep_embedder.linear_1": "time_in.mlp.0",
            "time_text_embed.text_embedder.linear_2": "vector_in.out_layer"}
 _TOP_15 = {"time_embed.timestep_embedder.linear_1": "time_in.mlp.0",
            "time_embed.timestep_embedder.linear_2": "time_in.mlp.2",
+           "time_embed.timestep_embedder_r.linear_1": "time_r_in.mlp.0",
+           "time_embed.timestep_embedder_r.linear_2": "time_r_in.mlp.2",
            "context_embedder_2.norm": "byt5_in.layernorm", "context_embedder_2.linear_1": "byt5_in.fc1",
            "context_embedder_2.linear_2": "byt5_in.fc2", "context_embedder_2.linear_3": "byt5_in.fc3",
            "image_embedder.norm_in": "vision_in.proj.0", "image_embedder.linear_1": "vision_in.proj.1",
@@ -61,12 +65,13 @@ _SINGLE = {"norm.linear": "modulation.linear", "proj_out": "linear2", "attn.norm
 
 def tiny_config(version: str = "1.0", variant: str = "t2v", **size) -> dict:
     """diffusers config of a tiny HunyuanVideo ("1.0" or "1.5"); `size` overrides any key."""
-    if version == "1.5":
-        config = dict(HV15_TINY)
-    elif variant in HV_VARIANTS:
+    if version == "1.5" and variant in HV15_VARIANTS:
+        config = dict(HV15_TINY, **HV15_VARIANTS[variant])
+    elif version != "1.5" and variant in HV_VARIANTS:
         config = dict(HV_TINY, **HV_VARIANTS[variant])
     else:
-        raise ValueError(f"unknown HunyuanVideo variant {variant!r}; tiny models exist for {sorted(HV_VARIANTS)}")
+        known = sorted(HV15_VARIANTS if version == "1.5" else HV_VARIANTS)
+        raise ValueError(f"unknown HunyuanVideo {version} variant {variant!r}; tiny models exist for {known}")
     unknown = set(size) - set(config) - {"image_condition_type"}
     if unknown:
         raise ValueError(f"unknown size options {sorted(unknown)} for HunyuanVideo {version}; known: {sorted(config)}")
