@@ -3,7 +3,8 @@
 Tencent-layout files with and without `model.diffusion_model.` (1.5 also with q, k, v apart), diffusers files and
 folders; head size 128 with 3 heads (2 and 4 do not divide them), token counts 35, 105 and 3 (fewer than ranks),
 batch 2; 1.0 T2V, I2V (33 channels) and token replace, 1.5 text-to-video and image-to-video (SigLIP + ByT5
-tokens). ComfyUI's own HunyuanVideo where COMFYUI_PATH is set; our key plan equals diffusers' converter at the 13B
+tokens), a reference latent (ref_latent: 12 extra tokens ahead of the video, split with it) and the 1080p
+super-resolution model (98 channels, meanflow timestep_r). ComfyUI's own HunyuanVideo where COMFYUI_PATH is set; our key plan equals diffusers' converter at the 13B
 width."""
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ FILES = {  # name -> write_tiny_checkpoint arguments
     "diffusers": dict(layout="diffusers"),
     "v15": dict(version="1.5", prefix=COMFY_PREFIX), "v15_split": dict(version="1.5", qkv="split"),
     "v15_folder": dict(version="1.5", layout="diffusers_folder"),
+    "v15_sr": dict(version="1.5", variant="sr", prefix=COMFY_PREFIX),
 }
 REFERENCE_OF = {"t2v": "t2v", "diffusers": "t2v", "i2v": "i2v", "replace": "replace", "v15": "v15",
-                "v15_split": "v15", "v15_folder": "v15"}
+                "v15_split": "v15", "v15_folder": "v15", "v15_sr": "v15_sr"}
 
 
 def make_cases(channels: int, version: str = "1.0", seed: int = 4) -> dict:
@@ -53,10 +55,19 @@ def make_cases(channels: int, version: str = "1.0", seed: int = 4) -> dict:
     if version == "1.5":  # image-to-video: SigLIP image tokens and ByT5 glyph tokens in the text stream
         x, t, inputs = cases["105_tokens"]
         cases["i2v_glyphs"] = (x, t, {**inputs, "clip_fea": rand(2, 5, 40), "txt_byt5": rand(2, 4, 48)})
+        cases["ref_latent"] = (x, t, {**inputs, "ref_latent": rand(2, channels, 1, 3, 4)})  # 12 + 105 tokens
     return cases
 
 
+def sr_cases() -> dict:
+    """The super-resolution model's calls: the 1.5 cases with the sampler's next sigma (x 1000) as timestep_r."""
+    cases = make_cases(98, "1.5", seed=5)
+    return {name: (x, t, {**inputs, "timestep_r": torch.tensor(250.0)} if name != "3_tokens_batch_1" else inputs)
+            for name, (x, t, inputs) in cases.items() if name != "35_tokens"}
+
+
 CASES = {"t2v": lambda: make_cases(16), "i2v": lambda: make_cases(33), "v15": lambda: make_cases(65, "1.5"),
+         "v15_sr": sr_cases,
          "replace": lambda: {name: (x, t, {**inputs, "guiding_frame_index": torch.zeros(x.shape[0])})
                              for name, (x, t, inputs) in make_cases(16).items() if x.shape[2] > 1}}
 
@@ -85,7 +96,8 @@ def hv_references():
               "i2v": (build_tiny_model(SEED, variant="i2v"), hunyuan_video),
               "replace": (build_tiny_model(SEED, variant="no_guidance", image_condition_type="token_replace"),
                           hunyuan_video),
-              "v15": (build_tiny_model(SEED, "1.5"), hunyuan_video15)}
+              "v15": (build_tiny_model(SEED, "1.5"), hunyuan_video15),
+              "v15_sr": (build_tiny_model(SEED, "1.5", "sr"), hunyuan_video15)}
     return {kind: {name: module.reference_forward(model, x, t, **inputs) for name, (x, t, inputs)
                    in CASES[kind]().items()} for kind, (model, module) in models.items()}
 
@@ -100,7 +112,7 @@ def check_file(handle, name: str, references, label: str, cases=None) -> None:
 
 # Only loading differs between key layouts; each variant runs at one degree > 1
 DEGREES_OF = {"t2v": (1, 2, 3, 4), "v15": (1, 2, 3, 4), "i2v": (1, 2), "replace": (1, 4), "diffusers": (1,),
-              "v15_split": (1,), "v15_folder": (1,)}
+              "v15_split": (1,), "v15_folder": (1,), "v15_sr": (1, 2, 3, 4)}
 
 
 def test_fp32_parity_every_file(family_pool, hv_files, hv_references):
@@ -110,6 +122,7 @@ def test_fp32_parity_every_file(family_pool, hv_files, hv_references):
             continue
         handle = family_pool.load_model(path)
         assert handle.info.family == ("hunyuan_video15" if name.startswith("v15") else "hunyuan_video")
+        assert handle.info.variant == ("sr" if name == "v15_sr" else handle.info.variant)
         layout_only = len(DEGREES_OF[name]) == 1  # another key layout of a model checked in full
         check_file(handle, name, hv_references, f"u{world}", ("105_tokens", "i2v_glyphs") if layout_only else None)
         handle.unload()
@@ -120,7 +133,7 @@ def test_ring_layouts(hv_files, hv_references, layout):
     with WorkerPool(SPConfig(["cpu"] * (2 * layout.get("ulysses_degree", 1)), **layout)) as workers:
         for name in ("replace", "v15"):
             check_file(workers.load_model(hv_files[name]), name, hv_references, str(layout),
-                       ("105_tokens", "3_tokens_batch_1", "i2v_glyphs"))
+                       ("105_tokens", "3_tokens_batch_1", "i2v_glyphs", "ref_latent"))
 
 
 def test_cfg_parallel_splits_the_batch(hv_files, hv_references):
@@ -135,8 +148,8 @@ def test_cfg_parallel_splits_the_batch(hv_files, hv_references):
 
 
 def test_the_cases_exercise_what_they_claim(hv_references):
-    """Guards against a test that cannot fail: guidance, token replace, the I2V channels and the 1.5 image and
-    glyph tokens each change the output."""
+    """Guards against a test that cannot fail: guidance, token replace, the I2V channels, the 1.5 image and glyph
+    tokens, the reference latent and the SR model's timestep_r each change the output."""
     t2v, refs = build_tiny_model(SEED), hv_references
     x, t, inputs = CASES["t2v"]()["105_tokens"]
     other = hunyuan_video.reference_forward(t2v, x, t, **{**inputs, "guidance": torch.tensor([1.0, 1.0])})
@@ -147,6 +160,10 @@ def test_the_cases_exercise_what_they_claim(hv_references):
     x, t, inputs = CASES["v15"]()["i2v_glyphs"]
     text_only = hunyuan_video15.reference_forward(build_tiny_model(SEED, "1.5"), x, t, inputs["context"])
     assert relative_error(text_only, refs["v15"]["i2v_glyphs"]) > 100 * FP32_TOL
+    assert relative_error(refs["v15"]["105_tokens"], refs["v15"]["ref_latent"]) > 100 * FP32_TOL
+    x, t, inputs = sr_cases()["105_tokens"]
+    no_r = hunyuan_video15.reference_forward(build_tiny_model(SEED, "1.5", "sr"), x, t, inputs["context"])
+    assert relative_error(no_r, refs["v15_sr"]["105_tokens"]) > 100 * FP32_TOL
 
 
 def test_detection(hv_files, tmp_path):
@@ -156,7 +173,8 @@ def test_detection(hv_files, tmp_path):
                 "diffusers": ("hunyuan_video", "t2v", "diffusers", ""),
                 "v15": ("hunyuan_video15", "", "original", COMFY_PREFIX),
                 "v15_split": ("hunyuan_video15", "", "original", ""),
-                "v15_folder": ("hunyuan_video15", "", "diffusers", "")}
+                "v15_folder": ("hunyuan_video15", "", "diffusers", ""),
+                "v15_sr": ("hunyuan_video15", "sr", "original", COMFY_PREFIX)}
     for name, path in hv_files.items():
         header = read_checkpoint_header(path)
         found = [module.detect(header) for module in (hunyuan_video, hunyuan_video15)]
@@ -202,9 +220,22 @@ def test_release_headers():
                                                                                        1152)
     assert hunyuan_video15.detect(_release_header("1.0")) is None
     header = _release_header("1.5")
-    header.tensors["time_r_in.mlp.0.weight"] = ("BF16", (2048, 256))
-    with pytest.raises(ValueError, match="super-resolution"):
-        hunyuan_video15.detect(header)
+    header.tensors.update({"time_r_in.mlp.0.weight": ("BF16", (2048, 256)),
+                           "img_in.proj.weight": ("BF16", (2048, 98, 1, 1, 1))})
+    sr = hunyuan_video15.detect(header)
+    assert (sr.variant, sr.config["in_channels"], sr.config["use_meanflow"]) == ("sr", 98, True)
+    assert hunyuan_video15.COMFY.model_class(sr.variant) == "HunyuanVideo15_SR_Distilled"
+
+
+def test_sampler_inputs_give_the_next_sigma():
+    """The host's meanflow input, as ComfyUI's model finds it: the sigma after the current one in the schedule,
+    x 1000; nothing when the current sigma is not in the schedule, the schedule is missing or the call disables it."""
+    schedule = torch.tensor([1.0, 0.75, 0.5, 0.0])
+    options = {"sigmas": torch.tensor([0.75, 0.75]), "sample_sigmas": schedule}
+    assert torch.equal(hunyuan_video15.sampler_inputs(options, {})["timestep_r"], torch.tensor(500.0))
+    assert hunyuan_video15.sampler_inputs({**options, "sigmas": torch.tensor([0.6])}, {}) == {}
+    assert hunyuan_video15.sampler_inputs({}, {}) == {}
+    assert hunyuan_video15.sampler_inputs(options, {"disable_time_r": True}) == {}
 
 
 def test_key_plan_equals_diffusers_converter_at_13b_width():
@@ -250,6 +281,12 @@ def test_bad_inputs_are_clear_errors(hv_files):
     for message, (latent, call) in bad.items():
         with pytest.raises(ValueError, match=message):
             worker.forward(latent, t, call, out[..., :latent.shape[-1]], LocalContext(groups))
+    worker = load_worker_model(LoadRequest(hv_files["v15"]), torch.device("cpu"), groups, lambda *_: None)
+    x, t, inputs = CASES["v15"]()["ref_latent"]
+    out = torch.empty(2, 32, *x.shape[2:])
+    for message, reference in {"ref_latent .*65": x[:, :32], "batch 3": x[:1].expand(3, -1, -1, -1, -1)}.items():
+        with pytest.raises(ValueError, match=message):
+            worker.forward(x, t, {**inputs, "ref_latent": reference}, out, LocalContext(groups))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def _comfy_unet_config(info: ModelInfo) -> dict:
 
 def sampler_inputs(transformer_options: dict, inputs: dict) -> dict:
     """ComfyUI's meanflow step, read on the host: `timestep_r` = the sampler's sigma after the current one, x 1000
-    (ComfyUI's time_r_in embeds it with time factor 1000), where ComfyUI's model would use it: the current sigma is
+    (ComfyUI's time_r_in embeds it with time factor 1000; a 0-D tensor, for every batch item), where ComfyUI's model would use it: the current sigma is
     in the schedule and the model call does not set disable_time_r. Models without time_r_in ignore it."""
     sigmas, schedule = transformer_options.get("sigmas"), transformer_options.get("sample_sigmas")
     if inputs.get("disable_time_r") or sigmas is None or schedule is None:
@@ -70,7 +70,7 @@ def sampler_inputs(transformer_options: dict, inputs: dict) -> dict:
     found = torch.where(sigmas[0] == schedule)[0]
     if len(found) == 0:
         return {}
-    return {"timestep_r": (schedule[found[0] + 1] * 1000).reshape(1).to(torch.float32)}
+    return {"timestep_r": (schedule[found[0] + 1] * 1000).to(torch.float32)}  # 0-D: one value for the batch
 
 
 COMFY = ComfyHost(model_classes={SR: "HunyuanVideo15_SR_Distilled", "": "HunyuanVideo15"},
