@@ -155,11 +155,15 @@ def assert_close(actual, expected, rel=1e-5):
 # ----- example workflows -----
 EXAMPLES = os.path.join(ROOT, "example_workflows")
 # examples whose stock nodes need a newer ComfyUI than the tested 0.3.64: name -> (those node classes, the version)
-NEEDS_NEWER_COMFYUI = {"flux2_dev_t2i": (("EmptyFlux2LatentImage", "Flux2Scheduler"), "0.3.7x (Flux.2)"),
-                       "ltx2_t2v": (("LTXAVTextEncoderLoader", "LTXVAudioVAELoader", "LTXVAudioVAEDecode",
-                                     "LTXVConcatAVLatent", "LTXVEmptyLatentAudio", "LTXVLatentUpsampler",
-                                     "LTXVSeparateAVLatent", "LatentUpscaleModelLoader", "ManualSigmas"),
-                                    "0.8 (LTX-2)")}
+NEEDS_NEWER_COMFYUI = {
+    "flux2_dev_t2i": (("EmptyFlux2LatentImage", "Flux2Scheduler"), "0.3.7x (Flux.2)"),
+    "ltx2_t2v": (("LTXAVTextEncoderLoader", "LTXVAudioVAELoader", "LTXVAudioVAEDecode", "LTXVConcatAVLatent",
+                  "LTXVEmptyLatentAudio", "LTXVLatentUpsampler", "LTXVSeparateAVLatent", "LatentUpscaleModelLoader",
+                  "ManualSigmas"), "0.8 (LTX-2)"),
+    "hunyuan_video15_720p_t2v": (("EmptyHunyuanVideo15Latent", "HunyuanVideo15LatentUpscaleWithModel",
+                                  "HunyuanVideo15SuperResolution", "LatentUpscaleModelLoader"),
+                                 "0.4.0 (HunyuanVideo 1.5 and its SR model)"),
+}
 
 
 def example_name(file_name: str) -> str:

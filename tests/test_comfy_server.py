@@ -146,12 +146,13 @@ def test_sp_events_are_pushed_while_sampling(server):
                                          and not n.startswith("tiny_")))
 def test_example_api_workflows_only_lack_their_model_files(server, name):
     """Every node class and input of the real-model examples exists (or the example is listed as needing a newer
-    ComfyUI, naming exactly the classes this one lacks); the server only misses the weight and input files."""
+    ComfyUI, naming the classes older ones lack: only those may be missing); the server only misses the weight and
+    input files."""
     workflow = load_example(name)
     available = server.get_json("/object_info")
     missing = sorted({node["class_type"] for node in workflow.values()} - set(available))
     newer_nodes, _ = cs.NEEDS_NEWER_COMFYUI.get(cs.example_name(name), ((), ""))
-    assert missing == sorted(newer_nodes), f"{name}: node classes this ComfyUI lacks: {missing}"
+    assert set(missing) <= set(newer_nodes), f"{name}: node classes this ComfyUI lacks: {missing}"
     for node_id, node in workflow.items():
         spec = available.get(node["class_type"])
         if spec:

@@ -5,7 +5,10 @@ SigLIP projection, condition-type embedding), loaded by the pool at Ulysses 1-4 
 on the same weights in fp32: text-to-video with glyph tokens, image-to-video (SigLIP tokens), a padded prompt, a
 reference latent (12 extra tokens, 117 in all; at batch 1: ComfyUI's own ref_latent path writes into an expanded
 tensor and fails at batch 2), and the SR model (98 channels) with the sampler's sigmas in
-transformer_options, whose next sigma the host hands to the pool (hunyuan_video15.sampler_inputs)."""
+transformer_options, whose next sigma the host hands to the pool (hunyuan_video15.sampler_inputs). Then ComfyUI's
+stock sampler on the SP loader's MODEL (cpu:2) equals it on ComfyUI's own MODEL of the same weights, for the base
+model (image latent + mask concat, SigLIP and ByT5 conditioning) and the SR model (HunyuanVideo15SuperResolution's
+conditioning, sample_sigmas read by the host)."""
 from __future__ import annotations
 
 import pytest
@@ -98,3 +101,64 @@ def test_pool_equals_comfyui_hunyuan_video15(comfy_hunyuan15, family_pool):
             assert_parity(got, expected[name][call], "float32",
                           f"comfyui_hunyuan15/u{family_pool.config.world_size}/{call}")
         handle.unload()
+
+
+def _comfy_model(network, comfy_class: str):
+    """ComfyUI's own MODEL (BaseModel + ModelPatcher on the CPU) around `network`'s weights."""
+    import comfy.model_patcher
+    import comfy.supported_models
+    config_cls = getattr(comfy.supported_models, comfy_class)
+    config = config_cls({**config_cls.unet_config, "in_channels": network.in_channels, "out_channels": 32,
+                         "vec_in_dim": None, "context_in_dim": 32, "hidden_size": 384, "mlp_ratio": 2.0,
+                         "num_heads": 3, "depth": 2, "depth_single_blocks": 0, "axes_dim": [16, 56, 56],
+                         "theta": 256, "patch_size": [1, 1, 1], "qkv_bias": True, "guidance_embed": False,
+                         "byt5": True, "meanflow": network.in_channels == 98, "use_cond_type_embedding": True,
+                         "vision_in_dim": 40, "meanflow_sum": True})
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({})
+    model.diffusion_model.load_state_dict(network.state_dict(), strict=True)
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+
+
+def _conditioning(seed: int, sr_latent=None):
+    """Hand-made HunyuanVideo 1.5 CONDITIONING (Qwen tokens, ByT5 glyph tokens, a SigLIP output, an image latent
+    and mask for the base model); the SR model's through ComfyUI's HunyuanVideo15SuperResolution node."""
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(seed)
+    extra = {"pooled_output": None, "conditioning_byt5small": torch.randn(1, 4, 1472, generator=g),
+             "clip_vision_output": SimpleNamespace(last_hidden_state=torch.randn(1, 5, 40, generator=g))}
+    if sr_latent is None:
+        mask = torch.ones(1, 1, 3, 5, 7)
+        mask[:, :, 0] = 0
+        extra.update(concat_latent_image=torch.randn(1, 32, 3, 5, 7, generator=g), concat_mask=mask)
+    cond = [[torch.randn(1, 7, 32, generator=g), extra]]
+    if sr_latent is not None:
+        from comfy_extras.nodes_hunyuan import HunyuanVideo15SuperResolution
+        cond = HunyuanVideo15SuperResolution.execute(cond, cond, {"samples": sr_latent}, 0.7).result[0]
+    return cond
+
+
+def test_stock_sampler_on_sp_models_equals_comfys_own(comfy_hunyuan15):
+    from comfy_support import sample
+    import folder_paths
+    files, _ = comfy_hunyuan15
+    loader, owner = import_node_module("loader"), import_node_module("pool_owner").OWNER
+    import os
+    folder_paths.add_model_folder_path("diffusion_models", os.path.dirname(files["base"]), is_default=True)
+    low_resolution = torch.randn(1, 32, 3, 5, 7, generator=torch.Generator().manual_seed(3))
+    try:
+        for name, (channels, comfy_class) in MODELS.items():
+            reference = _comfy_model(_comfy_network(channels), comfy_class)
+            sp_model = loader.SPModelLoader.execute(unet_name=os.path.basename(files[name]), weight_dtype="fp32",
+                                                    devices="cpu:2", ulysses_degree=0, ring_degree=1,
+                                                    cfg_parallel=False).result[0]
+            assert type(sp_model.model) is type(reference.model)
+            sr_latent = low_resolution if name == "sr" else None
+            positive, negative = _conditioning(1, sr_latent), _conditioning(2, sr_latent)
+            latent = sr_latent if name == "sr" else None
+            expected = sample(reference, positive, negative, frames=3, width=7, height=5, latent=latent)
+            got = sample(sp_model, positive, negative, frames=3, width=7, height=5, latent=latent)
+            assert_parity(got, expected, "float32", f"comfyui_hunyuan15/sampler/{name}")
+    finally:
+        owner.close_all()
