@@ -3,9 +3,9 @@
 Tencent-layout files with and without `model.diffusion_model.` (1.5 also with q, k, v apart), diffusers files and
 folders; head size 128 with 3 heads (2 and 4 do not divide them), token counts 35, 105 and 3 (fewer than ranks),
 batch 2; 1.0 T2V, I2V (33 channels) and token replace, 1.5 text-to-video and image-to-video (SigLIP + ByT5
-tokens), a reference latent (ref_latent: 12 extra tokens ahead of the video, split with it) and the 1080p
-super-resolution model (98 channels, meanflow timestep_r). ComfyUI's own HunyuanVideo where COMFYUI_PATH is set; our key plan equals diffusers' converter at the 13B
-width."""
+tokens), a reference latent in both (ref_latent: 12 extra tokens ahead of the video, split with it) and the 1.5
+1080p super-resolution model (98 channels, meanflow timestep_r). ComfyUI's own HunyuanVideo where COMFYUI_PATH is
+set (1.5: test_hunyuan_video15_comfyui.py); our key plan equals diffusers' converter at the 13B width."""
 from __future__ import annotations
 
 import pytest
@@ -52,10 +52,10 @@ def make_cases(channels: int, version: str = "1.0", seed: int = 4) -> dict:
         "105_tokens": (rand(2, channels, 3, 5 * patch, 7 * patch), t2, text(2)),
         "3_tokens_batch_1": (rand(1, channels, 3, patch, patch), t2[:1], text(1)),
     }
+    x, t, inputs = cases["105_tokens"]
+    cases["ref_latent"] = (x, t, {**inputs, "ref_latent": rand(2, channels, 1, 3 * patch, 4 * patch)})  # 12 + 105
     if version == "1.5":  # image-to-video: SigLIP image tokens and ByT5 glyph tokens in the text stream
-        x, t, inputs = cases["105_tokens"]
         cases["i2v_glyphs"] = (x, t, {**inputs, "clip_fea": rand(2, 5, 40), "txt_byt5": rand(2, 4, 48)})
-        cases["ref_latent"] = (x, t, {**inputs, "ref_latent": rand(2, channels, 1, 3, 4)})  # 12 + 105 tokens
     return cases
 
 
@@ -63,13 +63,15 @@ def sr_cases() -> dict:
     """The super-resolution model's calls: the 1.5 cases with the sampler's next sigma (x 1000) as timestep_r."""
     cases = make_cases(98, "1.5", seed=5)
     return {name: (x, t, {**inputs, "timestep_r": torch.tensor(250.0)} if name != "3_tokens_batch_1" else inputs)
-            for name, (x, t, inputs) in cases.items() if name != "35_tokens"}
+            for name, (x, t, inputs) in cases.items() if name not in ("35_tokens", "ref_latent")}
 
 
-CASES = {"t2v": lambda: make_cases(16), "i2v": lambda: make_cases(33), "v15": lambda: make_cases(65, "1.5"),
+CASES = {"t2v": lambda: make_cases(16), "v15": lambda: make_cases(65, "1.5"),
+         "i2v": lambda: {name: case for name, case in make_cases(33).items() if name != "ref_latent"},
          "v15_sr": sr_cases,
          "replace": lambda: {name: (x, t, {**inputs, "guiding_frame_index": torch.zeros(x.shape[0])})
-                             for name, (x, t, inputs) in make_cases(16).items() if x.shape[2] > 1}}
+                             for name, (x, t, inputs) in make_cases(16).items()
+                             if x.shape[2] > 1 and "ref_latent" not in inputs}}
 
 
 def comparable(output: torch.Tensor, name: str) -> torch.Tensor:
@@ -277,14 +279,17 @@ def test_bad_inputs_are_clear_errors(hv_files):
     x, t, inputs = CASES["t2v"]()["35_tokens"]
     out = torch.empty(x.shape)
     bad = {"multiples of": (x[..., :9], inputs), "CLIP pooled": (x, {k: v for k, v in inputs.items() if k != "y"}),
-           "ref_latent": (x, {**inputs, "ref_latent": x}), "context": (x, {**inputs, "context": x[:, 0, 0]})}
+           "ref_latent has shape": (x, {**inputs, "ref_latent": x[:, :8]}),
+           "context": (x, {**inputs, "context": x[:, 0, 0]}),
+           "first frame": (x, {**inputs, "ref_latent": x, "guiding_frame_index": torch.zeros(2)})}
     for message, (latent, call) in bad.items():
         with pytest.raises(ValueError, match=message):
             worker.forward(latent, t, call, out[..., :latent.shape[-1]], LocalContext(groups))
     worker = load_worker_model(LoadRequest(hv_files["v15"]), torch.device("cpu"), groups, lambda *_: None)
     x, t, inputs = CASES["v15"]()["ref_latent"]
     out = torch.empty(2, 32, *x.shape[2:])
-    for message, reference in {"ref_latent .*65": x[:, :32], "batch 3": x[:1].expand(3, -1, -1, -1, -1)}.items():
+    for message, reference in {"ref_latent has shape .* 65": x[:, :32],
+                               "batch 3": x[:1].expand(3, -1, -1, -1, -1)}.items():
         with pytest.raises(ValueError, match=message):
             worker.forward(x, t, {**inputs, "ref_latent": reference}, out, LocalContext(groups))
 
@@ -310,8 +315,8 @@ def _comfy_hunyuan_video(in_channels: int):
 
 
 def test_comfyui_parity(family_pool, tmp_path):
-    """ComfyUI-named files of ComfyUI's own network; padding masks and token replace at batch 1 (ComfyUI's
-    HunyuanVideo supports both only there)."""
+    """ComfyUI-named files of ComfyUI's own network; padding masks, token replace and a reference latent at batch 1
+    (ComfyUI's HunyuanVideo supports them only there)."""
     from comfy_support import NO_COMFYUI, comfyui_path, import_comfy, import_node_module
     if comfyui_path() is None:
         pytest.skip(NO_COMFYUI)
@@ -328,10 +333,12 @@ def test_comfyui_parity(family_pool, tmp_path):
         config = import_node_module("comfy_model").comfy_model_config(read_checkpoint_header(path), handle.info)
         assert type(config) is getattr(comfy.supported_models, comfy_class)
         x, t, inputs = make_cases(channels)["105_tokens"]
+        reference = make_cases(channels)["ref_latent"][2]["ref_latent"]
         one = {key: value[:1] for key, value in inputs.items()}
         calls = {"t2v": (x, t, inputs), "no_guidance": (x, t, {k: v for k, v in inputs.items() if k != "guidance"}),
                  "padding_mask": (x[:1], t[:1], {**one, "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0, 0]])}),
-                 "token_replace": (x[:1], t[:1], {**one, "guiding_frame_index": torch.tensor([0.0])})}
+                 "token_replace": (x[:1], t[:1], {**one, "guiding_frame_index": torch.tensor([0.0])}),
+                 "ref_latent": (x[:1], t[:1], {**one, "ref_latent": reference[:1]})}
         for name, (latent, timestep, call) in calls.items():
             call = dict(call)
             context = call.pop("context")

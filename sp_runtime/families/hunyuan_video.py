@@ -1,13 +1,15 @@
 """HunyuanVideo 1.0 (T2V, I2V v1 concat, I2V v2 token replace, SkyReels I2V) under Ulysses SP: detection from the
 header, loading into diffusers' HunyuanVideoTransformer3DModel, and ComfyUI's
-`diffusion_model(x, timestep, context, y, guidance, attention_mask, guiding_frame_index)`.
+`diffusion_model(x, timestep, context, y, guidance, attention_mask, guiding_frame_index, ref_latent)`.
 
 ComfyUI's call: x [B, C, T, H, W] (16 channels; I2V v1 33 = noise + image latent + mask; SkyReels 32), timestep =
 sigma x 1000 [B], context [B, L, 4096] (LLaVA-Llama tokens), y [B, 768] (CLIP-L pooled), guidance [B] raw (6.0;
 embedded as guidance x 1000), attention_mask [B, L] text keep-mask, guiding_frame_index [B] (I2V v2: the first
-frame's tokens are modulated with the embedding of this timestep). Returns [B, 16, T, H, W].
+frame's tokens are modulated with the embedding of this timestep), ref_latent [B, C, Tr, Hr, Wr] (HunyuanImageToVideo's
+"custom" guidance: the start image's latent, patch-embedded like x, ahead of the video at frame -1 with its columns
+shifted by x's width, dropped from the output). Returns [B, 16, T, H, W].
 
-SP plan: every rank patch-embeds only its balanced share of the video tokens and takes the rotary (frame, row,
+SP plan: every rank patch-embeds only its balanced share of the image tokens ([reference, video]) and takes the rotary (frame, row,
 column) factors of those; the text (LLaVA tokens through the token refiner) is computed whole on every rank
 (replicated; sp_attention hands each rank its heads of it); the double-stream blocks attend jointly over all image
 tokens and the text, the single-stream blocks likewise on [image, text]; each rank writes its own output tokens.
@@ -51,8 +53,7 @@ ORIGINAL_ANCHORS = (f"{REFINER_STEM}.0.norm1.weight", "img_in.proj.weight", "fin
 DIFFUSERS_ANCHORS = ("context_embedder.token_refiner.refiner_blocks.0.norm1.weight", "x_embedder.proj.weight",
                      "time_text_embed.timestep_embedder.linear_1.weight", "proj_out.weight")
 VERSION_15_KEYS = ("cond_type_embedding.weight", "cond_type_embed.weight")  # HunyuanVideo 1.5 (its own family)
-UNSUPPORTED_INPUTS = {"ref_latent": "reference latents (HunyuanVideo custom / 'custom' image-to-video guidance)",
-                      "txt_byt5": "ByT5 glyph text (HunyuanImage 2.1)"}
+UNSUPPORTED_INPUTS = {"txt_byt5": "ByT5 glyph text (HunyuanImage 2.1)"}
 
 
 def _comfy_unet_config(info: ModelInfo) -> dict:
@@ -245,8 +246,8 @@ def _qkv(attn, states: torch.Tensor, projections, norms) -> list[torch.Tensor]:
 @dataclass(frozen=True)
 class VideoTokens:
     """This rank's share [lo, hi) of the image tokens and their rotary factors. The image tokens are the video's,
-    led by those of a reference latent when there is one (HunyuanVideo 1.5's ref_latent: ComfyUI puts them ahead
-    of the video and drops them from the output)."""
+    led by those of a reference latent when there is one (ref_latent: ComfyUI puts them ahead of the video and
+    drops them from the output)."""
 
     grid: VideoGrid
     shards: SeqShards
@@ -310,12 +311,21 @@ def embed_patches(model, latent: torch.Tensor, tokens: VideoTokens, dtype: torch
     return conv_patch_embed(model.x_embedder.proj, patches, dtype)
 
 
-def check_latent(x: torch.Tensor, channels: int, patch: tuple[int, int, int], name: str) -> None:
-    """A [B, C, T, H, W] latent of whole patches (ComfyUI's HunyuanVideo models need them too)."""
+def check_reference(reference: Optional[torch.Tensor], x: torch.Tensor, channels: int, patch, name: str) -> None:
+    """A ref_latent (if any) that x_embedder takes (x's channels, whole patches), one per batch item or one."""
+    if reference is None:
+        return
+    check_latent(reference, channels, patch, f"this {name} (patch-embedding it like x)", "ref_latent")
+    if reference.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"ref_latent has batch {reference.shape[0]}; x has {x.shape[0]}: give one per item or one")
+
+
+def check_latent(x: torch.Tensor, channels: int, patch: tuple[int, int, int], name: str, label: str = "x") -> None:
+    """A [B, C, T, H, W] latent of whole patches (ComfyUI's HunyuanVideo models need them too); `label` names it."""
     if x.dim() != 5 or x.shape[1] != channels:
-        raise ValueError(f"x has shape {list(x.shape)}; {name} takes [B, {channels}, T, H, W]")
+        raise ValueError(f"{label} has shape {list(x.shape)}; {name} takes [B, {channels}, T, H, W]")
     if any(size % p for size, p in zip(x.shape[2:], patch)):
-        raise ValueError(f"x has frames, height, width {list(x.shape[2:])}, not multiples of {name}'s patch "
+        raise ValueError(f"{label} has frames, height, width {list(x.shape[2:])}, not multiples of {name}'s patch "
                          f"{list(patch)}: use a latent of whole patches (e.g. an image size divisible by 16)")
 
 
@@ -377,8 +387,10 @@ def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx) -> _Call:
     patch = (config.patch_size_t, config.patch_size, config.patch_size)
     _check_inputs(config, x, inputs, patch)
     batch = x.shape[0]
-    tokens = video_tokens(x, patch, ctx.groups.seq, config.rope_axes_dim, ctx.device)
-    hidden = embed_patches(model, ctx.to_device("x", x), tokens, dtype)
+    reference = inputs.get("ref_latent")
+    reference = None if reference is None else per_item(ctx.to_device("ref_latent", reference), batch)
+    tokens = video_tokens(x, patch, ctx.groups.seq, config.rope_axes_dim, ctx.device, reference)
+    hidden = embed_patches(model, ctx.to_device("x", x), tokens, dtype, reference)
     sigma = per_item(ctx.to_device("timestep", timestep.reshape(-1), torch.float32), batch)
     embed = model.time_text_embed
     y = per_item(ctx.to_device("y", inputs["y"], dtype), batch)
@@ -421,6 +433,11 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict, patch) -> None:
     for name, what in UNSUPPORTED_INPUTS.items():
         if inputs.get(name) is not None:
             raise ValueError(f"{name} ({what}) is not supported by the sequence-parallel HunyuanVideo")
+    check_reference(inputs.get("ref_latent"), x, config.in_channels, patch, "HunyuanVideo")
+    if inputs.get("ref_latent") is not None and inputs.get("guiding_frame_index") is not None:
+        raise ValueError("ref_latent together with guiding_frame_index (token replace) is not supported by the "
+                         "sequence-parallel HunyuanVideo: ComfyUI's blocks and final layer disagree there on which "
+                         "tokens are the first frame's")
 
 
 def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
@@ -444,8 +461,10 @@ def final_norm(norm_out, hidden: torch.Tensor, temb: torch.Tensor, replace_temb:
 # Single-process reference (tests): diffusers' stock forward, ComfyUI's call convention around it
 
 def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, y: torch.Tensor,
-                      guidance: Optional[torch.Tensor] = None, guiding_frame_index=None, **_ignored) -> torch.Tensor:
-    """ComfyUI's HunyuanVideo diffusion_model(...) computed by diffusers' own forward and processors on one process.
+                      guidance: Optional[torch.Tensor] = None, guiding_frame_index=None,
+                      ref_latent: Optional[torch.Tensor] = None, **_ignored) -> torch.Tensor:
+    """ComfyUI's HunyuanVideo diffusion_model(...) computed by diffusers' own forward and processors on one process
+    (ref_latent under reference_latent_hooks).
 
     Where diffusers' forward follows Tencent rather than ComfyUI, this equals ComfyUI only when: no padding mask
     (the refiner's pooled text), no guidance embedding with token replace, and frames after the first (diffusers'
@@ -461,10 +480,37 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
                          "guiding_frame_index")
     if guiding_frame_index is not None and bool((guiding_frame_index != 0).any()):
         raise ValueError("diffusers' token replace embeds timestep 0 for the first frame: guiding_frame_index 0 only")
-    with torch.no_grad():
-        out = model(hidden_states=x.to(device, compute), timestep=timestep.reshape(-1).expand(batch).to(device),
-                    encoder_hidden_states=context.to(device, compute),
-                    encoder_attention_mask=torch.ones(batch, context.shape[1], device=device),
-                    pooled_projections=y[:, :model.config.pooled_projection_dim].to(device, compute),
-                    guidance=guidance, return_dict=False)[0]
+    hooks = [] if ref_latent is None else reference_latent_hooks(model, x, ref_latent.to(device, compute))
+    try:
+        with torch.no_grad():
+            out = model(hidden_states=x.to(device, compute), timestep=timestep.reshape(-1).expand(batch).to(device),
+                        encoder_hidden_states=context.to(device, compute),
+                        encoder_attention_mask=torch.ones(batch, context.shape[1], device=device),
+                        pooled_projections=y[:, :model.config.pooled_projection_dim].to(device, compute),
+                        guidance=guidance, return_dict=False)[0]
+    finally:
+        for hook in hooks:
+            hook.remove()
     return out.to(x.dtype).cpu()
+
+
+def reference_latent_hooks(model, x: torch.Tensor, reference: torch.Tensor) -> list:
+    """For the single-process references (tests): diffusers' HunyuanVideo 1.0 / 1.5 have no reference latent, so
+    hooks on their x_embedder, rope and proj_out put the reference's patch embeddings ahead of the video's, their
+    rotary angles (ComfyUI's positions, through diffusers' own 1-D rotary) ahead of the video's, and drop them before
+    the output projection. Returns the hook handles (remove them after the forward)."""
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+    config = model.config
+    patch = (config.patch_size_t, config.patch_size, config.patch_size)
+    sizes = [[size // p for size, p in zip(latent.shape[2:], patch)] for latent in (reference, x)]
+    axes = [torch.meshgrid(*(torch.arange(n, dtype=torch.float32) for n in grid), indexing="ij") for grid in sizes]
+    axes[0] = (torch.full_like(axes[0][0], -1.0), axes[0][1], axes[0][2] + sizes[1][2])  # ComfyUI's placement
+    positions = [torch.cat([grid[axis].flatten() for grid in axes]) for axis in range(3)]
+    freqs = [get_1d_rotary_pos_embed(dim, where, config.rope_theta, use_real=True)
+             for dim, where in zip(config.rope_axes_dim, positions)]
+    rope = tuple(torch.cat([f[part] for f in freqs], dim=1).to(x.device) for part in (0, 1))
+    lead = sizes[0][0] * sizes[0][1] * sizes[0][2]
+    embedded_reference = model.x_embedder(reference.expand(x.shape[0], *reference.shape[1:]))
+    return [model.x_embedder.register_forward_hook(lambda _m, _a, out: torch.cat([embedded_reference, out], dim=1)),
+            model.rope.register_forward_hook(lambda _m, _a, _out: rope),
+            model.proj_out.register_forward_pre_hook(lambda _m, args: (args[0][:, lead:],))]

@@ -31,8 +31,9 @@ from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoin
                          load_checkpoint_model, shape_of, strip_prefix)
 from .header import Header, header_config
 from .hunyuan_keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, hunyuan_key_plan
-from .hunyuan_video import (VideoAttention, check_latent, comfy_attributes, comfy_names, embed_patches, model_info,
-                            per_item, refined_text, time_embedding, use_sp_attention, video_tokens)
+from .hunyuan_video import (VideoAttention, check_latent, check_reference, comfy_attributes, comfy_names,
+                            embed_patches, model_info, per_item, reference_latent_hooks, refined_text, time_embedding,
+                            use_sp_attention, video_tokens)
 from .joint_dit import rope_axes, text_key_mask
 
 FAMILY = "hunyuan_video15"
@@ -242,11 +243,7 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict, patch) -> None:
         if value is None or value.dim() != 3 or value.shape[-1] != width:
             raise ValueError(f"HunyuanVideo 1.5 takes {name} [B, L, {width}] ({what}); got "
                              f"{None if value is None else list(value.shape)}")
-    reference = inputs.get("ref_latent")
-    if reference is not None:
-        check_latent(reference, config.in_channels, patch, "ref_latent (patch-embedded like x) of this HunyuanVideo 1.5")
-        if reference.shape[0] not in (1, x.shape[0]):
-            raise ValueError(f"ref_latent has batch {reference.shape[0]}; x has {x.shape[0]}: give one per item or one")
+    check_reference(inputs.get("ref_latent"), x, config.in_channels, patch, "HunyuanVideo 1.5")
     timestep_r = inputs.get("timestep_r")
     if timestep_r is not None and timestep_r.numel() not in (1, x.shape[0]):
         raise ValueError(f"timestep_r has {timestep_r.numel()} values; HunyuanVideo 1.5 takes one or one per batch "
@@ -262,9 +259,7 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
                       **_ignored) -> torch.Tensor:
     """ComfyUI's HunyuanVideo 1.5 diffusion_model(...) computed by diffusers' own forward on one process; inputs
     ComfyUI leaves out are given to diffusers as fully masked (all-zero image embeddings: text-to-video). diffusers
-    has no reference latent: with ref_latent its forward runs with hooks that put the reference's patch embeddings
-    ahead of the video's, their rotary angles (ComfyUI's positions, through diffusers' own 1-D rotary) ahead of the
-    video's, and drop them before the output projection."""
+    has no reference latent: with ref_latent its forward runs under hunyuan_video.reference_latent_hooks."""
     compute, device = model.proj_out.weight.dtype, model.proj_out.weight.device
     batch, config = x.shape[0], model.config
     glyph_mask = torch.ones if txt_byt5 is not None else torch.zeros
@@ -274,8 +269,7 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
         timestep_r = timestep_r.reshape(-1).expand(batch).to(device, compute)
     else:
         timestep_r = None
-    hooks = [] if ref_latent is None else _reference_hooks(model, x, ref_latent.expand(batch, *ref_latent.shape[1:])
-                                                           .to(device, compute))
+    hooks = [] if ref_latent is None else reference_latent_hooks(model, x, ref_latent.to(device, compute))
     try:
         with torch.no_grad():  # diffusers embeds the timestep in its own dtype: the compute dtype, as its pipeline
             out = model(hidden_states=x.to(device, compute),
@@ -290,21 +284,3 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
             hook.remove()
     return out.to(x.dtype).cpu()
 
-
-def _reference_hooks(model, x: torch.Tensor, reference: torch.Tensor) -> list:
-    """Forward hooks on diffusers' x_embedder, rope and proj_out for a reference latent (reference_forward)."""
-    from diffusers.models.embeddings import get_1d_rotary_pos_embed
-    config = model.config
-    patch = (config.patch_size_t, config.patch_size, config.patch_size)
-    sizes = [[size // p for size, p in zip(latent.shape[2:], patch)] for latent in (reference, x)]
-    axes = [torch.meshgrid(*(torch.arange(n, dtype=torch.float32) for n in grid), indexing="ij") for grid in sizes]
-    axes[0] = (torch.full_like(axes[0][0], -1.0), axes[0][1], axes[0][2] + sizes[1][2])  # ComfyUI's placement
-    positions = [torch.cat([grid[axis].flatten() for grid in axes]) for axis in range(3)]
-    freqs = [get_1d_rotary_pos_embed(dim, where, config.rope_theta, use_real=True)
-             for dim, where in zip(config.rope_axes_dim, positions)]
-    rope = tuple(torch.cat([f[part] for f in freqs], dim=1).to(x.device) for part in (0, 1))
-    lead = reference.shape[2] // patch[0] * sizes[0][1] * sizes[0][2]
-    embedded_reference = model.x_embedder(reference)
-    return [model.x_embedder.register_forward_hook(lambda _m, _a, out: torch.cat([embedded_reference, out], dim=1)),
-            model.rope.register_forward_hook(lambda _m, _a, _out: rope),
-            model.proj_out.register_forward_pre_hook(lambda _m, args: (args[0][:, lead:],))]
