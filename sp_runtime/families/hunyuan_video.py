@@ -9,8 +9,8 @@ frame's tokens are modulated with the embedding of this timestep), ref_latent [B
 "custom" guidance: the start image's latent, patch-embedded like x, ahead of the video at frame -1 with its columns
 shifted by x's width, dropped from the output). Returns [B, 16, T, H, W].
 
-SP plan: every rank patch-embeds only its balanced share of the image tokens ([reference, video]) and takes the rotary (frame, row,
-column) factors of those; the text (LLaVA tokens through the token refiner) is computed whole on every rank
+SP plan: every rank patch-embeds only its balanced share of the image tokens ([reference, video]) and takes the
+rotary (frame, row, column) factors of those; the text (LLaVA tokens through the token refiner) is computed whole on every rank
 (replicated; sp_attention hands each rank its heads of it); the double-stream blocks attend jointly over all image
 tokens and the text, the single-stream blocks likewise on [image, text]; each rank writes its own output tokens.
 Token replace modulates the first frame's tokens, wherever they fall, through diffusers' token-replace blocks.
@@ -20,6 +20,7 @@ Where ComfyUI and diffusers differ we follow ComfyUI: the refiner's pooled text 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Iterable, Optional
@@ -480,27 +481,26 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
                          "guiding_frame_index")
     if guiding_frame_index is not None and bool((guiding_frame_index != 0).any()):
         raise ValueError("diffusers' token replace embeds timestep 0 for the first frame: guiding_frame_index 0 only")
-    hooks = [] if ref_latent is None else reference_latent_hooks(model, x, ref_latent.to(device, compute))
-    try:
-        with torch.no_grad():
-            out = model(hidden_states=x.to(device, compute), timestep=timestep.reshape(-1).expand(batch).to(device),
-                        encoder_hidden_states=context.to(device, compute),
-                        encoder_attention_mask=torch.ones(batch, context.shape[1], device=device),
-                        pooled_projections=y[:, :model.config.pooled_projection_dim].to(device, compute),
-                        guidance=guidance, return_dict=False)[0]
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with torch.no_grad(), reference_latent_hooks(model, x, ref_latent):
+        out = model(hidden_states=x.to(device, compute), timestep=timestep.reshape(-1).expand(batch).to(device),
+                    encoder_hidden_states=context.to(device, compute),
+                    encoder_attention_mask=torch.ones(batch, context.shape[1], device=device),
+                    pooled_projections=y[:, :model.config.pooled_projection_dim].to(device, compute),
+                    guidance=guidance, return_dict=False)[0]
     return out.to(x.dtype).cpu()
 
 
-def reference_latent_hooks(model, x: torch.Tensor, reference: torch.Tensor) -> list:
+@contextmanager
+def reference_latent_hooks(model, x: torch.Tensor, reference: Optional[torch.Tensor]):
     """For the single-process references (tests): diffusers' HunyuanVideo 1.0 / 1.5 have no reference latent, so
-    hooks on their x_embedder, rope and proj_out put the reference's patch embeddings ahead of the video's, their
-    rotary angles (ComfyUI's positions, through diffusers' own 1-D rotary) ahead of the video's, and drop them before
-    the output projection. Returns the hook handles (remove them after the forward)."""
+    while this context is open, hooks on their x_embedder, rope and proj_out put the reference's patch embeddings
+    ahead of the video's, their rotary angles (ComfyUI's positions, through diffusers' own 1-D rotary) ahead of the
+    video's, and drop them before the output projection. No reference: no hooks."""
+    if reference is None:
+        yield
+        return
     from diffusers.models.embeddings import get_1d_rotary_pos_embed
-    config = model.config
+    config, weight = model.config, model.proj_out.weight
     patch = (config.patch_size_t, config.patch_size, config.patch_size)
     sizes = [[size // p for size, p in zip(latent.shape[2:], patch)] for latent in (reference, x)]
     axes = [torch.meshgrid(*(torch.arange(n, dtype=torch.float32) for n in grid), indexing="ij") for grid in sizes]
@@ -508,9 +508,15 @@ def reference_latent_hooks(model, x: torch.Tensor, reference: torch.Tensor) -> l
     positions = [torch.cat([grid[axis].flatten() for grid in axes]) for axis in range(3)]
     freqs = [get_1d_rotary_pos_embed(dim, where, config.rope_theta, use_real=True)
              for dim, where in zip(config.rope_axes_dim, positions)]
-    rope = tuple(torch.cat([f[part] for f in freqs], dim=1).to(x.device) for part in (0, 1))
+    rope = tuple(torch.cat([f[part] for f in freqs], dim=1).to(weight.device) for part in (0, 1))
     lead = sizes[0][0] * sizes[0][1] * sizes[0][2]
-    embedded_reference = model.x_embedder(reference.expand(x.shape[0], *reference.shape[1:]))
-    return [model.x_embedder.register_forward_hook(lambda _m, _a, out: torch.cat([embedded_reference, out], dim=1)),
-            model.rope.register_forward_hook(lambda _m, _a, _out: rope),
-            model.proj_out.register_forward_pre_hook(lambda _m, args: (args[0][:, lead:],))]
+    with torch.no_grad():
+        ahead = model.x_embedder(reference.expand(x.shape[0], *reference.shape[1:]).to(weight.device, weight.dtype))
+    hooks = [model.x_embedder.register_forward_hook(lambda _m, _a, out: torch.cat([ahead, out], dim=1)),
+             model.rope.register_forward_hook(lambda _m, _a, _out: rope),
+             model.proj_out.register_forward_pre_hook(lambda _m, args: (args[0][:, lead:],))]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()

@@ -8,8 +8,9 @@ ComfyUI's call: x [B, 65, T, H, W] (noise 32 + image latent 32 + mask 1; zeros f
 HunyuanVideo15_SR_Distilled.concat_cond), timestep = sigma x 1000 [B], context [B, L, 3584] (Qwen2.5-VL tokens),
 txt_byt5 [B, Lb, 1472] (ByT5 glyph tokens, when the prompt quotes text), clip_fea [B, 729, 1152] (SigLIP image
 tokens, image-to-video), attention_mask [B, L] (only when some Qwen token is padding), ref_latent [B, C, Tr, Hr, Wr]
-(C = x's channels; HunyuanImageToVideo's "custom" guidance: patch-embedded like x, ahead of the video tokens at
-frame -1, columns shifted by x's width, dropped from the output). Returns [B, 32, T, H, W].
+(C = x's channels: patch-embedded like x, ahead of the video tokens at frame -1, columns shifted by x's width,
+dropped from the output; ComfyUI's only node that sets it, HunyuanImageToVideo's "custom" guidance, gives a 32-channel
+VAE latent, which 1.5's img_in takes in neither ComfyUI nor here). Returns [B, 32, T, H, W].
 
 The SR model is a meanflow model: ComfyUI adds the embedding of the sampler's next sigma to the timestep's,
 finding it in transformer_options (host-only); the host's `sampler_inputs` hands it to the pool as `timestep_r`
@@ -63,8 +64,9 @@ def _comfy_unet_config(info: ModelInfo) -> dict:
 
 def sampler_inputs(transformer_options: dict, inputs: dict) -> dict:
     """ComfyUI's meanflow step, read on the host: `timestep_r` = the sampler's sigma after the current one, x 1000
-    (ComfyUI's time_r_in embeds it with time factor 1000; a 0-D tensor, for every batch item), where ComfyUI's model would use it: the current sigma is
-    in the schedule and the model call does not set disable_time_r. Models without time_r_in ignore it."""
+    (ComfyUI's time_r_in embeds it with time factor 1000; a 0-D tensor, for every batch item), where ComfyUI's
+    model would use it: the current sigma is in the schedule and the call does not set disable_time_r. Models
+    without time_r_in ignore it."""
     sigmas, schedule = transformer_options.get("sigmas"), transformer_options.get("sample_sigmas")
     if inputs.get("disable_time_r") or sigmas is None or schedule is None:
         return {}
@@ -269,18 +271,14 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
         timestep_r = timestep_r.reshape(-1).expand(batch).to(device, compute)
     else:
         timestep_r = None
-    hooks = [] if ref_latent is None else reference_latent_hooks(model, x, ref_latent.to(device, compute))
-    try:
-        with torch.no_grad():  # diffusers embeds the timestep in its own dtype: the compute dtype, as its pipeline
-            out = model(hidden_states=x.to(device, compute),
-                        timestep=timestep.reshape(-1).expand(batch).to(device, compute), timestep_r=timestep_r,
-                        encoder_hidden_states=context.to(device, compute),
-                        encoder_attention_mask=torch.ones(batch, context.shape[1], device=device),
-                        encoder_hidden_states_2=txt_byt5.to(device, compute),
-                        encoder_attention_mask_2=glyph_mask(batch, txt_byt5.shape[1], device=device),
-                        image_embeds=clip_fea.to(device, compute), return_dict=False)[0]
-    finally:
-        for hook in hooks:
-            hook.remove()
+    # diffusers embeds the timestep in its own dtype: the compute dtype, as its pipeline
+    with torch.no_grad(), reference_latent_hooks(model, x, ref_latent):
+        out = model(hidden_states=x.to(device, compute),
+                    timestep=timestep.reshape(-1).expand(batch).to(device, compute), timestep_r=timestep_r,
+                    encoder_hidden_states=context.to(device, compute),
+                    encoder_attention_mask=torch.ones(batch, context.shape[1], device=device),
+                    encoder_hidden_states_2=txt_byt5.to(device, compute),
+                    encoder_attention_mask_2=glyph_mask(batch, txt_byt5.shape[1], device=device),
+                    image_embeds=clip_fea.to(device, compute), return_dict=False)[0]
     return out.to(x.dtype).cpu()
 
