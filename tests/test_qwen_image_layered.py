@@ -21,7 +21,8 @@ LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "diffusers_folder": dict(l
 
 def make_cases(seed=3):
     """ComfyUI calls (x, timestep, kwargs): 3 frames of 3 x 4 tokens (odd latent, padded), 2 frames of 4 x 4 + a
-    condition image at -1 with additional_t_cond (1, 0), 4 frames + a condition at the default index, batch 1."""
+    condition image at -1 with additional_t_cond (1, 0), 4 frames + a condition placed by default (at -1, as ComfyUI
+    does for Layered), batch 1."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -98,13 +99,15 @@ def test_comfy_positions_equal_diffusers_layer3d_rope(layered_model, layered_ref
         assert relative_error(stock, want[:, :, frame]) <= FP32_TOL
 
 
-def test_detection_and_options(layered_files):
+def test_detection_and_options(layered_files, layered_model):
     for path in layered_files.values():
         detection = qwen_image.detect(read_checkpoint_header(path))
         assert detection.variant == "layered"
         assert detection.config["use_additional_t_cond"] and detection.config["use_layer3d_rope"]
         with pytest.raises(ValueError, match="told by its weights"):
             qwen_image.load_model(path, "float32", detection=detection, options={"variant": "edit_2511"})
+    # ComfyUI's detection gives Layered files default_ref_method "negative_index" (the image before the layers)
+    assert qwen_image.default_ref_method(layered_model.config) == "negative_index"
 
 
 def test_bad_additional_t_cond_is_a_clear_error(layered_files):

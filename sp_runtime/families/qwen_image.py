@@ -8,7 +8,8 @@ headers look alike and the call (reference latents or not) decides; Edit-2511 fi
 `__index_timestep_zero__` marker (diffusers folders: `zero_cond_t` in config.json), or pass option variant="edit_2511".
 Qwen-Image-Layered files carry `time_text_embed.addition_t_embedding` (a learned offset of the time embedding chosen by
 `additional_t_cond`, 0 by default as in ComfyUI); their latents hold the RGBA layers as frames [B, C, T, H, W], whose
-tokens follow one another frame by frame at rotary index 0 .. T-1, as ComfyUI places any multi-frame Qwen latent.
+tokens follow one another frame by frame at rotary index 0 .. T-1, as ComfyUI places any multi-frame Qwen latent, and
+the input image (`ref_latents`) goes at index -1 unless the call names a method (ComfyUI's default for Layered).
 """
 from __future__ import annotations
 
@@ -201,6 +202,15 @@ class QwenSPAttnProcessor:
         return image_out, text_out
 
 
+def default_ref_method(config) -> str:
+    """Where reference latents go when the call names no method, as ComfyUI's detection sets it per variant:
+    Layered puts the input image at index -1 (its layers are frames 0 .. T-1), Edit-2511 at index 1 with timestep 0,
+    the others at index 1."""
+    if config.use_additional_t_cond:
+        return "negative_index"
+    return "index_timestep_zero" if config.zero_cond_t else "index"
+
+
 class QwenImageWorker:
     """A loaded Qwen-Image in one worker; forward() is ComfyUI's diffusion_model call, split over the Ulysses group."""
 
@@ -209,8 +219,7 @@ class QwenImageWorker:
         self.dtypes = dtypes
         self.info = model_info(model, detection, dtypes)
         options = options or {}
-        self.default_ref_method = options.get("ref_latents_method") or (
-            "index_timestep_zero" if model.config.zero_cond_t else "index")
+        self.default_ref_method = options.get("ref_latents_method") or default_ref_method(model.config)
         self.axes = tuple(model.config.axes_dims_rope)
 
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
@@ -356,7 +365,7 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     frames = list(x.unbind(2)) if x.dim() == 5 else [x]
     batch = x.shape[0]
     refs = [_as_4d(ref, "ref_latents") for ref in as_list(ref_latents)]
-    method = ref_latents_method or ("index_timestep_zero" if model.config.zero_cond_t else "index")
+    method = ref_latents_method or default_ref_method(model.config)
     height, width = x.shape[-2:]
     packed, shapes, id_parts = [], [], []
     placements = [(index, 0, 0) for index in range(len(frames))] + reference_placements(
