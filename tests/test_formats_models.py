@@ -1,5 +1,5 @@
-"""Quantized checkpoints (ComfyUI scaled fp8, mixed precision per layer or in the metadata, GGUF) of Qwen-Image, Flux
-and Wan under the pool at degrees 1-4: with weight_dtype fp32 the output equals diffusers on one process with the
+"""Quantized checkpoints (ComfyUI scaled fp8, mixed precision per layer or in the metadata, GGUF) of Qwen-Image, Flux,
+Wan and Z-Image (fused qkv split into q, k, v while quantized) under the pool at degrees 1-4: with weight_dtype fp32 the output equals diffusers on one process with the
 dequantized weights (written independently by quant_files); by default the weights stay quantized (memory close to
 the file's) and the output is within bf16 rounding of that; LoRA on quantized layers is exact and comes off
 bitwise."""
@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from family_support import assert_parity, relative_error
 from sp_runtime.tiny_models.quant_files import FORMATS, write_quantized
-from sp_runtime.families import flux, qwen_image, wan
+from sp_runtime.families import flux, qwen_image, wan, z_image
 from sp_runtime.families.header import read_header
 
 pytest_plugins = ["family_pools"]
@@ -22,7 +22,11 @@ FAMILIES = {
     "qwen_image": (qwen_image, dict(attention_head_dim=32, num_layers=3), {}),
     "flux": (flux, dict(attention_head_dim=32, num_layers=3), {}),
     "wan": (wan, dict(ffn_dim=256), {"head_dim": 16}),
+    "z_image": (z_image, {}, {}),  # the tiny size has 256-wide layers (adaLN) already
 }
+# the degrees each test runs at (suite time): the issue's degrees, fewer for families added later
+DEGREES = {"fp32": (1, 2, 4), "default": (2, 4)}
+FEWER_DEGREES = {"z_image": {"fp32": (4,), "default": (2,)}}
 
 
 def make_case(family: str, seed: int = 1, bf16_timesteps: bool = False) -> tuple:
@@ -40,6 +44,8 @@ def make_case(family: str, seed: int = 1, bf16_timesteps: bool = False) -> tuple
     if family == "flux":
         return rand(2, 16, 9, 7), sigma, {"context": rand(2, 9, 32), "y": rand(2, 24),
                                                               "guidance": torch.tensor([3.5, 3.5])}
+    if family == "z_image":
+        return rand(2, 16, 9, 7), sigma, {"context": rand(2, 9, 32)}
     return rand(2, 16, 5, 6, 5), sigma * 1000, {"context": rand(2, 7, 32)}
 
 
@@ -74,15 +80,16 @@ def references(quant_files):
     return refs
 
 
-def _skip_degree(pool, wanted: tuple) -> None:
-    """The shared pools cover degrees 1-4; these tests run at the degrees the issue names (suite time)."""
+def _skip_degree(pool, family: str, test: str) -> None:
+    """The shared pools cover degrees 1-4; these tests run at the degrees of DEGREES (suite time)."""
+    wanted = FEWER_DEGREES.get(family, DEGREES)[test]
     if len(pool.config.devices) not in wanted:
         pytest.skip(f"runs at degrees {wanted}")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_equals_the_dequantized_reference(family_pool, quant_files, references, family):
-    _skip_degree(family_pool, (1, 2, 4))
+    _skip_degree(family_pool, family, "fp32")
     for fmt in FORMATS:
         path, _, _ = quant_files[family, fmt]
         handle = family_pool.load_model(path, "fp32", **FAMILIES[family][2])
@@ -95,7 +102,7 @@ def test_fp32_equals_the_dequantized_reference(family_pool, quant_files, referen
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_default_keeps_weights_quantized(family_pool, quant_files, references, family):
-    _skip_degree(family_pool, (2, 4))
+    _skip_degree(family_pool, family, "default")
     for fmt in FORMATS:
         path, _, kinds = quant_files[family, fmt]
         handle = family_pool.load_model(path, **FAMILIES[family][2])
@@ -106,6 +113,21 @@ def test_default_keeps_weights_quantized(family_pool, quant_files, references, f
         x, t, inputs = make_case(family, bf16_timesteps=True)
         assert_parity(handle(x, t, **inputs), references[family, fmt, "bf16"], "bfloat16", f"quant_{fmt}/{family}")
         family_pool.unload(handle)
+
+
+@pytest.mark.parametrize("only", ["int8_tensorwise convrot", "nvfp4", "mxfp8"])
+def test_z_image_fused_qkv_splits_while_quantized(tmp_path, only):
+    """Z-Image's fused qkv (int8 convrot in ComfyUI's released files; the block formats' scales come in tiles of 128
+    rows) split into q, k, v that stay quantized, and the output equals that of the dequantized weights."""
+    from sp_runtime.formats.weights import QuantLinear
+    path, reference = str(tmp_path / "quantized.safetensors"), str(tmp_path / "reference.safetensors")
+    kinds = write_quantized("z_image", path, reference, "comfy_quant", SEED, only=only)
+    assert kinds["layers.0.attention.qkv.weight"] == kinds["layers.1.attention.qkv.weight"] == only
+    model = z_image.load_model(path)[0]
+    assert isinstance(model.layers[0].attention.to_k, QuantLinear)
+    x, t, inputs = make_case("z_image", bf16_timesteps=True)
+    expected = z_image.reference_forward(z_image.load_model(reference, "bf16")[0], x, t, **inputs)
+    assert_parity(z_image.reference_forward(model, x, t, **inputs), expected, "bfloat16", f"quant_qkv_split/{only}")
 
 
 def _stored_bytes(path: str) -> int:

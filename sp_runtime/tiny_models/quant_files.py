@@ -20,7 +20,7 @@ from . import build_tiny_model, original_state_dict
 
 COMFY_FORMATS = ("scaled_fp8", "comfy_quant", "quant_metadata")
 FORMATS = COMFY_FORMATS + ("gguf",)
-GGUF_ARCHITECTURES = {"flux": "flux", "qwen_image": "qwen_image", "wan": "wan"}
+GGUF_ARCHITECTURES = {"flux": "flux", "qwen_image": "qwen_image", "wan": "wan", "z_image": "lumina2"}
 # the mixed-precision file cycles through these per layer (those whose shape allows them)
 MIXED = ({"format": "float8_e4m3fn"}, {"format": "int8_tensorwise", "convrot": True}, {"format": "mxfp8"},
          {"format": "nvfp4"}, {"format": "float8_e5m2"}, {"format": "int8_tensorwise"})
@@ -44,10 +44,12 @@ def write_quantized(family: str, path: str, reference_path: str, fmt: str, seed:
 
 
 WAN_VARIANT_MODULES = ("casual_audio_encoder.", "audio_injector.", "face_encoder.", "motion_encoder.")
+Z_IMAGE_BLOCKS = ("layers.", "noise_refiner.", "context_refiner.")
 
 
 def _quantizable(key: str, tensor: torch.Tensor) -> bool:
-    return ("blocks." in key or key.startswith(WAN_VARIANT_MODULES)) and key.endswith(".weight") and tensor.dim() == 2
+    return (("blocks." in key or key.startswith(WAN_VARIANT_MODULES + Z_IMAGE_BLOCKS)) and key.endswith(".weight")
+            and tensor.dim() == 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -65,8 +67,7 @@ def _write_comfy(state: dict, path: str, fmt: str, prefix: str, metadata: dict, 
         if fmt == "scaled_fp8":
             entry = {"format": "legacy", "per_row": layers.index(key) % 2 == 1}
         elif fmt == "quant_metadata":
-            entry = {"format": "int8_tensorwise", "convrot": True,
-                     "convrot_groupsize": _largest_power_of_4_dividing(tensor.shape[1])}
+            entry = _convrot_entry(tensor) or {"format": "int8_tensorwise"}
         else:
             entry = _mixed_entry(tensor, layers.index(key), only)
         parts, reference[key] = _quantize(tensor, entry)
@@ -94,20 +95,20 @@ def _mixed_entry(tensor: torch.Tensor, index: int, only: str | None) -> dict:
     turn = index % len(MIXED)
     order = [entry for entry in MIXED if _name(entry) == only] if only else MIXED[turn:] + MIXED[:turn]
     for choice in (*order, MIXED[0]):
-        entry = dict(choice)
-        block = {"mxfp8": 32, "nvfp4": 16}.get(entry["format"], 1)
-        if tensor.shape[0] % block == 0 and tensor.shape[1] % block == 0:
-            if entry.get("convrot"):
-                entry["convrot_groupsize"] = _largest_power_of_4_dividing(tensor.shape[1])
+        entry = _convrot_entry(tensor) if choice.get("convrot") else dict(choice)
+        block = {"mxfp8": 32, "nvfp4": 16}.get(choice["format"], 1)
+        if entry and tensor.shape[0] % block == 0 and tensor.shape[1] % block == 0:
             return entry
     raise AssertionError("float8 always fits")
 
 
-def _largest_power_of_4_dividing(size: int, limit: int = 256) -> int:
+def _convrot_entry(tensor: torch.Tensor, limit: int = 256) -> dict | None:
+    """int8 with the rotation by the largest power-of-4 Hadamard block (up to limit) that divides the width; None
+    when 4 does not divide it (Z-Image's tiny feed-forward is 1706 wide)."""
     group = 1
-    while size % (group * 4) == 0 and group * 4 <= limit:
+    while tensor.shape[1] % (group * 4) == 0 and group * 4 <= limit:
         group *= 4
-    return group
+    return {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group} if group > 1 else None
 
 
 def _quantize(w: torch.Tensor, entry: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
