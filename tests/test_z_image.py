@@ -147,7 +147,7 @@ def test_detection_tells_the_families_apart(zi_files):
         assert all(module.detect(header) is None for module in (qwen_image, qwen_image21, flux, flux2))
 
 
-def _real_size_keys(original: bool) -> dict:
+def real_size_keys(original: bool) -> dict:
     """Header entries of the released Z-Image-Turbo (30 x 128, 30 layers, 2 refiners, Qwen3-4B 2560 features)."""
     norm, embedder = ("q_norm", "x_embedder") if original else ("norm_q", "all_x_embedder.2-1")
     keys = {"cap_embedder.1.weight": (3840, 2560), "t_embedder.mlp.0.weight": (1024, 256), f"{embedder}.weight":
@@ -169,7 +169,7 @@ def _real_size_keys(original: bool) -> dict:
 def test_real_size_header_reads_as_30_heads_of_128(original):
     from sp_runtime.families.header import Header
     header = Header("z_image_turbo_bf16.safetensors",
-                    {COMFY_PREFIX + key: value for key, value in _real_size_keys(original).items()})
+                    {COMFY_PREFIX + key: value for key, value in real_size_keys(original).items()})
     detection = z_image.detect(header)
     assert (detection.layout, detection.prefix) == ("original" if original else "diffusers", COMFY_PREFIX)
     assert detection.config == {"all_patch_size": (2,), "all_f_patch_size": (1,), "in_channels": 16, "dim": 3840,
