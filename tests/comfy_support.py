@@ -156,7 +156,7 @@ def assert_close(actual, expected, rel=1e-5):
 EXAMPLES = os.path.join(ROOT, "example_workflows")
 # examples whose stock nodes need a newer ComfyUI than the tested 0.3.64: name -> (those node classes, the version)
 NEEDS_NEWER_COMFYUI = {
-    "flux2_dev_t2i": (("EmptyFlux2LatentImage", "Flux2Scheduler"), "0.3.7x (Flux.2)"),
+    "flux2_dev_t2i": (("EmptyFlux2LatentImage", "Flux2Scheduler"), "0.3.72 (Flux.2)"),
     "ltx2_t2v": (("LTXAVTextEncoderLoader", "LTXVAudioVAELoader", "LTXVAudioVAEDecode", "LTXVConcatAVLatent",
                   "LTXVEmptyLatentAudio", "LTXVLatentUpsampler", "LTXVSeparateAVLatent", "LatentUpscaleModelLoader",
                   "ManualSigmas"), "0.8 (LTX-2)"),
