@@ -9,6 +9,7 @@ import torch
 from family_support import FP32_TOL, LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
 from sp_runtime.families import qwen_image
+from sp_runtime.families.header import read_checkpoint_header
 from sp_runtime.families.joint_dit import TokenGrid, reference_pack
 from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
 
@@ -184,7 +185,7 @@ def test_edit_2511_by_option(files, references):
     from sp_runtime.families.base import LoadRequest
     from sp_runtime.groups import ParallelGroups, SeqParallel
     groups = ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
-    detection = qwen_image.detect(qwen_image.read_checkpoint_header(files["original"]))
+    detection = qwen_image.detect(read_checkpoint_header(files["original"]))
     request = LoadRequest(files["original"], options={"variant": "edit_2511"})
     worker = qwen_image.load(request, detection, torch.device("cpu"), groups, lambda *_: None)
     assert worker.info.variant == "edit_2511"
