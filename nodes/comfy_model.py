@@ -58,7 +58,7 @@ def detect_with_comfy(header):
     """ComfyUI's model config for the checkpoint, as comfy.sd.load_diffusion_model_state_dict detects it, or None."""
     state = _unprefixed(meta_state_dict(header))
     try:
-        config = comfy.model_detection.model_config_from_unet(state, "")
+        config = comfy.model_detection.model_config_from_unet(state, "", metadata=header.metadata)
         if config is None:
             converted = comfy.model_detection.convert_diffusers_mmdit(state, "")
             if converted is not None:
@@ -92,7 +92,7 @@ def comfy_model_config(header, info):
     config = detect_with_comfy(header)
     if config is None:
         config = config_from_info(info)
-    elif comfy_host(info.family) and not _same_family(config, info):
+    elif comfy_host(info.family) and not (_same_family(config, info) and _same_metadata_variant(config, info)):
         log.warning("ulysses-sp: ComfyUI detects %s as %s but the workers load it as %s; using the workers' view",
                     header.path, type(config).__name__, info.family)
         config = config_from_info(info)
@@ -103,6 +103,15 @@ def _same_family(config, info) -> bool:
     wanted = set(comfy_host(info.family).model_classes.values())
     classes = [getattr(comfy.supported_models, name, None) for name in wanted]
     return any(isinstance(config, cls) for cls in classes if cls is not None)
+
+
+def _same_metadata_variant(config, info) -> bool:
+    """False when ComfyUI missed a variant it reads only from metadata (ComfyHost.metadata_variants)."""
+    host = comfy_host(info.family)
+    if info.variant not in host.metadata_variants:
+        return True
+    wanted = getattr(comfy.supported_models, host.model_class(info.variant), None)
+    return wanted is not None and isinstance(config, wanted)
 
 
 def host_memory_required(input_shape, cond_shapes={}) -> int:

@@ -172,9 +172,9 @@ def test_unsupported_wan_files_fail_clearly(tmp_path, extra, message):
 def test_other_wan_classes_in_folders_are_named(tmp_path):
     path = write_tiny_checkpoint("wan", str(tmp_path / "folder"), layout="diffusers_folder")
     config = json.loads((tmp_path / "folder" / "config.json").read_text())
-    config["_class_name"] = "WanAnimate2Transformer3DModel"
+    config["_class_name"] = "WanDancerTransformer3DModel"
     (tmp_path / "folder" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="is a WanAnimate2Transformer3DModel: only WanTransformer3DModel"):
+    with pytest.raises(ValueError, match="is a WanDancerTransformer3DModel: only WanTransformer3DModel"):
         detect(path)
 
 

@@ -119,17 +119,6 @@ def test_every_layout_loads_the_same_model(other_layouts, references):
         assert_parity(out, references["pose_without_face"], "float32", "animate/layouts")
 
 
-def test_wan_animate_2_files_are_refused_by_name(tmp_path):
-    """Animate 2 files have Wan 2.1 I2V's keys; ComfyUI tells them apart by the model_type in their metadata."""
-    from safetensors.torch import save_file
-    model = build_tiny_model("wan", SEED, variant="i2v")
-    path = str(tmp_path / "animate2.safetensors")
-    save_file({k: v.contiguous() for k, v in original_state_dict("wan", model).items()}, path,
-              metadata={"config": '{"transformer": {"model_type": "animate2"}}', "ulysses_sp.head_dim": "16"})
-    with pytest.raises(ValueError, match="is a Wan Animate 2 checkpoint .*model_type 'animate2'"):
-        detect(read_checkpoint_header(path))
-
-
 def test_key_plan_equals_diffusers_converter(model):
     """Our per-tensor plan gives what diffusers' converter gives (the blur kernels, fixed buffers that diffusers
     rebuilds and its converter leaves unconverted, are read past), and that is the model's own state."""

@@ -60,7 +60,7 @@ def ring_attention_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     else:
         merged = merger.out.to(query.dtype)
     rows = rows_hi - rows_lo
-    text_out = None if text is None else _gather_rows(merged[:, :, :rows], text_rows, seq.ring_group)
+    text_out = None if text is None else gather_shards(merged[:, :, :rows], text_rows, seq.ring_group)
     return merged[:, :, rows:], text_out
 
 
@@ -145,15 +145,16 @@ class _HostStagedShift:
         self.receive.copy_(self.host_receive)
 
 
-def _gather_rows(rows: torch.Tensor, text_rows: SeqShards, group) -> torch.Tensor:
-    """Every ring rank's text rows [B, h, r, D] -> the whole text [B, h, L, D] on every rank (one all-gather)."""
+def gather_shards(rows: torch.Tensor, shards: SeqShards, group) -> torch.Tensor:
+    """Every ring rank's rows [B, h, r, D] (shards.sizes[rank] of them) -> all rows [B, h, L, D] in rank order on
+    every rank (one all-gather): the text's rows here, Wan Animate 2's keys / values of each ring block."""
     batch, heads, count, head_dim = rows.shape
-    chunk = text_rows.chunk
-    if chunk == 0:  # empty text: nothing to gather
+    chunk = shards.chunk
+    if chunk == 0:  # no rows anywhere: nothing to gather
         return rows
     send = rows.new_zeros(batch, heads, chunk, head_dim)
     send[:, :, :count] = rows
-    received = send.new_empty(text_rows.degree * batch, heads, chunk, head_dim)
+    received = send.new_empty(shards.degree * batch, heads, chunk, head_dim)
     all_gather_into(received, send, group=group)
-    received = received.view(text_rows.degree, batch, heads, chunk, head_dim)
-    return torch.cat([received[source, :, :, :size] for source, size in enumerate(text_rows.sizes)], dim=2)
+    received = received.view(shards.degree, batch, heads, chunk, head_dim)
+    return torch.cat([received[source, :, :, :size] for source, size in enumerate(shards.sizes)], dim=2)

@@ -103,6 +103,8 @@ class ComfyHost:
         tuple): (x, timestep, inputs) -> the pool's (x, timestep, inputs), and (pool output, x) -> ComfyUI's output.
     sampler_inputs: (transformer_options, inputs) -> extra pool inputs taken from the sampler's state, for models
         whose ComfyUI network reads it there (HunyuanVideo 1.5 SR: the next sigma); transformer_options stays host-only.
+    metadata_variants: variants ComfyUI's detection tells only from the file's metadata (Wan Animate 2): where it
+        finds another class of the family (a file whose key layout says the variant), the variant's class is used.
     """
 
     model_classes: Mapping[str, str]
@@ -112,6 +114,7 @@ class ComfyHost:
     pack_call: Optional[Callable] = None
     unpack_output: Optional[Callable] = None
     sampler_inputs: Optional[Callable[[dict, dict], dict]] = None
+    metadata_variants: tuple[str, ...] = ()
 
     def model_class(self, variant: str) -> Optional[str]:
         return self.model_classes.get(variant or "") or self.model_classes.get("")

@@ -13,8 +13,9 @@ runs self-attention through sp_attention and cross-attention locally against the
 Variants, each with its extra inputs split the same way: VACE (wan_vace: vace_context hint videos on the same token
 split), Fun Control's reference image (wan_fun: reference_latent as a leading frame of tokens), Fun Camera
 (wan_camera: camera_conditions embedded per token), HuMo (wan_humo: frame-local audio attention), S2V (wan_s2v:
-reference and motion tokens after the video's, frame-local audio injection) and Wan 2.2 Animate (wan_animate:
-pose_latents embedded per token, face motion tokens attended frame by frame).
+reference and motion tokens after the video's, frame-local audio injection), Wan 2.2 Animate (wan_animate:
+pose_latents embedded per token, face motion tokens attended frame by frame) and Wan Animate 2 (wan_animate2: a pose
+branch through the same blocks whose keys / values each video frame attends to).
 """
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ from .header import Header, header_config
 from .video_tokens import VideoGrid, pad_to_patch_3d
 from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY,
                              folder_overrides, wan_key_plan)
-from .wan_common import WanSinusoid, wan_sinusoid, wrap_pad
+from .wan_common import WanSinusoid, rotate, wan_sinusoid, wrap_pad
 from .wan_checkpoint import detect  # noqa: F401 - the family's detector (found here through FAMILIES)
 from .wan_animate import (FaceMotion, add_pose_tokens, check_animate_inputs, diffusers_arguments, no_face_reference,
                           prepare_face)
+from .wan_animate2 import (POSE_TIMESTEP, Animate2SelfAttention, PoseAttention, PoseBranch, VideoAttention,
+                           check_animate2_inputs, pose_positions, pose_tokens, strength)
 from .wan_camera import CameraAddedEmbedding, attach_camera_adapter, camera_tokens
 from .wan_humo import HumoAudio, attach_humo_modules, audio_reference_hooks, humo_block, prepare_audio
 from .wan_fun import ReferenceFirstEmbedding, attach_reference_conv, embed_tokens, reference_frame
@@ -44,7 +47,7 @@ from .wan_s2v import reference_forward as s2v_reference_forward
 from .wan_vace import VaceHints, prepare_hints
 
 DESCRIPTION = ("Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun InP / Control / Camera, HuMo, S2V, "
-               "Animate)")
+               "Animate, Animate 2)")
 COMFY_PATCH = (1, 2, 2)
 
 
@@ -63,20 +66,21 @@ def _comfy_attributes(info: ModelInfo) -> dict:
 COMFY = ComfyHost(model_classes={"i2v": "WAN21_I2V", "flf2v": "WAN21_I2V", "ti2v": "WAN22_T2V", "vace": "WAN21_Vace",
                                  "fun_control": "WAN21_FunControl2V", "camera": "WAN21_Camera",
                                  "camera_2.2": "WAN22_Camera", "humo": "WAN21_HuMo", "s2v": "WAN22_S2V",
-                                 "animate": "WAN22_Animate",
+                                 "animate": "WAN22_Animate", "animate2": "WAN_Animate2",
                                  "": "WAN21_T2V"},
-                  unet_config=_comfy_unet_config, attributes=_comfy_attributes)
+                  unet_config=_comfy_unet_config, attributes=_comfy_attributes, metadata_variants=("animate2",))
 INFO_KEYS = ("patch_size", "num_layers", "text_dim", "ffn_dim", "freq_dim", "image_dim", "pos_embed_seq_len",
              "vace_layers", "vace_in_channels", "camera_in_channels")
 EXTRA_MODULE_KEYS = ("ref_in_channels", "camera_in_channels", "camera_residual_blocks", "audio_in_features",
-                     "audio_hidden", "audio_dim", "s2v")
+                     "audio_hidden", "audio_dim", "s2v", "animate2")
 # inputs of the Wan variants; ComfyUI would use them, so never ignore them silently on a model without the modules
 VARIANT_INPUTS = {"vace": ("vace_context", "vace_strength"), "camera": ("camera_conditions",),
                   "camera_2.2": ("camera_conditions",), "humo": ("audio_embed",),
                   "s2v": ("audio_embed", "reference_motion", "control_video"),
-                  "animate": ("face_pixel_values", "pose_latents")}
+                  "animate": ("face_pixel_values", "pose_latents"),
+                  "animate2": ("pose_latents", "context_pose", "clip_fea_pose")}
 UNSUPPORTED_INPUTS = ("vace_context", "camera_conditions", "audio_embed", "reference_motion", "control_video",
-                      "face_pixel_values", "pose_latents")
+                      "face_pixel_values", "pose_latents", "context_pose", "clip_fea_pose")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,8 +170,9 @@ def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options
 
     options: the load options, already applied by model_config (none concern the worker).
     """
+    self_attention = Animate2SelfAttention if detection.variant == "animate2" else WanSPSelfAttention
     for block in [*model.blocks, *getattr(model, "vace_blocks", ())]:
-        block.attn1.set_processor(WanSPSelfAttention())
+        block.attn1.set_processor(self_attention())
         block.attn2.set_processor(WanLocalCrossAttention())
     return WanWorker(model, detection, dtypes)
 
@@ -209,15 +214,6 @@ class CrossContext:
 
     text: torch.Tensor
     image: Optional[torch.Tensor]
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """diffusers' Wan rotary embedding on interleaved pairs (its processor defines it inline, so it is restated)."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
 
 
 def _heads(attn, tensor: torch.Tensor) -> torch.Tensor:
@@ -302,6 +298,7 @@ class _Call:
     audio: Optional[HumoAudio] = None     # HuMo models called with audio_embed
     injection: Optional[S2VAudio] = None  # S2V models called with audio_embed
     face: Optional[FaceMotion] = None     # Animate models called with face_pixel_values
+    pose: Optional[PoseBranch] = None     # Animate 2 models called with pose_latents
 
 
 def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: str) -> _Call:
@@ -340,8 +337,31 @@ def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: 
     audio = prepare_audio(model, inputs, x, grid, lo, ctx, dtype) if variant == "humo" else None
     injection = prepare_injection(model, inputs, grid, lo, hi, ctx, dtype) if variant == "s2v" else None
     face = prepare_face(model, inputs, grid, lo, seq, ctx, dtype) if variant == "animate" else None
-    return _Call(grid, lo, lead, hidden, SelfAttentionPlan(seq, shards, cos, sin), context, block_modulation,
-                 out_modulation, vace, audio, injection, face)
+    attention = SelfAttentionPlan(seq, shards, cos, sin)
+    pose = None
+    if variant == "animate2":
+        pose = _pose_branch(model, inputs, grid, seq, ctx, dtype, batch)
+        attention = VideoAttention(seq, shards, cos, sin, grid.per_frame, pose and pose.attention,
+                                   strength(inputs, "reference_strength"))
+    return _Call(grid, lo, lead, hidden, attention, context, block_modulation, out_modulation, vace, audio, injection,
+                 face, pose)
+
+
+def _pose_branch(model, inputs, grid: VideoGrid, seq: SeqParallel, ctx, dtype, batch: int) -> Optional[PoseBranch]:
+    """Wan Animate 2's pose branch on this rank's pose tokens: its own prompt and CLIP context where given, every
+    block at the pose timestep."""
+    embedded = pose_tokens(model, inputs, grid, batch, seq, ctx, dtype)
+    if embedded is None:
+        return None
+    hidden, pose_grid, shards = embedded
+    lo, hi = shards.range(seq.rank)
+    cos, sin = rotary_factors(model.rope, pose_grid, pose_positions(pose_grid, lo, hi, ctx.device))
+    attention = PoseAttention(seq, shards, cos, sin, strength(inputs, "pose_strength"))
+    names = [name if inputs.get(name) is not None else main
+             for name, main in (("context_pose", "context"), ("clip_fea_pose", "clip_fea"))]
+    context = _cross_context(model, inputs, ctx, dtype, batch, *names)
+    sigma = torch.full((batch,), POSE_TIMESTEP, device=ctx.device)
+    return PoseBranch(hidden, attention, context, time_embeddings(model, sigma, dtype)[1][:, 0])
 
 
 def _video_latent(model, x, inputs, ctx, appended: str) -> torch.Tensor:
@@ -357,15 +377,16 @@ def _video_latent(model, x, inputs, ctx, appended: str) -> torch.Tensor:
     return torch.cat([latent, extra], dim=2)
 
 
-def _cross_context(model, inputs, ctx, dtype: torch.dtype, batch: int) -> CrossContext:
-    text = _per_item(ctx.to_device("context", inputs["context"], dtype), batch)
+def _cross_context(model, inputs, ctx, dtype: torch.dtype, batch: int, text_input: str = "context",
+                   image_input: str = "clip_fea") -> CrossContext:
+    text = _per_item(ctx.to_device(text_input, inputs[text_input], dtype), batch)
     text = model.condition_embedder.text_embedder(text)
     if model.condition_embedder.image_embedder is None:
         return CrossContext(text, None)  # ComfyUI ignores clip_fea for models without an image embedder
-    clip = inputs.get("clip_fea")
+    clip = inputs.get(image_input)
     if clip is None:  # ComfyUI: an image model called without clip_fea attends its image branch to the text
         return CrossContext(text, text)
-    return CrossContext(text, image_context(model, _per_item(ctx.to_device("clip_fea", clip, dtype), batch)))
+    return CrossContext(text, image_context(model, _per_item(ctx.to_device(image_input, clip, dtype), batch)))
 
 
 def _per_item(tensor: torch.Tensor, batch: int) -> torch.Tensor:
@@ -378,6 +399,8 @@ def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
     hidden = call.hidden
     for index, block in enumerate(model.blocks):
         ctx.check_cancel()
+        if call.pose is not None:  # first: its keys / values feed this block's video attention
+            call.pose.advance(block)
         if call.audio is not None:
             hidden = humo_block(block, hidden, call.context, call.block_modulation, call.attention, call.audio)
         else:
@@ -415,6 +438,8 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict, variant: str) -> None:
                              f"height and width")
     if variant == "animate":
         check_animate_inputs(config, x, inputs)
+    if variant == "animate2":
+        check_animate2_inputs(config, x, inputs)
     if variant in ("humo", "s2v") and inputs.get("time_dim_concat") is not None:
         raise ValueError(f"time_dim_concat is not taken by a Wan {variant} model (as ComfyUI's HumoWanModel and "
                          f"WanModel_S2V: their extra frames come as reference_latent)")

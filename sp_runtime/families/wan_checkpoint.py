@@ -17,6 +17,8 @@ from .base import Detection
 from .checkpoint import KeyPlan, count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
 from .header import Header, header_config
 from .wan_animate import ANIMATE_MODULES, animate_architecture, animate_key_targets
+from .wan_animate2 import (DIFFUSERS_ANCHOR, MODEL_TYPE, RELEASE_ANCHOR, animate2_original_key,
+                           check_animate2_architecture)
 
 FAMILY = "wan"
 DEFAULT_HEAD_DIM = 128  # every released Wan model; q/k norms span all heads, so no checkpoint shows it
@@ -26,6 +28,7 @@ VACE_CLASS = "WanVACETransformer3DModel"
 ANIMATE_CLASS = "WanAnimateTransformer3DModel"
 DIFFUSERS_CLASSES = (DIFFUSERS_CLASS, VACE_CLASS, ANIMATE_CLASS)
 ORIGINAL_CLASS = "WanModel"  # config.json of the original Wan-AI release folders (original key names)
+ANIMATE2_CLASS = "WanAnimate2Transformer3DModel"  # its keys are the original names but for attention (wan_animate2)
 CAMERA_ADAPTER = "control_adapter"  # Fun Camera's module (wan_camera), the same name in both layouts
 HUMO_AUDIO, HUMO_BLOCK_AUDIO = "audio_proj", "audio_cross_attn_wrapper"  # HuMo's modules (wan_humo), both layouts
 # Wan 2.2 S2V's modules (wan_s2v), stated with ComfyUI's names in both layouts
@@ -39,11 +42,10 @@ ORIGINAL_ANCHORS = ("patch_embedding.weight", "text_embedding.0.weight", "time_e
 DIFFUSERS_ANCHORS = ("patch_embedding.weight", "condition_embedder.time_proj.weight",
                      "condition_embedder.text_embedder.linear_1.weight", "blocks.0.attn1.to_q.weight",
                      "scale_shift_table", "proj_out.weight")
-# Wan models whose files look like another variant and that ComfyUI tells apart only by the model_type in the
-# file's metadata (its model_detection reads metadata["config"]["transformer"])
-UNSUPPORTED_MODEL_TYPES = {"animate2": "Wan Animate 2"}
-SUPPORTED = ("Wan 2.1 / 2.2 T2V, I2V, FLF2V, TI2V 5B, VACE, Fun InP / Control / Camera, HuMo, Wan 2.2 S2V, "
-             "Wan 2.2 Animate")
+# the block key of ORIGINAL_ANCHORS and where Wan Animate 2's other layouts have it (wan_animate2)
+_ORIGINAL_BLOCK_ANCHOR = "blocks.0.self_attn.q.weight"
+ANIMATE2_LAYOUT_ANCHORS = tuple(tuple(anchor if anchor != _ORIGINAL_BLOCK_ANCHOR else block
+                                      for anchor in ORIGINAL_ANCHORS) for block in (RELEASE_ANCHOR, DIFFUSERS_ANCHOR))
 
 # ----- original (Wan / ComfyUI) module names -> diffusers module names -----
 _TOP = {
@@ -89,7 +91,7 @@ def wan_key_plan(keys) -> KeyPlan:
         if key.startswith(ANIMATE_MODULES):
             targets = animate_key_targets(key)
         else:
-            target = _convert(key)
+            target = _convert(animate2_original_key(key))
             targets = None if target is None else [(target, None)]
         if targets is not None:
             plan[key] = targets
@@ -123,18 +125,21 @@ def detect(header: Header) -> Optional[Detection]:
     """Wan 2.1 / 2.2 from the header alone; None when the file is another family."""
     folder_config = header_config(header)
     if folder_config is not None and folder_config.get("_class_name") not in (None, *DIFFUSERS_CLASSES,
-                                                                                ORIGINAL_CLASS):
+                                                                                ORIGINAL_CLASS, ANIMATE2_CLASS):
         name = folder_config["_class_name"]
         if name.startswith("Wan"):
             raise ValueError(f"{header.path!r} is a {name}: only {DIFFUSERS_CLASS} (Wan 2.1 / 2.2 T2V, I2V, FLF2V "
-                             f"and TI2V 5B), {VACE_CLASS} and {ANIMATE_CLASS} are supported")
+                             f"and TI2V 5B), {VACE_CLASS}, {ANIMATE_CLASS} and {ANIMATE2_CLASS} are supported")
         return None
-    prefix = find_prefix(header.tensors, ORIGINAL_ANCHORS)
+    prefix, animate2_layout = _original_prefix(header)
     if prefix is not None:
         keys = strip_prefix(header.tensors, prefix)
-        _reject_stated_model_type(header)
         _reject_unknown(header, keys, wan_key_plan(keys))
+        keys = {animate2_original_key(key): value for key, value in keys.items()}
         config = architecture(keys, "original", _stated_head_dim(header, folder_config))
+        if animate2_layout or _stated_model_type(header) == MODEL_TYPE:
+            check_animate2_architecture(config, header.path)
+            config["animate2"] = True
         return _detection(header, "original", prefix, config)
     prefix = find_prefix(header.tensors, DIFFUSERS_ANCHORS)
     if prefix is None:
@@ -144,13 +149,26 @@ def detect(header: Header) -> Optional[Detection]:
     return _detection(header, "diffusers", prefix, config)
 
 
+def _original_prefix(header: Header) -> tuple[Optional[str], bool]:
+    """(prefix of the original / ComfyUI key layout or None, whether the keys are one of Animate 2's own layouts)."""
+    prefix = find_prefix(header.tensors, ORIGINAL_ANCHORS)
+    if prefix is not None:
+        return prefix, False
+    for anchors in ANIMATE2_LAYOUT_ANCHORS:
+        prefix = find_prefix(header.tensors, anchors)
+        if prefix is not None:
+            return prefix, True
+    return None, False
+
+
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
     return Detection(family=FAMILY, variant=variant_of(config), layout=layout, prefix=prefix, config=config,
                      files=header.source.files)
 
 
 def variant_of(config: dict) -> str:
-    """vace (hint blocks), s2v (speech-to-video), humo (audio), animate (pose and face inputs), camera / camera_2.2
+    """vace (hint blocks), s2v (speech-to-video), humo (audio), animate (pose and face inputs), animate2 (Wan Animate
+    2: I2V's weights, said by the file's metadata or key layout), camera / camera_2.2
     (Fun Camera with / without CLIP), fun_control (Wan 2.1 Fun Control: CLIP and 48 input channels), ti2v (Wan 2.2
     5B, 48 latent channels), flf2v / i2v (CLIP image input), i2v_concat (image latent in extra input channels
     without CLIP: Wan 2.2 A14B I2V experts, Fun models) or t2v (also the Wan 2.2 A14B T2V experts)."""
@@ -162,6 +180,8 @@ def variant_of(config: dict) -> str:
         return "humo"
     if config.get("motion_encoder_dim"):
         return "animate"
+    if config.get("animate2"):
+        return "animate2"
     if config.get("camera_in_channels"):  # ComfyUI's model types: camera (with CLIP) and camera_2.2
         if config["out_channels"] == 48:
             raise ValueError(f"this is a Wan 2.2 Fun 5B Control-Camera checkpoint (48-channel latents, "
@@ -183,22 +203,20 @@ def _stated_head_dim(header: Header, folder_config: Optional[dict]) -> Optional[
     stated = header.metadata.get(HEAD_DIM_METADATA_KEY)
     if stated:
         return int(stated)
-    if folder_config and folder_config.get("_class_name") == ORIGINAL_CLASS and folder_config.get("num_heads"):
+    if folder_config and folder_config.get("_class_name") in (ORIGINAL_CLASS, ANIMATE2_CLASS) and folder_config.get(
+            "num_heads"):
         return int(folder_config["dim"]) // int(folder_config["num_heads"])
     if folder_config and folder_config.get("attention_head_dim"):
         return int(folder_config["attention_head_dim"])
     return None
 
 
-def _reject_stated_model_type(header: Header) -> None:
+def _stated_model_type(header: Header) -> Optional[str]:
+    """The model_type ComfyUI's model_detection reads from the file's metadata (config.transformer), if any."""
     try:
-        stated = json.loads(header.metadata.get("config", "{}")).get("transformer", {}).get("model_type")
+        return json.loads(header.metadata.get("config", "{}")).get("transformer", {}).get("model_type")
     except (ValueError, AttributeError):  # metadata of other tools: not ComfyUI's
-        return
-    if stated in UNSUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{header.path!r} is a {UNSUPPORTED_MODEL_TYPES[stated]} checkpoint (its metadata says "
-                         f"model_type {stated!r}), which the sequence-parallel Wan does not support; supported: "
-                         f"{SUPPORTED}")
+        return None
 
 
 def _reject_unknown(header: Header, keys: dict, plan: dict) -> None:

@@ -1,5 +1,6 @@
 """Pieces shared by the Wan forward (wan.py) and its variants' modules, kept apart so that the variants need not import
-wan.py (which imports them): Wan's own timestep sinusoid and the references' circular padding."""
+wan.py (which imports them): Wan's own timestep sinusoid, the rotary embedding and the references' circular
+padding."""
 from __future__ import annotations
 
 import torch
@@ -36,3 +37,12 @@ def wrap_pad(latent: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
         if extra:
             latent = torch.cat([latent, latent.narrow(axis, 0, extra)], dim=axis)
     return latent
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' Wan rotary embedding on interleaved pairs (its processor defines it inline, so it is restated)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)

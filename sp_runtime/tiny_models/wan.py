@@ -13,7 +13,8 @@ of 24-channel conditions), camera_2.2 (36 input channels, no CLIP, the adapter),
 modules, audio_embed [B, T, 2, 5, 8] instead of ComfyUI's [B, T, 8, 5, 1280]), s2v (Wan 2.2 S2V's modules, 5
 blocks with audio injected after blocks 0 and 4 as ComfyUI's list places 2 injectors, audio_embed [B, 25, 32, 4T]
 instead of [B, 25, 1024, 4T]) and animate (WanAnimateTransformer3DModel: i2v with 5 blocks, one face adapter block,
-and the real-size motion encoder and face encoder, whose widths ComfyUI fixes). Defaults: 6 heads (4 ranks do not divide
+and the real-size motion encoder and face encoder, whose widths ComfyUI fixes) and animate2 (Wan Animate 2: i2v's
+weights, its files saying model_type animate2 in their metadata as ComfyUI's do). Defaults: 6 heads (4 ranks do not divide
 them) of size 16, 2 blocks. Files state their head size in the safetensors metadata key
 `ulysses_sp.head_dim` (wan_checkpoint.HEAD_DIM_METADATA_KEY) unless head_dim_metadata=False, in which case loading
 needs the option head_dim=16. The original-layout writer is the inverse of the loader's key plan, written
@@ -21,6 +22,7 @@ separately so a round trip checks both.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -36,7 +38,7 @@ CLIP_DIM = 1280         # ComfyUI's Wan image embedder input width is fixed
 FLF_CLIP_TOKENS = 10    # tiny first-last-frame models: 2 x 5 CLIP tokens
 VACE_TINY = dict(num_layers=4, vace_layers=[0, 2], vace_in_channels=96)
 VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b", "fun_5b_control",
-            "fun_5b_inp", "camera", "camera_2.2", "humo", "s2v", "animate")
+            "fun_5b_inp", "camera", "camera_2.2", "humo", "s2v", "animate", "animate2")
 ANIMATE_TINY = dict(num_layers=5)  # the face adapter follows every 5th block
 HUMO_TINY = dict(audio_in_features=80, audio_hidden=32, audio_dim=24)
 S2V_TINY = dict(audio_dim=32, audio_layers=25, audio_tokens=4, cond_dim=16, inject_layers=[0, 4])
@@ -53,7 +55,7 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
         raise ValueError(f"unknown size options {sorted(unknown)} for wan; known: {sorted(config)}")
     config.update(size)
     inner = config["num_attention_heads"] * config["attention_head_dim"]
-    if variant in ("i2v", "flf2v", "fun_control", "camera", "animate"):
+    if variant in ("i2v", "flf2v", "fun_control", "camera", "animate", "animate2"):
         config.update(in_channels=36, image_dim=CLIP_DIM, added_kv_proj_dim=inner)
     if variant == "fun_control":
         config.update(in_channels=48, ref_in_channels=16)
@@ -215,6 +217,7 @@ def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "flo
     """Build a tiny Wan and save it (see sp_runtime.tiny_models.write_tiny_checkpoint); variant defaults to t2v."""
     from safetensors.torch import save_file
 
+    from ..families.wan_animate2 import MODEL_TYPE
     from ..families.wan_checkpoint import HEAD_DIM_METADATA_KEY
     model = build_tiny_model(seed, variant or "t2v", **size)
     if layout == "diffusers_folder":
@@ -222,7 +225,9 @@ def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "flo
         return path
     state = original_state_dict(model) if layout == "original" else model.state_dict()
     state = cast_like_release(state, dtype)
-    metadata = {HEAD_DIM_METADATA_KEY: str(model.config.attention_head_dim)} if head_dim_metadata else None
+    metadata = {HEAD_DIM_METADATA_KEY: str(model.config.attention_head_dim)} if head_dim_metadata else {}
+    if variant == "animate2":
+        metadata["config"] = json.dumps({"transformer": {"model_type": MODEL_TYPE}})
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     save_file({prefix + key: value for key, value in state.items()}, path, metadata=metadata)
     return path
