@@ -73,19 +73,23 @@ def release_state(model) -> dict:
             for key, value in original_state_dict("wan", model).items()}
 
 
-@pytest.fixture(scope="module")
-def diffusers_animate2(model):
-    """diffusers' WanAnimate2Transformer3DModel with the same weights, through diffusers' own converter."""
+def diffusers_model(config, original: dict):
+    """diffusers' WanAnimate2Transformer3DModel of the tiny model's size with weights under ComfyUI's names, through
+    diffusers' own converter."""
     from diffusers import WanAnimate2Transformer3DModel
     from diffusers.loaders.single_file_utils import convert_wan_animate_2_transformer_to_diffusers
-    config = model.config
     reference = WanAnimate2Transformer3DModel(
         dim=config.num_attention_heads * config.attention_head_dim, ffn_dim=config.ffn_dim, freq_dim=config.freq_dim,
         text_dim=config.text_dim, num_heads=config.num_attention_heads, num_layers=config.num_layers,
         in_dim=config.in_channels, out_dim=config.out_channels)
-    reference.load_state_dict(convert_wan_animate_2_transformer_to_diffusers(dict(release_state(model))), strict=True)
+    reference.load_state_dict(convert_wan_animate_2_transformer_to_diffusers(dict(original)), strict=True)
     reference.timesteps_proj = WanSinusoid(config.freq_dim)  # Wan's own sinusoid, as ComfyUI (see wan_common)
     return reference.eval()
+
+
+@pytest.fixture(scope="module")
+def diffusers_animate2(model):
+    return diffusers_model(model.config, release_state(model))
 
 
 def diffusers_forward(reference, x, timestep, inputs) -> torch.Tensor:
@@ -197,6 +201,27 @@ def test_every_layout_loads_the_same_model(other_layouts, references):
         with torch.no_grad():
             worker.forward(x, t, inputs, out, LocalContext(groups))
         assert_parity(out, references["pose_padded"], "float32", f"animate2/layout_{name}")
+
+
+def test_int8_convrot_file_loads_as_animate2(model, tmp_path):
+    """The templates' file kind: ComfyUI mixed precision (int8 convrot) with the animate2 metadata; loaded in fp32 it
+    equals diffusers' Animate 2 on the weights the file encodes."""
+    from safetensors.torch import load_file
+    from sp_runtime.tiny_models.quant_files import write_quantized
+    path, encoded = str(tmp_path / "animate2_int8.safetensors"), str(tmp_path / "encoded.safetensors")
+    kinds = write_quantized("wan", path, encoded, "comfy_quant", SEED, COMFY_PREFIX,
+                            {"config": json.dumps({"transformer": {"model_type": "animate2"}})},
+                            only="int8_tensorwise convrot", variant="animate2", **SIZE)
+    assert set(kinds.values()) == {"int8_tensorwise convrot"}
+    groups = ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
+    worker = load_worker_model(LoadRequest(path, "fp32"), torch.device("cpu"), groups, lambda *_: None)
+    assert worker.info.variant == "animate2"
+    x, t, inputs = make_cases()["pose_padded"]
+    out = torch.empty(2, 16, *x.shape[2:])
+    with torch.no_grad():
+        worker.forward(x, t, inputs, out, LocalContext(groups))
+    expected = diffusers_forward(diffusers_model(model.config, load_file(encoded)), x, t, inputs)
+    assert_parity(out, expected, "float32", "animate2/int8_convrot")
 
 
 def test_key_plan_equals_diffusers_converter(model):
