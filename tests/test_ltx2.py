@@ -147,8 +147,10 @@ def test_detection_reads_shapes_and_the_release_config(ltx2_file):
     assert (detection.family, detection.prefix) == ("ltx2", COMFY_PREFIX)
     assert (config["num_attention_heads"], config["attention_head_dim"]) == (3, 128)
     assert (config["audio_num_attention_heads"], config["audio_attention_head_dim"]) == (3, 64)
-    assert config["connector"] == {"num_attention_heads": 2, "attention_head_dim": 24, "num_layers": 1,
-                                   "num_learnable_registers": 128, "rope_type": "split"}
+    assert config["connector"]["video_embeddings_connector"] == {
+        "num_attention_heads": 2, "attention_head_dim": 24, "num_layers": 1, "num_learnable_registers": 128,
+        "rope_type": "split", "gated_attention": False}
+    assert (detection.variant, config["gated_attn"], config["cross_attn_mod"]) == ("av", False, False)
     assert (config["rope_type"], config["rope_double_precision"], config["cross_attn_timestep_scale_multiplier"]) == (
         "split", True, 1000)
     assert config["positions"] == {"use_middle_indices_grid": True, "causal_temporal_positioning": True}
@@ -163,19 +165,20 @@ def test_what_the_config_metadata_leaves_out_gets_comfyuis_defaults(ltx2_file):
     stated = json.loads(header.metadata["config"])["transformer"]
     heads = {key: value for key, value in stated.items() if key.endswith(("heads", "head_dim"))}
     config = ltx2.detect(replace(header, metadata={"config": json.dumps({"transformer": heads})})).config
-    assert (config["rope_type"], config["connector"]["rope_type"], config["rope_double_precision"]) == (
+    connector = config["connector"]["video_embeddings_connector"]
+    assert (config["rope_type"], connector["rope_type"], config["rope_double_precision"]) == (
         "interleaved", "split", False)
     assert config["positions"] == {"use_middle_indices_grid": False, "causal_temporal_positioning": False}
     assert config["cross_attn_timestep_scale_multiplier"] / config["timestep_scale_multiplier"] == 1e-3
 
 
-def test_newer_ltx_versions_are_a_clear_error(ltx2_file):
+def test_a_caption_projection_diffusers_lacks_is_a_clear_error(ltx2_file):
+    """A single-linear caption projection (ComfyUI's NormSingleLinearTextProjection, no release uses it yet)."""
     from dataclasses import replace
     header = read_checkpoint_header(ltx2_file)
-    gated = dict(header.tensors)
-    gated[COMFY_PREFIX + "transformer_blocks.0.attn1.to_gate_logits.weight"] = ("F32", (3, 384))
-    with pytest.raises(ValueError, match="LTX-2.3 / 2.5.*gated attention"):
-        ltx2.detect(replace(header, tensors=gated))
+    single = {key: value for key, value in header.tensors.items() if "caption_projection.linear_2" not in key}
+    with pytest.raises(ValueError, match="single-linear caption projection"):
+        ltx2.detect(replace(header, tensors=single))
 
 
 def test_bad_calls_are_clear_errors(family_pool, ltx2_file):

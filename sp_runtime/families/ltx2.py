@@ -1,5 +1,5 @@
-"""LTX-2 (audio + video) under Ulysses SP: loading into diffusers' LTX2VideoTransformer3DModel (plus the two text
-connectors ComfyUI keeps in the diffusion model) and the pool call for ComfyUI's LTXAV model.
+"""LTX-2, 2.3 and 2.5 (audio + video) under Ulysses SP: loading into diffusers' LTX2VideoTransformer3DModel (plus the
+two text connectors ComfyUI keeps in the diffusion model) and the pool call for ComfyUI's LTXAV model.
 
 It computes what ComfyUI's own LTXAVModel (comfy/ldm/lightricks/av_model.py) computes, which differs from
 diffusers' forward in a few places (all on diffusers' modules here): the audio-to-video attention is gated by the
@@ -12,10 +12,12 @@ Pool call (what the host's proxy makes of ComfyUI's `diffusion_model([vx, ax], (
 x [B, 1, N] is the video latent [B, 128, F, H, W] and the audio latent [B, 8, T, 16] flattened per item and
 concatenated (input `latent_shapes` gives both shapes); timestep the video sigma [B] or per video token [B, Nv];
 `audio_timestep` the audio sigma [B] or [B, T] (default: the video's); context the text encoder output
-[B, L, caption_channels] (the connectors run here) or the connectors' output [B, L', 2 x caption_channels];
-`frame_rate` (default 25); `a2v_gate_sigma` / `v2a_gate_sigma` the sigmas of the two cross-modal gates (default: the
-largest audio / video sigma of the call; the host passes ComfyUI's, taken over the whole batch, so CFG halves gate
-alike). The output is packed like x: the video and audio velocities.
+[B, L, caption_channels] (the connectors run here) or the connectors' output [B, L', 2 x caption_channels]; for
+LTX-2.3 / 2.5 (no caption projection in the model) the text encoder's video and audio features side by side
+[B, L, cross_attention_dim + audio_cross_attention_dim], which the connectors always process (ComfyUI's 2.3 / 2.5
+text encoders mark their output unprocessed); `frame_rate` (default 25); `a2v_gate_sigma` / `v2a_gate_sigma` the
+sigmas of the two cross-modal gates (default: the largest audio / video sigma of the call; the host passes
+ComfyUI's, taken over the whole batch, so CFG halves gate alike). The output is packed like x: the video and audio velocities.
 
 SP plan: video tokens are split over the sequence group (balanced shards); every rank patch-embeds, modulates and
 writes only its own. Audio tokens are few (25 per second against thousands of video tokens per frame), so every rank
@@ -24,6 +26,9 @@ goes through sp_attention (Ulysses / Ring); text cross-attention, audio self-att
 (video queries, audio keys) are local; video-to-audio attention (audio queries over the split video keys) merges the
 ranks' partial results by log-sum-exp (attention_over_key_shards), so the audio stays the same on every rank. Any
 audio-token count (also fewer than the ranks) works; rank 0 of each sequence group writes the audio output.
+LTX-2.3 / 2.5 add nothing that crosses tokens: the attention gates are per query token and head, the prompt
+modulation per item (ComfyUI's prompt timestep is the item's largest sigma over all its tokens, which every rank
+holds), so they apply to each rank's own tokens as on one device.
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes
 from .ltx2_checkpoint import CONNECTORS, FAMILY, detect, ltx2_key_plan
 from .video_tokens import VideoGrid
 
-DESCRIPTION = "LTX-2 (audio + video, 2.0)"
+DESCRIPTION = "LTX-2, 2.3 and 2.5 (audio + video)"
 CONNECTOR_ROPE_MAX_POS = 4096   # ComfyUI's Embeddings1DConnector positions: index / 4096
 CONNECTOR_MIN_TOKENS = 1024     # ComfyUI pads the prompt with learnable registers to at least this many tokens
 DEFAULT_FRAME_RATE = 25.0       # ComfyUI's LTXAV default frame_rate
@@ -57,11 +62,19 @@ UNSUPPORTED_INPUTS = ("keyframe_idxs", "guide_attention_entries", "ref_audio", "
 
 
 def _comfy_attributes(info: ModelInfo) -> dict:
-    """What ComfyUI's LTXAV class reads from diffusion_model; the prompt passes through unchanged (the workers run
-    the connectors, which hold weights)."""
+    """What ComfyUI's LTXAV class (and LTX nodes) read from diffusion_model; the prompt passes through unchanged
+    (the workers run the connectors, which hold weights)."""
+    config = info.config
     return {"patch_size": 1, "vae_scale_factors": VAE_SCALE_FACTORS,
-            "causal_temporal_positioning": info.config["causal_temporal_positioning"],
-            "preprocess_text_embeds": lambda context, unprocessed=False: context}
+            "causal_temporal_positioning": config["causal_temporal_positioning"],
+            "preprocess_text_embeds": lambda context, unprocessed=False: context,
+            "inner_dim": config["num_attention_heads"] * config["attention_head_dim"],
+            "audio_inner_dim": config["audio_num_attention_heads"] * config["audio_attention_head_dim"],
+            "cross_attention_dim": config["cross_attention_dim"],
+            "audio_cross_attention_dim": config["audio_cross_attention_dim"],
+            "caption_channels": config["caption_channels"],
+            "caption_proj_before_connector": not config["use_prompt_embeddings"],
+            "caption_projection_first_linear": False}
 
 
 def pack_comfy_call(x, timestep, inputs: dict) -> tuple:
@@ -118,16 +131,18 @@ def weight_plan(detection: Detection, keys: Iterable[str]) -> KeyPlan:
     return ltx2_key_plan(keys)
 
 
-def attach_connectors(model, connector: dict, theta: float) -> None:
+def attach_connectors(model, connectors: dict, theta: float) -> None:
     """The video and audio text connectors (ComfyUI's Embeddings1DConnector = diffusers' LTX2ConnectorTransformer1d)
-    as submodules `video_embeddings_connector` / `audio_embeddings_connector` of the transformer."""
+    as submodules `video_embeddings_connector` / `audio_embeddings_connector` of the transformer; `connectors`
+    holds each one's sizes by that name."""
     from diffusers.pipelines.ltx2.connectors import LTX2ConnectorTransformer1d
     for name in CONNECTORS:
+        sizes = connectors[name]
         setattr(model, name, LTX2ConnectorTransformer1d(
-            num_attention_heads=connector["num_attention_heads"], attention_head_dim=connector["attention_head_dim"],
-            num_layers=connector["num_layers"], num_learnable_registers=connector["num_learnable_registers"],
+            num_attention_heads=sizes["num_attention_heads"], attention_head_dim=sizes["attention_head_dim"],
+            num_layers=sizes["num_layers"], num_learnable_registers=sizes["num_learnable_registers"],
             rope_base_seq_len=CONNECTOR_ROPE_MAX_POS, rope_theta=theta, rope_double_precision=True,
-            rope_type=connector["rope_type"]))
+            rope_type=sizes["rope_type"], gated_attention=sizes["gated_attention"]))
 
 
 def use_comfy_time_origin(model, causal: bool) -> None:
@@ -175,7 +190,8 @@ def load(request: LoadRequest, detection: Detection, device: torch.device, group
 def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
     config = model.config
     keys = ("in_channels", "audio_in_channels", "num_attention_heads", "attention_head_dim",
-            "audio_num_attention_heads", "audio_attention_head_dim", "num_layers", "caption_channels")
+            "audio_num_attention_heads", "audio_attention_head_dim", "num_layers", "caption_channels",
+            "cross_attention_dim", "audio_cross_attention_dim", "use_prompt_embeddings")
     entries = {key: config[key] for key in keys}
     return ModelInfo(family=FAMILY, variant=detection.variant, in_channels=1, out_channels=1, x_ndim=3,
                      config={**entries, **detection.config["positions"],
@@ -226,16 +242,31 @@ def check_call(config, x: torch.Tensor, inputs: dict) -> tuple:
 
 
 def connect_text(model, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The text encoder output [B, L, C] -> the video and audio prompts after the connectors, as ComfyUI's
+    """The text encoder output -> the video and audio prompts after the connectors, as ComfyUI's
     preprocess_text_embeds (prompt extended with learnable registers to whole register tiles of at least 1024
-    tokens); a context already processed ([B, L, 2C]) is split."""
+    tokens); an LTX-2.0 context already processed ([B, L, 2C]) is split."""
     channels = model.config.caption_channels
-    if context.dim() == 3 and context.shape[-1] == 2 * channels:
+    if model.config.use_prompt_embeddings and context.dim() == 3 and context.shape[-1] == 2 * channels:
         return context[..., :channels], context[..., channels:]
-    if context.dim() != 3 or context.shape[-1] != channels:
-        raise ValueError(f"LTX-2 needs context [B, L, {channels}] (the text encoder output) or [B, L, "
-                         f"{2 * channels}] (after the connectors); got {list(context.shape)}")
-    return tuple(_run_connector(getattr(model, name), context) for name in CONNECTORS)
+    return tuple(_run_connector(getattr(model, name), part) for name, part in zip(CONNECTORS,
+                                                                                 connector_inputs(model, context)))
+
+
+def connector_inputs(model, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The text encoder output -> what the video and the audio connector take: the same [B, L, C] for LTX-2.0, the
+    video and audio features of [B, L, video + audio width] for 2.3 / 2.5."""
+    config = model.config
+    if config.use_prompt_embeddings:
+        widths, what = (config.caption_channels,), "the text encoder output"
+    else:
+        widths, what = (config.cross_attention_dim, config.audio_cross_attention_dim), "video and audio features"
+    if context.dim() != 3 or context.shape[-1] != sum(widths):
+        processed = f" or [B, L, {2 * widths[0]}] (after the connectors)" if len(widths) == 1 else ""
+        raise ValueError(f"LTX-2 needs context [B, L, {sum(widths)}] ({what}){processed}; got "
+                         f"{list(context.shape)}")
+    if len(widths) == 1:
+        return context, context
+    return context[..., :widths[0]], context[..., widths[0]:]
 
 
 def _run_connector(connector, context: torch.Tensor) -> torch.Tensor:
@@ -274,6 +305,7 @@ class Stream:
     rope: tuple                  # self-attention rotary (cos, sin) of these tokens
     cross_rope: tuple            # audio <-> video attention rotary of these tokens
     text: torch.Tensor           # [B, L', dim] projected prompt
+    prompt_temb: Optional[torch.Tensor] = None  # [B, 1, 2 dim] prompt AdaLN (LTX-2.3); None: its static table
 
 
 class LTX2Worker:
@@ -326,6 +358,8 @@ def _prepare_streams(model, latents: Latents, grid: VideoGrid, token_range: tupl
                           (("a2v_gate_sigma", audio_sigma), ("v2a_gate_sigma", full_sigma)))
     frame_rate = float(inputs.get("frame_rate") or DEFAULT_FRAME_RATE)
     video_text, audio_text = connect_text(model, context)
+    if config.use_prompt_embeddings:
+        video_text, audio_text = model.caption_projection(video_text), model.audio_caption_projection(audio_text)
 
     video_coords = comfy_video_coords(model, batch, grid_shape(grid), frame_rate, device)[:, :, lo:hi]
     audio_coords = model.audio_rope.prepare_audio_coords(batch, audio_frames, device)
@@ -336,15 +370,27 @@ def _prepare_streams(model, latents: Latents, grid: VideoGrid, token_range: tupl
     video = _stream(model, "", model.proj_in(video_tokens), sigma * scale, a2v_gate * scale * gate_factor,
                     model.rope(_self_positions(video_coords, middle), device=device),
                     model.cross_attn_rope(video_coords[:, 0:1], device=device),
-                    model.caption_projection(video_text), ("av_cross_attn_video_scale_shift",
-                                                           "av_cross_attn_video_a2v_gate"), dtype)
+                    video_text, ("av_cross_attn_video_scale_shift", "av_cross_attn_video_a2v_gate"), dtype)
     audio = _stream(model, "audio_", model.audio_proj_in(audio_tokens), audio_sigma * scale,
                     v2a_gate * scale * gate_factor,
                     model.audio_rope(_self_positions(audio_coords, middle), device=device),
                     model.cross_attn_audio_rope(audio_coords[:, 0:1], device=device),
-                    model.audio_caption_projection(audio_text), ("av_cross_attn_audio_scale_shift",
-                                                                 "av_cross_attn_audio_v2a_gate"), dtype)
+                    audio_text, ("av_cross_attn_audio_scale_shift", "av_cross_attn_audio_v2a_gate"), dtype)
+    if model.prompt_modulation and config.use_prompt_adaln_single:
+        video.prompt_temb = _prompt_temb(model.prompt_adaln, full_sigma * scale, dtype)
+        audio.prompt_temb = _prompt_temb(model.audio_prompt_adaln, audio_sigma * scale, dtype)
     return video, audio
+
+
+def prompt_sigma(sigma: torch.Tensor) -> torch.Tensor:
+    """[B, 1 or N] -> [B]: the sigma of LTX-2.3's prompt AdaLN, each item's largest over its tokens (ComfyUI's
+    compute_prompt_timestep)."""
+    return sigma.amax(dim=1)
+
+
+def _prompt_temb(module, sigma: torch.Tensor, dtype) -> torch.Tensor:
+    values, _ = module(prompt_sigma(sigma), batch_size=sigma.shape[0], hidden_dtype=dtype)
+    return values.view(sigma.shape[0], 1, -1)
 
 
 def _gate_sigma(inputs: dict, name: str, sigmas: torch.Tensor, batch: int, ctx) -> torch.Tensor:
@@ -413,27 +459,49 @@ def _heads(attn, query_in, key_in, query_rope, key_rope) -> tuple[torch.Tensor, 
     return tuple(tensor.unflatten(2, (attn.heads, -1)) for tensor in (query, key, value))
 
 
-def _out(attn, attended: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return attn.to_out[0](attended.flatten(2, 3).to(like.dtype))
+def _out(attn, attended: torch.Tensor, like: torch.Tensor, query_in: torch.Tensor) -> torch.Tensor:
+    """The output projection of attended [B, n, H, D], after LTX-2.3's per-head gates (2 sigmoid of logits from
+    the query input: each token's own, so exact on any shard)."""
+    attended = attended.to(like.dtype)
+    if attn.to_gate_logits is not None:
+        attended = attended * (2.0 * torch.sigmoid(attn.to_gate_logits(query_in))).unsqueeze(-1)
+    return attn.to_out[0](attended.flatten(2, 3))
+
+
+def _text_attention(block, prefix: str, hidden: torch.Tensor, stream: Stream, query_mod: tuple) -> torch.Tensor:
+    """The prompt cross-attention of one modality; LTX-2.3 / 2.5 modulate its query (shift, scale, gate of the
+    block's rows 6-8) and the prompt (the block's prompt table plus the prompt AdaLN, or the table alone)."""
+    normed = getattr(block, f"{prefix}norm2")(hidden)
+    text = stream.text
+    if query_mod:
+        shift, scale, _ = query_mod
+        normed = normed * (1 + scale) + shift
+        table = getattr(block, f"{prefix}prompt_scale_shift_table")
+        shift_kv, scale_kv = (_modulation(table, stream.prompt_temb) if stream.prompt_temb is not None
+                              else table[None, None].to(text.dtype).unbind(dim=2))
+        text = text * (1 + scale_kv) + shift_kv
+    out = getattr(block, f"{prefix}attn2")(normed, encoder_hidden_states=text)
+    return out * query_mod[2] if query_mod else out
 
 
 def _block(block, video: Stream, audio: Stream, seq, shards: SeqShards) -> tuple[torch.Tensor, torch.Tensor]:
-    """ComfyUI's BasicAVTransformerBlock.forward (LTX-2.0: no gated attention, no prompt AdaLN) on this rank's tokens,
-    with diffusers' modules. Unlike diffusers' block, the video-to-audio attention reads the video normalised after
-    the audio-to-video residual."""
+    """ComfyUI's BasicAVTransformerBlock.forward (with LTX-2.3 / 2.5's attention gates and prompt AdaLN) on this
+    rank's tokens, with diffusers' modules. Unlike diffusers' block, the video-to-audio attention reads the video
+    normalised after the audio-to-video residual."""
     v, a = video.hidden, audio.hidden
-    v_shift, v_scale, v_gate, v_shift_mlp, v_scale_mlp, v_gate_mlp = _modulation(block.scale_shift_table, video.temb)
-    a_shift, a_scale, a_gate, a_shift_mlp, a_scale_mlp, a_gate_mlp = _modulation(block.audio_scale_shift_table,
-                                                                                 audio.temb)
+    v_mods = _modulation(block.scale_shift_table, video.temb)
+    a_mods = _modulation(block.audio_scale_shift_table, audio.temb)
+    v_shift, v_scale, v_gate, v_shift_mlp, v_scale_mlp, v_gate_mlp = v_mods[:6]
+    a_shift, a_scale, a_gate, a_shift_mlp, a_scale_mlp, a_gate_mlp = a_mods[:6]
     normed = block.norm1(v) * (1 + v_scale) + v_shift
     query, key, value = _heads(block.attn1, normed, normed, video.rope, video.rope)
     attended, _ = sp_attention(query, key, value, seq, shards)
-    v = v + _out(block.attn1, attended, v) * v_gate
+    v = v + _out(block.attn1, attended, v, normed) * v_gate
 
     normed = block.audio_norm1(a) * (1 + a_scale) + a_shift
     a = a + block.audio_attn1(normed, query_rotary_emb=audio.rope) * a_gate
-    v = v + block.attn2(block.norm2(v), encoder_hidden_states=video.text)
-    a = a + block.audio_attn2(block.audio_norm2(a), encoder_hidden_states=audio.text)
+    v = v + _text_attention(block, "", v, video, v_mods[6:])
+    a = a + _text_attention(block, "audio_", a, audio, a_mods[6:])
 
     a_normed = block.video_to_audio_norm(a)
     v_a2v_scale, v_a2v_shift, v_v2a_scale, v_v2a_shift = _modulation(
@@ -447,10 +515,11 @@ def _block(block, video: Stream, audio: Stream, seq, shards: SeqShards) -> tuple
                                     encoder_hidden_states=a_normed * (1 + a_a2v_scale) + a_a2v_shift,
                                     query_rotary_emb=video.cross_rope, key_rotary_emb=audio.cross_rope)
     v = v + a2v * a2v_gate
-    query, key, value = _heads(block.video_to_audio_attn, a_normed * (1 + a_v2a_scale) + a_v2a_shift,
+    v2a_query = a_normed * (1 + a_v2a_scale) + a_v2a_shift
+    query, key, value = _heads(block.video_to_audio_attn, v2a_query,
                                block.audio_to_video_norm(v) * (1 + v_v2a_scale) + v_v2a_shift, audio.cross_rope,
                                video.cross_rope)
-    v2a = _out(block.video_to_audio_attn, attention_over_key_shards(query, key, value, seq), a)
+    v2a = _out(block.video_to_audio_attn, attention_over_key_shards(query, key, value, seq), a, v2a_query)
     a = a + v2a * v2a_gate
 
     v = v + block.ff(block.norm3(v) * (1 + v_scale_mlp) + v_shift_mlp) * v_gate_mlp
@@ -482,11 +551,13 @@ def reference_forward(model, video: torch.Tensor, audio: torch.Tensor, timestep:
     sigma = timestep.reshape(batch, -1) * scale
     audio_sigma = sigma if audio_timestep is None else audio_timestep.reshape(batch, -1) * scale
     coords = comfy_video_coords(model, batch, (frames, height, width), frame_rate, video.device)
+    prompt_sigmas = {"sigma": prompt_sigma(sigma), "audio_sigma": prompt_sigma(audio_sigma)}  # LTX-2.3's prompt AdaLN
     with torch.no_grad(), (comfy_hooks(model, sigma, audio_sigma) if comfy else contextlib.nullcontext()):
         out, audio_out = model(hidden_states=video.flatten(2).transpose(1, 2),
                                audio_hidden_states=audio.transpose(1, 2).flatten(2), encoder_hidden_states=texts[0],
                                audio_encoder_hidden_states=texts[1], timestep=sigma, audio_timestep=audio_sigma,
-                               video_coords=coords, audio_num_frames=audio.shape[2], return_dict=False)
+                               video_coords=coords, audio_num_frames=audio.shape[2], return_dict=False,
+                               **prompt_sigmas)
     video_out = out.transpose(1, 2).reshape(batch, -1, frames, height, width)
     audio_out = audio_out.unflatten(2, (audio.shape[1], audio.shape[3])).transpose(1, 2)
     return video_out, audio_out
@@ -496,12 +567,12 @@ def reference_prompts(model, context: torch.Tensor) -> list[torch.Tensor]:
     """The video and audio prompts through diffusers' own connector forward: the prompt padded to whole register
     tiles of at least 1024 tokens, the padding masked (diffusers swaps it for registers)."""
     batch, texts = context.shape[0], []
-    for name in CONNECTORS:
+    for name, prompt in zip(CONNECTORS, connector_inputs(model, context)):
         connector = getattr(model, name)
         count = connector.learnable_registers.shape[0]
-        length = -(-max(CONNECTOR_MIN_TOKENS, context.shape[1]) // count) * count
-        padded = torch.cat([context, context.new_zeros(batch, length - context.shape[1], context.shape[2])], dim=1)
-        keep = torch.arange(length) < context.shape[1]
+        length = -(-max(CONNECTOR_MIN_TOKENS, prompt.shape[1]) // count) * count
+        padded = torch.cat([prompt, prompt.new_zeros(batch, length - prompt.shape[1], prompt.shape[2])], dim=1)
+        keep = torch.arange(length) < prompt.shape[1]
         mask = torch.where(keep, 0.0, -1e4).expand(batch, length)[:, None, None, :]
         with torch.no_grad():
             texts.append(connector(padded, mask)[0])
@@ -510,11 +581,11 @@ def reference_prompts(model, context: torch.Tensor) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def comfy_hooks(model, video_timestep: torch.Tensor, audio_timestep: torch.Tensor):
-    """While open, diffusers' stock forward computes what ComfyUI's LTXAVModel does for LTX-2.0: the audio-to-video
-    gate embeds the audio's largest timestep of the call and the video-to-audio gate the video's (diffusers: each
-    stream's own), and each block's video-to-audio attention reads the video normalised after the audio-to-video
-    residual (the block's normalised video is rewritten in place once that residual is known). Written apart from
-    the pool's forward."""
+    """While open, diffusers' stock forward computes what ComfyUI's LTXAVModel does (LTX-2, 2.3, 2.5): the
+    audio-to-video gate embeds the audio's largest timestep of the call and the video-to-audio gate the video's
+    (diffusers: each stream's own), and each block's video-to-audio attention reads the video normalised after the
+    audio-to-video residual (the block's normalised video is rewritten in place once that residual is known).
+    Written apart from the pool's forward."""
     factor = model.config.cross_attn_timestep_scale_multiplier / model.config.timestep_scale_multiplier
     gates = {}
 

@@ -1,6 +1,12 @@
-"""LTX-2 checkpoints: detection from the header (shapes plus the release's `config` metadata) and the ComfyUI /
-original key names -> diffusers' LTX2VideoTransformer3DModel plus the two text-embedding connectors ComfyUI keeps
-inside the diffusion model (diffusers' converter drops them; we keep them as `*_embeddings_connector` submodules).
+"""LTX-2, 2.3 and 2.5 checkpoints: detection from the header (shapes plus the release's `config` metadata) and the
+ComfyUI / original key names -> diffusers' LTX2VideoTransformer3DModel plus the two text-embedding connectors ComfyUI
+keeps inside the diffusion model (diffusers' converter drops them; we keep them as `*_embeddings_connector`
+submodules).
+
+The releases differ by tensors present: 2.3 adds per-head attention gates (`to_gate_logits`), the prompt
+cross-attention AdaLN (9 block modulations, `prompt_scale_shift_table`, `prompt_adaln_single`) and drops the caption
+projection (its text encoder projects per modality, so the connectors take 4096 / 2048 wide prompts); 2.5 drops
+`prompt_adaln_single` (timestep-free prompt modulation) and the video feed-forward biases.
 """
 from __future__ import annotations
 
@@ -27,10 +33,8 @@ RELEASE_DEFAULTS = {
     "causal_temporal_positioning": False, "connector_num_attention_heads": 30, "connector_attention_head_dim": 128,
 }
 ROPE_THETA = 10000.0
-# Markers of LTX-2.3 / 2.5 (gated attention, prompt AdaLN, text projection before the connectors)
-NEWER_MARKERS = {"transformer_blocks.0.attn1.to_gate_logits.weight": "gated attention",
-                 "transformer_blocks.0.prompt_scale_shift_table": "prompt cross-attention AdaLN",
-                 "prompt_adaln_single.linear.weight": "prompt AdaLN"}
+# original names diffusers' converter leaves alone (LTX-2.3 / 2.5 additions) -> diffusers' names
+NEWER_RENAMES = (("audio_prompt_adaln_single.", "audio_prompt_adaln."), ("prompt_adaln_single.", "prompt_adaln."))
 
 
 def detect(header: Header) -> Optional[Detection]:
@@ -39,14 +43,20 @@ def detect(header: Header) -> Optional[Detection]:
     if prefix is None:
         return None
     keys = strip_prefix(header.tensors, prefix)
-    newer = sorted(what for key, what in NEWER_MARKERS.items() if key in keys)
-    if newer or "caption_projection.linear_1.weight" not in keys:
-        found = ", ".join(newer) or "no caption projection"
-        raise ValueError(f"{header.path!r} is an LTX-2.3 / 2.5 checkpoint ({found}); only LTX-2 (2.0) runs under "
-                         f"sequence parallelism in this version")
-    release = release_config(header)
-    return Detection(family=FAMILY, variant="av", layout="original", prefix=prefix,
-                     config=architecture(keys, release), files=header.files)
+    if "caption_projection.linear_1.weight" in keys and "caption_projection.linear_2.weight" not in keys:
+        raise ValueError(f"{header.path!r} is an LTX model with a single-linear caption projection before the "
+                         f"connectors, which diffusers has no module for; it does not run under sequence "
+                         f"parallelism in this version (LTX-2, 2.3 and 2.5 do)")
+    config = architecture(keys, release_config(header))
+    return Detection(family=FAMILY, variant=release_variant(config), layout="original", prefix=prefix,
+                     config=config, files=header.files)
+
+
+def release_variant(config: dict) -> str:
+    """"av" (LTX-2.0), "av-2.3" (prompt AdaLN driven by the timestep) or "av-2.5" (timestep-free prompt AdaLN)."""
+    if not config["cross_attn_mod"]:
+        return "av"
+    return "av-2.3" if config["use_prompt_adaln_single"] else "av-2.5"
 
 
 def release_config(header: Header) -> dict:
@@ -73,6 +83,8 @@ def architecture(keys: dict, release: dict) -> dict:
     audio_heads = _heads(audio_inner, release["audio_num_attention_heads"], release["audio_attention_head_dim"],
                          "audio")
     max_pos = list(release["positional_embedding_max_pos"])
+    has_caption_projection = "caption_projection.linear_1.weight" in keys
+    block = "transformer_blocks.0."
     config = {
         "in_channels": in_channels, "out_channels": shape_of(keys, "proj_out.weight")[0],
         "patch_size": 1, "patch_size_t": 1,
@@ -82,7 +94,17 @@ def architecture(keys: dict, release: dict) -> dict:
         "audio_num_attention_heads": audio_heads, "audio_attention_head_dim": audio_inner // audio_heads,
         "audio_cross_attention_dim": shape_of(keys, "transformer_blocks.0.audio_attn2.to_k.weight")[1],
         "num_layers": count_blocks(keys, "transformer_blocks"),
-        "caption_channels": shape_of(keys, "caption_projection.linear_1.weight")[1],
+        "caption_channels": (shape_of(keys, "caption_projection.linear_1.weight")[1] if has_caption_projection
+                             else int(release.get("caption_channels", 3840))),
+        "use_prompt_embeddings": has_caption_projection,
+        "gated_attn": block + "attn1.to_gate_logits.weight" in keys,
+        "audio_gated_attn": block + "audio_attn1.to_gate_logits.weight" in keys,
+        "cross_attn_mod": block + "prompt_scale_shift_table" in keys,
+        "audio_cross_attn_mod": block + "audio_prompt_scale_shift_table" in keys,
+        "use_prompt_adaln_single": "prompt_adaln_single.linear.weight" in keys,
+        "ff_bias": block + "ff.net.0.proj.bias" in keys,
+        "audio_ff_bias": block + "audio_ff.net.0.proj.bias" in keys,
+        "use_keyframes_abs_pos_embedding": "keyframes_abs_pos_embedding" in keys,
         "pos_embed_max_pos": int(max_pos[0]), "base_height": int(max_pos[1]), "base_width": int(max_pos[2]),
         "audio_pos_embed_max_pos": int(release["audio_positional_embedding_max_pos"][0]),
         "rope_theta": ROPE_THETA,
@@ -90,7 +112,7 @@ def architecture(keys: dict, release: dict) -> dict:
         "rope_type": release.get("rope_type", "interleaved"),
         "timestep_scale_multiplier": release["timestep_scale_multiplier"],
         "cross_attn_timestep_scale_multiplier": release["av_ca_timestep_scale_multiplier"],
-        "connector": connector_config(keys, release),
+        "connector": {name: connector_config(keys, release, name) for name in CONNECTORS},
         "positions": {"use_middle_indices_grid": bool(release["use_middle_indices_grid"]),
                       "causal_temporal_positioning": bool(release["causal_temporal_positioning"])},
     }
@@ -107,13 +129,16 @@ def _heads(inner: int, stated: int, head_dim: int, stream: str) -> int:
                      f"divide; the file's 'config' metadata must state num_attention_heads")
 
 
-def connector_config(keys: dict, release: dict) -> dict:
-    registers, inner = shape_of(keys, "video_embeddings_connector.learnable_registers")
-    heads = _heads(inner, release["connector_num_attention_heads"], release["connector_attention_head_dim"],
-                   "connector")
+def connector_config(keys: dict, release: dict, name: str) -> dict:
+    """Sizes of one connector (2.3 / 2.5: the audio one is narrower, its head counts named `audio_connector_*`)."""
+    registers, inner = shape_of(keys, f"{name}.learnable_registers")
+    stated = ("audio_" if name.startswith("audio") else "") + "connector_"
+    heads = _heads(inner, release.get(stated + "num_attention_heads", release["connector_num_attention_heads"]),
+                   release.get(stated + "attention_head_dim", release["connector_attention_head_dim"]), name)
     return {"num_attention_heads": heads, "attention_head_dim": inner // heads,
-            "num_layers": count_blocks(keys, "video_embeddings_connector.transformer_1d_blocks"),
-            "num_learnable_registers": registers, "rope_type": release.get("rope_type", "split")}
+            "num_layers": count_blocks(keys, f"{name}.transformer_1d_blocks"), "num_learnable_registers": registers,
+            "rope_type": release.get("rope_type", "split"),
+            "gated_attention": f"{name}.transformer_1d_blocks.0.attn1.to_gate_logits.weight" in keys}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -126,9 +151,16 @@ def ltx2_key_plan(keys: Iterable[str]) -> KeyPlan:
     keys = list(keys)
     transformer = [key for key in keys if not key.startswith(CONNECTORS)]
     renamed = convert_ltx2_transformer_to_diffusers({key: key for key in transformer})
-    plan = {original: [(model_key, None)] for model_key, original in renamed.items()}
+    plan = {original: [(_renamed_newer(model_key), None)] for model_key, original in renamed.items()}
     plan.update({key: [(connector_key(key), None)] for key in keys if key.startswith(CONNECTORS)})
     return plan
+
+
+def _renamed_newer(key: str) -> str:
+    for original, diffusers_name in NEWER_RENAMES:
+        if key.startswith(original):
+            return diffusers_name + key[len(original):]
+    return key
 
 
 def connector_key(key: str) -> str:
