@@ -16,7 +16,7 @@ from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_ch
 from sp_runtime.tiny_models.ltx2 import release_metadata
 from sp_runtime.tiny_models.quant_files import write_quantized
 from sp_runtime.tiny_models.weights import pack_all_in_one
-from test_ltx2 import pool_call, reference
+from test_ltx2 import comfy_sigmas, pool_call, reference
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 17
@@ -26,17 +26,22 @@ RELEASES = ("2.3", "2.5")
 
 def make_cases(seed=6):
     """(video [B, 128, F, H, W], audio [B, 8, T, 16], sigma, inputs): 45 and 30 video tokens, 7 and 2 audio
-    tokens; one sigma per call (ComfyUI's and diffusers' cross-modal gate timesteps agree then)."""
+    tokens, batch items at different sigmas; "i2v": the first latent frame conditioned (per-token sigmas, whose
+    largest drives the prompt AdaLN)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
         return torch.randn(*shape, generator=g)
 
+    i2v_mask = torch.ones(2, 1, 3, 5, 3)
+    i2v_mask[:, :, 0] = 0
     return {
-        "t2av": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), torch.tensor([0.7, 0.7]),
+        "t2av": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), torch.tensor([0.7, 0.4]),
                  {"context": rand(2, 9, FEATURES), "frame_rate": 24.0}),
-        "two_audio_tokens": (rand(2, 128, 2, 3, 5), rand(2, 8, 2, 16), torch.tensor([0.4, 0.4]),
+        "two_audio_tokens": (rand(2, 128, 2, 3, 5), rand(2, 8, 2, 16), torch.tensor([0.9, 0.5]),
                              {"context": rand(2, 5, FEATURES)}),
+        "i2v": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), comfy_sigmas(torch.tensor([0.8, 0.6]), i2v_mask, 7),
+                {"context": rand(2, 9, FEATURES), "frame_rate": 24.0, "denoise_mask": i2v_mask}),
     }
 
 
@@ -69,8 +74,8 @@ def check(handle, release, names, references, layout):
 
 # 2.3 at Ulysses 1-4 (2 from its all-in-one file, below) and Ring 2; 2.5 (the same blocks without the prompt AdaLN)
 # at Ulysses 2 x Ring 2 and from its int8 file at Ulysses 2 (below): suite time
-RUNS_AT_DEGREE = {1: {"2.3": ("t2av",)}, 3: {"2.3": ("t2av",)}, 4: {"2.3": ("two_audio_tokens",)}}
-RUNS_AT_LAYOUT = {"u1r2": {"2.3": ("t2av",)}, "u2r2": {"2.5": ("t2av", "two_audio_tokens")}}
+RUNS_AT_DEGREE = {1: {"2.3": ("t2av",)}, 3: {"2.3": ("i2v",)}, 4: {"2.3": ("two_audio_tokens",)}}
+RUNS_AT_LAYOUT = {"u1r2": {"2.3": ("t2av",)}, "u2r2": {"2.5": ("i2v", "two_audio_tokens")}}
 
 
 def test_fp32_parity_ulysses(family_pool, release_files, references):
@@ -135,8 +140,8 @@ def test_detection_tells_the_releases_apart(release_files):
         assert config["ff_bias"] == (release == "2.3")
         assert config["rope_type"] == "split"
         assert config["connector"]["audio_embeddings_connector"] == {
-            "num_attention_heads": 3, "attention_head_dim": 64, "num_layers": 1, "num_learnable_registers": 8,
-            "gated_attention": True}
+            "num_attention_heads": 3, "attention_head_dim": 64, "num_layers": 1, "num_learnable_registers": 128,
+            "rope_type": "split", "gated_attention": True}
 
 
 def test_all_in_one_checkpoint_runs_its_diffusion_part(family_pool, release_files, references, tmp_path):
