@@ -53,7 +53,8 @@ def detect(header: Header) -> Optional[Detection]:
 
 
 def release_variant(config: dict) -> str:
-    """"av" (LTX-2.0), "av-2.3" (prompt AdaLN driven by the timestep) or "av-2.5" (timestep-free prompt AdaLN)."""
+    """The detection's variant: "av" (LTX-2.0), "av-2.3" (prompt AdaLN driven by the timestep) or "av-2.5"
+    (timestep-free prompt modulation)."""
     if not config["cross_attn_mod"]:
         return "av"
     return "av-2.3" if config["use_prompt_adaln_single"] else "av-2.5"
