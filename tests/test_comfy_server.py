@@ -152,7 +152,7 @@ def test_example_api_workflows_only_lack_their_model_files(server, name):
     available = server.get_json("/object_info")
     missing = sorted({node["class_type"] for node in workflow.values()} - set(available))
     newer_nodes, _ = cs.NEEDS_NEWER_COMFYUI.get(cs.example_name(name), ((), ""))
-    assert set(missing) == set(newer_nodes), f"{name}: node classes this ComfyUI lacks: {missing}"
+    assert set(missing) <= set(newer_nodes), f"{name}: node classes this ComfyUI lacks: {missing}"
     for node_id, node in workflow.items():
         spec = available.get(node["class_type"])
         if spec:
