@@ -47,6 +47,9 @@ _ORIGINAL_BLOCK_ANCHOR = "blocks.0.self_attn.q.weight"
 ANIMATE2_LAYOUT_ANCHORS = tuple(tuple(anchor if anchor != _ORIGINAL_BLOCK_ANCHOR else block
                                       for anchor in ORIGINAL_ANCHORS) for block in (RELEASE_ANCHOR, DIFFUSERS_ANCHOR))
 
+SUPPORTED = ("Wan 2.1 / 2.2 T2V, I2V, FLF2V, TI2V 5B, VACE, Fun InP / Control / Camera (5B: InP, Control), HuMo, "
+             "Wan 2.2 S2V, Wan 2.2 Animate, Wan Animate 2")
+
 # ----- original (Wan / ComfyUI) module names -> diffusers module names -----
 _TOP = {
     "patch_embedding": "patch_embedding",
