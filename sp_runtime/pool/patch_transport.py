@@ -8,8 +8,6 @@ import itertools
 from collections import OrderedDict
 from typing import Callable, Optional
 
-import torch
-
 from ..lora.patch_set import PatchSet
 from .arena import ALIGN
 from .protocol import dtype_to_name, name_to_dtype
