@@ -1,6 +1,7 @@
 """LTX-2 (audio + video) under sequence parallelism: the pool's video and audio outputs equal, at Ulysses 1-4, Ring 2,
 Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2, on a tiny ComfyUI-layout file (real head sizes 128 / 64, 3 heads each, odd
-token counts, batch 2, audio shorter than the degree, per-token timesteps, I2V): diffusers' stock
+token counts, batch 2, audio shorter than the degree, per-token timesteps, I2V, two
+guide frames at ComfyUI's keyframe_idxs positions): diffusers' stock
 LTX2VideoTransformer3DModel forward on one process (its own connector forward for the prompt) with ComfyUI's two
 choices hooked in (ltx2.comfy_hooks: the cross-modal gates, the video-to-audio norm), which test_ltx2_comfy checks
 against ComfyUI's own LTXAVModel."""
@@ -32,6 +33,8 @@ def make_cases(seed=4):
 
     i2v_mask = torch.ones(2, 1, 3, 5, 3)
     i2v_mask[:, :, 0] = 0
+    guide_mask = torch.ones(2, 1, 5, 3, 3)
+    guide_mask[:, :, 3:] = 0  # two strength-1.0 guide frames appended after three latent frames
     return {
         "t2av": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), torch.tensor([0.7, 0.7]),
                  {"context": rand(2, 9, CAPTION), "frame_rate": 24.0}),
@@ -42,7 +45,25 @@ def make_cases(seed=4):
         "batch_1": (rand(1, 128, 1, 4, 3), rand(1, 8, 5, 16), torch.tensor([0.5]), {"context": rand(1, 3, CAPTION)}),
         "i2v": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), comfy_sigmas(torch.tensor([0.8, 0.6]), i2v_mask, 7),
                 {"context": rand(2, 9, CAPTION), "frame_rate": 24.0, "denoise_mask": i2v_mask}),
+        "guides": (rand(2, 128, 5, 3, 3), rand(2, 8, 7, 16), comfy_sigmas(torch.tensor([0.8, 0.6]), guide_mask, 7),
+                   {"context": rand(2, 9, CAPTION), "frame_rate": 24.0, "denoise_mask": guide_mask,
+                    **guide_conds((0, 17), (3, 3))}),
     }
+
+
+def guide_conds(frames, size, strength=1.0):
+    """What LTXVAddGuide puts into the conditioning for one-frame guides at these pixel frames on a latent of `size`
+    (rows, columns), batch 2: keyframe_idxs, the guide tokens' pixel bounds [2, 3, G, 2] (a one-frame guide spans one
+    pixel frame from its index, ComfyUI's causal fix), and one attention entry per guide."""
+    rows, cols = torch.meshgrid(torch.arange(size[0]), torch.arange(size[1]), indexing="ij")
+    bounds = []
+    for frame in frames:
+        time = torch.full((rows.numel(),), float(frame))
+        starts = torch.stack([time, rows.flatten() * 32.0, cols.flatten() * 32.0])
+        bounds.append(torch.stack([starts, starts + torch.tensor([1.0, 32.0, 32.0])[:, None]], dim=-1))
+    entries = [{"pre_filter_count": size[0] * size[1], "strength": strength, "pixel_mask": None,
+                "latent_shape": [1, *size]} for _ in frames]
+    return {"keyframe_idxs": torch.cat(bounds, dim=1).expand(2, -1, -1, -1).contiguous(), "guide_attention_entries": entries}
 
 
 
@@ -68,7 +89,8 @@ def pool_call(handle, video, audio, sigma, inputs):
 def reference(model, video, audio, sigma, inputs, comfy=True):
     sigma, audio_sigma = sigma if isinstance(sigma, tuple) else (sigma, inputs.get("audio_timestep"))
     return ltx2.reference_forward(model, video, audio, sigma, inputs["context"], audio_sigma,
-                                  inputs.get("frame_rate", ltx2.DEFAULT_FRAME_RATE), comfy=comfy)
+                                  inputs.get("frame_rate", ltx2.DEFAULT_FRAME_RATE), comfy=comfy,
+                                  keyframe_idxs=inputs.get("keyframe_idxs"))
 
 
 
@@ -92,7 +114,7 @@ def check_case(handle, name, references, layout):
 
 
 # every case at degrees 1 and 2; at 3 and 4 the uneven split, I2V and the audio shorter than the degree
-CASES_AT_DEGREE = {3: ("t2av", "i2v"), 4: ("t2av", "two_audio_tokens", "i2v")}
+CASES_AT_DEGREE = {3: ("t2av", "guides"), 4: ("two_audio_tokens", "i2v", "guides")}
 
 
 def test_fp32_parity_ulysses(family_pool, ltx2_file, ltx2_references):
@@ -107,7 +129,7 @@ def test_fp32_parity_ulysses(family_pool, ltx2_file, ltx2_references):
 def test_fp32_parity_ring_hybrid_and_cfg(layout_pool, ltx2_file, ltx2_references):
     layout, pool = layout_pool
     handle = pool.load_model(ltx2_file)
-    for name in ("t2av", "two_audio_tokens", "i2v"):
+    for name in ("t2av", "two_audio_tokens", "i2v") + (("guides",) if layout == "u2r2" else ()):
         check_case(handle, name, ltx2_references, layout)
     handle.unload()
 
@@ -119,6 +141,31 @@ def test_comfyuis_choices_change_the_output(ltx2_references):
     for name in ("t2av", "i2v"):
         for got, other in zip(reference(model, *make_cases()[name], comfy=False), ltx2_references[name]):
             assert relative_error(got, other) > 100 * FP32_TOL
+
+
+def test_guide_positions_change_the_output(ltx2_references):
+    """Guards against keyframe_idxs that do nothing: the guide tokens at their own latent-grid positions (no
+    keyframe_idxs) give other outputs, video and audio."""
+    model = build_tiny_model("ltx2", SEED)
+    video, audio, sigma, inputs = make_cases()["guides"]
+    unplaced = reference(model, video, audio, sigma, {**inputs, "keyframe_idxs": None})
+    for got, other in zip(unplaced, ltx2_references["guides"]):
+        assert relative_error(got, other) > 100 * FP32_TOL
+
+
+def test_guides_that_need_an_attention_mask_are_clear_errors():
+    """A guide strength below 1 (or a guide attention mask) makes ComfyUI build a per-guide attention mask, and an
+    IC-LoRA guide dilated for reference_downscale_factor > 1 drops tokens: both refused, naming what to change."""
+    video, audio, sigma, inputs = make_cases()["guides"]
+    weak = {**inputs, **guide_conds((0, 17), (3, 3), strength=0.5)}
+    with pytest.raises(ValueError, match=r"strength \[0.5, 0.5\].*strength 1.0 and no attention_mask work"):
+        ltx2.pack_comfy_call([video, audio], sigma, weak)
+    dilated = inputs["denoise_mask"].clone()
+    dilated[:, :, 3:, 1] = -1.0
+    with pytest.raises(ValueError, match="reference_downscale_factor"):
+        ltx2.pack_comfy_call([video, audio], sigma, {**inputs, "denoise_mask": dilated})
+    with pytest.raises(ValueError, match="ref_audio"):
+        ltx2.pack_comfy_call([video, audio], sigma, {"ref_audio": {"tokens": torch.zeros(1)}})
 
 
 def test_the_two_streams_reach_each_other(ltx2_references):
@@ -206,8 +253,10 @@ def test_comfy_call_convention_round_trip(family_pool, ltx2_file, ltx2_reference
     outputs = ltx2.unpack_comfy_output(handle(x, timestep, **extra), [video, audio])
     for got, expected, what in zip(outputs, ltx2_references["t2av"], ("video", "audio")):
         assert_parity(got, expected, "float32", f"ltx2_{what}/comfy_call")
-    with pytest.raises(ValueError, match="keyframe"):
-        ltx2.pack_comfy_call([video, audio], sigma, {"keyframe_idxs": torch.zeros(1)})
+    with pytest.raises(Exception, match="keyframe_idxs has shape"):
+        x, timestep, extra = ltx2.pack_comfy_call([video, audio], sigma, {**inputs, "keyframe_idxs": torch.zeros(
+            2, 3, 46, 2)})
+        handle(x, timestep, **extra)
     with pytest.raises(ValueError, match="both latents"):
         ltx2.pack_comfy_call([video, audio[:, :, :0]], sigma, {})
     assert ltx2.COMFY.attributes(handle.info)["preprocess_text_embeds"](inputs["context"]) is inputs["context"]

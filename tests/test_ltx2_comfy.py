@@ -2,7 +2,8 @@
 tiny file, called as ComfyUI's LTXAV model class calls it (its process_timestep: sigma x denoise mask per video
 token; the prompt after its preprocess_text_embeds), at Ulysses 1-4 and Ulysses 2 x CFG 2: text-to-video,
 image-to-video (first latent frame at sigma 0), an inpainting mask that varies within frames of the second batch
-item only with batch items at different sigmas, and a file whose config metadata states only sizes (ComfyUI's
+item only with batch items at different sigmas, two strength-1.0 guide frames (LTXVAddGuide's keyframe_idxs and
+guide attention entries, made by ComfyUI's own patchifier), and a file whose config metadata states only sizes (ComfyUI's
 defaults: token starts, no causal time fix, interleaved rope, gate factor 1 / 1000). The diffusers-based reference
 of test_ltx2 (ltx2.reference_forward) is checked against it too. Skips without COMFYUI_PATH, or when that ComfyUI
 has no LTXAV model (0.3.64 has none)."""
@@ -77,7 +78,7 @@ def comfy_model(av_model, path: str):
 
 
 def make_calls(seed=5):
-    """name -> (video, audio, sigma [B], video denoise mask or None, raw prompt, frame rate)."""
+    """name -> (video, audio, sigma [B], video denoise mask or None, raw prompt, frame rate, guide conditioning)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -87,15 +88,35 @@ def make_calls(seed=5):
     i2v[:, :, 0] = 0
     inpaint = torch.ones(2, 1, 3, 5, 3)
     inpaint[1, :, 1, :2] = 0.25  # item 1 only: ComfyUI reads item 0's mask and takes each frame's first token
+    guided = torch.ones(2, 1, 5, 3, 3)
+    guided[:, :, 3:] = 0  # two one-frame guides at strength 1.0 appended after three latent frames
     return {"t2v": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), torch.tensor([0.7, 0.7]), None, rand(2, 9, CAPTION),
-                    24.0),
+                    24.0, {}),
             "i2v": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), torch.tensor([0.8, 0.8]), i2v, rand(2, 9, CAPTION),
-                    25.0),
+                    25.0, {}),
             "inpaint": (rand(2, 128, 3, 5, 3), rand(2, 8, 2, 16), torch.tensor([0.9, 0.6]), inpaint,
-                        rand(2, 6, CAPTION), 24.0)}
+                        rand(2, 6, CAPTION), 24.0, {}),
+            "guides": (rand(2, 128, 5, 3, 3), rand(2, 8, 7, 16), torch.tensor([0.8, 0.6]), guided,
+                       rand(2, 9, CAPTION), 24.0, guide_conds((0, 17), (3, 3)))}
 
 
-def comfy_call(model, video, audio, sigma, mask, prompt, frame_rate):
+def guide_conds(frames, size):
+    """keyframe_idxs and guide_attention_entries as ComfyUI's newest LTXVAddGuide makes them for one-frame guides
+    at these pixel frames (its patchifier's corners, latent_to_pixel_coords with the causal fix one-frame guides
+    take, plus the frame index), repeated to batch 2 as its CONDRegular does."""
+    from comfy.ldm.lightricks.symmetric_patchifier import SymmetricPatchifier, latent_to_pixel_coords
+    bounds = []
+    for frame in frames:
+        _, corners = SymmetricPatchifier(1, start_end=True).patchify(torch.zeros(1, 128, 1, *size))
+        coords = latent_to_pixel_coords(corners, ltx2.VAE_SCALE_FACTORS, causal_fix=True)
+        coords[:, 0] += frame
+        bounds.append(coords)
+    entries = [{"pre_filter_count": size[0] * size[1], "strength": 1.0, "pixel_mask": None,
+                "latent_shape": [1, *size]} for _ in frames]
+    return {"keyframe_idxs": torch.cat(bounds, dim=2).repeat(2, 1, 1, 1), "guide_attention_entries": entries}
+
+
+def comfy_call(model, video, audio, sigma, mask, prompt, frame_rate, conds):
     """ComfyUI's LTXAV model class around its diffusion model: process_timestep (sigma x mask per video token, the
     audio's sigma as it is), extra_conds' preprocess_text_embeds (per conditioning, before batching), then the
     diffusion model."""
@@ -105,13 +126,14 @@ def comfy_call(model, video, audio, sigma, mask, prompt, frame_rate):
     with torch.no_grad():
         context = torch.cat([model.preprocess_text_embeds(item[None]) for item in prompt])
         out = model([video, audio], (timestep, sigma), context, frame_rate=frame_rate, transformer_options={},
-                    denoise_mask=mask)
+                    denoise_mask=mask, **conds)
     return (timestep, sigma), out
 
 
-def pool_call(handle, video, audio, timesteps, mask, prompt, frame_rate):
+def pool_call(handle, video, audio, timesteps, mask, prompt, frame_rate, conds):
     """What the host's proxy does with the same call (ltx2.COMFY's pack_call / unpack_output)."""
-    inputs = {"context": prompt, "frame_rate": frame_rate, **({"denoise_mask": mask} if mask is not None else {})}
+    inputs = {"context": prompt, "frame_rate": frame_rate, **conds,
+              **({"denoise_mask": mask} if mask is not None else {})}
     x, timestep, extra = ltx2.pack_comfy_call([video, audio], timesteps, inputs)
     return ltx2.unpack_comfy_output(handle(x, timestep, **extra), [video, audio])
 
@@ -122,17 +144,17 @@ def expected(comfy, files):
     results = {}
     for name, path in files.items():
         model = comfy_model(comfy, path)
-        for call, (video, audio, sigma, mask, prompt, rate) in make_calls().items():
-            results[name, call] = comfy_call(model, video, audio, sigma, mask, prompt, rate)
+        for call, (video, audio, sigma, mask, prompt, rate, conds) in make_calls().items():
+            results[name, call] = comfy_call(model, video, audio, sigma, mask, prompt, rate, conds)
     return results
 
 
 def check_pool(pool, files, expected, layout):
     for name, path in files.items():
         handle = pool.load_model(path)
-        for call, (video, audio, sigma, mask, prompt, rate) in make_calls().items():
+        for call, (video, audio, sigma, mask, prompt, rate, conds) in make_calls().items():
             timesteps, reference = expected[name, call]
-            got = pool_call(handle, video, audio, timesteps, mask, prompt, rate)
+            got = pool_call(handle, video, audio, timesteps, mask, prompt, rate, conds)
             for output, want, what in zip(got, reference, ("video", "audio")):
                 assert_parity(output, want, "float32", f"comfyui_ltx2_{what}/{layout}/{name}/{call}")
         handle.unload()
@@ -154,9 +176,10 @@ def test_diffusers_reference_equals_comfyui(files, expected):
     """test_ltx2's reference (diffusers' stock forward with ComfyUI's choices hooked in) on the release file's
     conventions, per token as ComfyUI's model reads the timesteps."""
     model = build_tiny_model("ltx2", SEED)
-    for call, (video, audio, sigma, mask, prompt, rate) in make_calls().items():
+    for call, (video, audio, sigma, mask, prompt, rate, conds) in make_calls().items():
         (video_t, audio_t), reference = expected["release", call]
         video_t = ltx2.comfy_video_sigma(video_t, video.shape, mask)
-        got = ltx2.reference_forward(model, video, audio, video_t, prompt, audio_t, rate)
+        got = ltx2.reference_forward(model, video, audio, video_t, prompt, audio_t, rate,
+                                     keyframe_idxs=conds.get("keyframe_idxs"))
         for output, want, what in zip(got, reference, ("video", "audio")):
             assert_parity(output, want, "float32", f"comfyui_ltx2_{what}/diffusers_reference/{call}")

@@ -17,10 +17,13 @@ LTX-2.3 / 2.5 (no caption projection in the model) the text encoder's video and 
 [B, L, cross_attention_dim + audio_cross_attention_dim], which the connectors always process (ComfyUI's 2.3 / 2.5
 text encoders mark their output unprocessed); `frame_rate` (default 25); `a2v_gate_sigma` / `v2a_gate_sigma` the
 sigmas of the two cross-modal gates (default: the largest audio / video sigma of the call; the host passes
-ComfyUI's, taken over the whole batch, so CFG halves gate alike). The output is packed like x: the video and audio velocities.
+ComfyUI's, taken over the whole batch, so CFG halves gate alike); `keyframe_idxs` [B, 3, G, 2] the pixel bounds of
+the last G video tokens, guide frames appended to the video latent (LTXVAddGuide; their sigmas, from the denoise mask,
+are in the per-token timestep). The output is packed like x: the video and audio velocities (guide frames included,
+which ComfyUI's LTXVCropGuides drops).
 
 SP plan: video tokens are split over the sequence group (balanced shards); every rank patch-embeds, modulates and
-writes only its own. Audio tokens are few (25 per second against thousands of video tokens per frame), so every rank
+writes only its own (guide tokens are video tokens: their positions are sliced with them). Audio tokens are few (25 per second against thousands of video tokens per frame), so every rank
 holds all of them: splitting them would cost an exchange per attention for almost no compute. Video self-attention
 goes through sp_attention (Ulysses / Ring); text cross-attention, audio self-attention and audio-to-video attention
 (video queries, audio keys) are local; video-to-audio attention (audio queries over the split video keys) merges the
@@ -56,9 +59,10 @@ UNIT = (1, 1, 1)                # LTX-2 takes its latents unpatched: one token p
 
 VAE_SCALE_FACTORS = (8, 32, 32)
 PATCHIFIERS = "comfy.ldm.lightricks.symmetric_patchifier"
-# inputs of ComfyUI's LTXAV call the host handles itself (the timesteps already carry the denoise masks)
-HOST_ONLY_INPUTS = ("denoise_mask", "audio_denoise_mask")
-UNSUPPORTED_INPUTS = ("keyframe_idxs", "guide_attention_entries", "ref_audio", "generated_keyframes")
+# inputs of ComfyUI's LTXAV call the host handles itself (the timesteps already carry the denoise masks; the guide
+# attention entries are checked to ask for no attention mask, check_guides)
+HOST_ONLY_INPUTS = ("denoise_mask", "audio_denoise_mask", "guide_attention_entries")
+UNSUPPORTED_INPUTS = ("ref_audio", "generated_keyframes")
 
 
 def _comfy_attributes(info: ModelInfo) -> dict:
@@ -86,8 +90,9 @@ def pack_comfy_call(x, timestep, inputs: dict) -> tuple:
                          "video-only generation is not supported under sequence parallelism yet)")
     unsupported = sorted(name for name in UNSUPPORTED_INPUTS if inputs.get(name) is not None)
     if unsupported:
-        raise ValueError(f"LTX-2 inputs {unsupported} (keyframe / guide / reference-audio conditioning) are not "
+        raise ValueError(f"LTX-2 inputs {unsupported} (reference-audio / generated-keyframe conditioning) are not "
                          f"supported under sequence parallelism yet")
+    check_guides(inputs)
     video, audio = x
     packed = torch.cat([video.flatten(1), audio.flatten(1)], dim=1).unsqueeze(1)
     video_sigma, audio_sigma = timestep if isinstance(timestep, (list, tuple)) else (timestep, timestep)
@@ -96,6 +101,24 @@ def pack_comfy_call(x, timestep, inputs: dict) -> tuple:
     inputs = {key: value for key, value in inputs.items() if key not in HOST_ONLY_INPUTS}
     inputs.update(latent_shapes=[list(video.shape), list(audio.shape)], audio_timestep=audio_sigma, **gates)
     return packed, video_sigma, inputs
+
+
+def check_guides(inputs: dict) -> None:
+    """Guides (LTXVAddGuide) that ComfyUI runs as extra video tokens at keyframe_idxs' positions work; refused with a
+    clear error: the per-guide attention mask ComfyUI builds for a guide strength below 1 or a guide attention mask,
+    and the token filter of guides dilated for IC-LoRAs with reference_downscale_factor > 1 (negative denoise
+    mask)."""
+    attenuated = [entry for entry in inputs.get("guide_attention_entries") or ()
+                  if entry["strength"] < 1.0 or entry.get("pixel_mask") is not None]
+    if attenuated:
+        strengths = [float(entry["strength"]) for entry in attenuated]
+        raise ValueError(f"LTX-2 guides with strength below 1.0 or an attention_mask (LTXVAddGuide strength "
+                         f"{strengths}) need a per-guide attention mask, which is not supported under sequence "
+                         f"parallelism yet; guides with strength 1.0 and no attention_mask work")
+    mask = inputs.get("denoise_mask")
+    if inputs.get("keyframe_idxs") is not None and mask is not None and bool((mask < 0).any()):
+        raise ValueError("LTX-2 guides dilated for an IC-LoRA with reference_downscale_factor > 1 (negative "
+                         "denoise mask) are not supported under sequence parallelism yet; use a LoRA with factor 1")
 
 
 def comfy_video_sigma(sigma: torch.Tensor, shape, denoise_mask) -> torch.Tensor:
@@ -361,7 +384,8 @@ def _prepare_streams(model, latents: Latents, grid: VideoGrid, token_range: tupl
     if config.use_prompt_embeddings:
         video_text, audio_text = model.caption_projection(video_text), model.audio_caption_projection(audio_text)
 
-    video_coords = comfy_video_coords(model, batch, grid_shape(grid), frame_rate, device)[:, :, lo:hi]
+    keyframes = _keyframe_positions(inputs, batch, grid.count, ctx)
+    video_coords = comfy_video_coords(model, batch, grid_shape(grid), frame_rate, device, keyframes)[:, :, lo:hi]
     audio_coords = model.audio_rope.prepare_audio_coords(batch, audio_frames, device)
     video_tokens = grid.patches(latents.video, lo, hi).to(dtype)
     audio_tokens = latents.audio.transpose(1, 2).flatten(2).to(dtype)
@@ -402,11 +426,30 @@ def _gate_sigma(inputs: dict, name: str, sigmas: torch.Tensor, batch: int, ctx) 
     return value.reshape(1, 1).expand(batch, 1)
 
 
-def comfy_video_coords(model, batch: int, shape: tuple[int, int, int], frame_rate: float, device) -> torch.Tensor:
+def _keyframe_positions(inputs: dict, batch: int, tokens: int, ctx) -> Optional[torch.Tensor]:
+    """Input keyframe_idxs, checked: the pixel-space [start, end) bounds [B or 1, 3, G, 2] of the last G video
+    tokens (the guide frames LTXVAddGuide appends to the latent); None without guides."""
+    given = inputs.get("keyframe_idxs")
+    if given is None:
+        return None
+    positions = ctx.to_device("keyframe_idxs", given, torch.float32)
+    shape = list(positions.shape)
+    if (len(shape) != 4 or shape[0] not in (1, batch) or shape[1] != 3 or shape[3] != 2
+            or not 0 < shape[2] <= tokens):
+        raise ValueError(f"keyframe_idxs has shape {shape}; give the guide tokens' pixel bounds [B, 3, G, 2] with "
+                         f"G at most the {tokens} video tokens (ComfyUI's LTXVAddGuide makes them)")
+    return positions
+
+
+def comfy_video_coords(model, batch: int, shape: tuple[int, int, int], frame_rate: float, device,
+                       keyframes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The video tokens' [start, end) bounds [B, 3, N, 2] as ComfyUI computes them: latent corners x the VAE factors,
-    the first frame's causal fix where the file asks for it (model.rope.causal_offset, set at load), time x
-    (1 / frame_rate) (diffusers divides by the rate, which rounds differently)."""
+    the first frame's causal fix where the file asks for it (model.rope.causal_offset, set at load), the last G
+    tokens' bounds replaced by `keyframes` [B or 1, 3, G, 2] (guides: they keep the bounds of the frames they
+    condition), time x (1 / frame_rate) (diffusers divides by the rate, which rounds differently)."""
     coords = model.rope.prepare_video_coords(batch, *shape, device, fps=1.0)
+    if keyframes is not None:
+        coords[:, :, coords.shape[2] - keyframes.shape[2]:] = keyframes
     coords[:, 0] = coords[:, 0] * (1.0 / frame_rate)
     return coords
 
@@ -540,9 +583,10 @@ def _head(model, stream: Stream, prefix: str) -> torch.Tensor:
 
 def reference_forward(model, video: torch.Tensor, audio: torch.Tensor, timestep: torch.Tensor,
                       context: torch.Tensor, audio_timestep: Optional[torch.Tensor] = None,
-                      frame_rate: float = DEFAULT_FRAME_RATE, comfy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      frame_rate: float = DEFAULT_FRAME_RATE, comfy: bool = True,
+                      keyframe_idxs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' LTX2VideoTransformer3DModel.forward on the whole sequence, given ComfyUI's video token times
-    (comfy_video_coords), the prompt through diffusers' own connector forward (padding replaced by registers), and
+    (comfy_video_coords, with guide tokens' keyframe_idxs), the prompt through diffusers' own connector forward (padding replaced by registers), and
     (comfy=True) ComfyUI's gates and video-to-audio norm hooked in (comfy_hooks): (video velocity [B, C, F, H, W],
     audio [B, C, T, M]). For files with use_middle_indices_grid (diffusers' rope always takes token middles)."""
     batch, channels, frames, height, width = video.shape
@@ -550,7 +594,7 @@ def reference_forward(model, video: torch.Tensor, audio: torch.Tensor, timestep:
     scale = model.config.timestep_scale_multiplier
     sigma = timestep.reshape(batch, -1) * scale
     audio_sigma = sigma if audio_timestep is None else audio_timestep.reshape(batch, -1) * scale
-    coords = comfy_video_coords(model, batch, (frames, height, width), frame_rate, video.device)
+    coords = comfy_video_coords(model, batch, (frames, height, width), frame_rate, video.device, keyframe_idxs)
     prompt_sigmas = {"sigma": prompt_sigma(sigma), "audio_sigma": prompt_sigma(audio_sigma)}  # LTX-2.3's prompt AdaLN
     with torch.no_grad(), (comfy_hooks(model, sigma, audio_sigma) if comfy else contextlib.nullcontext()):
         out, audio_out = model(hidden_states=video.flatten(2).transpose(1, 2),
