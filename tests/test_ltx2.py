@@ -154,12 +154,14 @@ def test_guide_positions_change_the_output(ltx2_references):
 
 
 def test_guides_that_need_an_attention_mask_are_clear_errors():
-    """A guide strength below 1 (or a guide attention mask) makes ComfyUI build a per-guide attention mask, and an
+    """A guide strength other than 1 (or a guide attention mask) makes ComfyUI build a per-guide attention mask, and an
     IC-LoRA guide dilated for reference_downscale_factor > 1 drops tokens: both refused, naming what to change."""
     video, audio, sigma, inputs = make_cases()["guides"]
-    weak = {**inputs, **guide_conds((0, 17), (3, 3), strength=0.5)}
-    with pytest.raises(ValueError, match=r"strength \[0.5, 0.5\].*strength 1.0 and no attention_mask work"):
-        ltx2.pack_comfy_call([video, audio], sigma, weak)
+    for strength in (0.5, 1.5):
+        weak = {**inputs, **guide_conds((0, 17), (3, 3), strength=strength)}
+        expected = rf"strength \[{strength}, {strength}\].*strength 1.0 and no attention_mask work"
+        with pytest.raises(ValueError, match=expected):
+            ltx2.pack_comfy_call([video, audio], sigma, weak)
     dilated = inputs["denoise_mask"].clone()
     dilated[:, :, 3:, 1] = -1.0
     with pytest.raises(ValueError, match="reference_downscale_factor"):
@@ -255,7 +257,7 @@ def test_comfy_call_convention_round_trip(family_pool, ltx2_file, ltx2_reference
         assert_parity(got, expected, "float32", f"ltx2_{what}/comfy_call")
     with pytest.raises(Exception, match="keyframe_idxs has shape"):
         x, timestep, extra = ltx2.pack_comfy_call([video, audio], sigma, {**inputs, "keyframe_idxs": torch.zeros(
-            2, 3, 46, 2)})
+            2, 3, 44, 2)})
         handle(x, timestep, **extra)
     with pytest.raises(ValueError, match="both latents"):
         ltx2.pack_comfy_call([video, audio[:, :, :0]], sigma, {})

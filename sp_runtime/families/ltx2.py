@@ -105,14 +105,14 @@ def pack_comfy_call(x, timestep, inputs: dict) -> tuple:
 
 def check_guides(inputs: dict) -> None:
     """Guides (LTXVAddGuide) that ComfyUI runs as extra video tokens at keyframe_idxs' positions work; refused with a
-    clear error: the per-guide attention mask ComfyUI builds for a guide strength below 1 or a guide attention mask,
+    clear error: the per-guide attention mask ComfyUI builds for a guide strength other than 1 or a guide attention mask,
     and the token filter of guides dilated for IC-LoRAs with reference_downscale_factor > 1 (negative denoise
     mask)."""
     attenuated = [entry for entry in inputs.get("guide_attention_entries") or ()
-                  if entry["strength"] < 1.0 or entry.get("pixel_mask") is not None]
+                  if entry["strength"] != 1.0 or entry.get("pixel_mask") is not None]
     if attenuated:
         strengths = [float(entry["strength"]) for entry in attenuated]
-        raise ValueError(f"LTX-2 guides with strength below 1.0 or an attention_mask (LTXVAddGuide strength "
+        raise ValueError(f"LTX-2 guides with a strength other than 1.0 or an attention_mask (LTXVAddGuide strength "
                          f"{strengths}) need a per-guide attention mask, which is not supported under sequence "
                          f"parallelism yet; guides with strength 1.0 and no attention_mask work")
     mask = inputs.get("denoise_mask")
@@ -384,7 +384,7 @@ def _prepare_streams(model, latents: Latents, grid: VideoGrid, token_range: tupl
     if config.use_prompt_embeddings:
         video_text, audio_text = model.caption_projection(video_text), model.audio_caption_projection(audio_text)
 
-    keyframes = _keyframe_positions(inputs, batch, grid.count, ctx)
+    keyframes = _keyframe_positions(inputs, batch, grid, ctx)
     video_coords = comfy_video_coords(model, batch, grid_shape(grid), frame_rate, device, keyframes)[:, :, lo:hi]
     audio_coords = model.audio_rope.prepare_audio_coords(batch, audio_frames, device)
     video_tokens = grid.patches(latents.video, lo, hi).to(dtype)
@@ -426,18 +426,20 @@ def _gate_sigma(inputs: dict, name: str, sigmas: torch.Tensor, batch: int, ctx) 
     return value.reshape(1, 1).expand(batch, 1)
 
 
-def _keyframe_positions(inputs: dict, batch: int, tokens: int, ctx) -> Optional[torch.Tensor]:
+def _keyframe_positions(inputs: dict, batch: int, grid: VideoGrid, ctx) -> Optional[torch.Tensor]:
     """Input keyframe_idxs, checked: the pixel-space [start, end) bounds [B or 1, 3, G, 2] of the last G video
-    tokens (the guide frames LTXVAddGuide appends to the latent); None without guides."""
+    tokens, whole latent frames (the guide frames LTXVAddGuide appends to the latent); None without guides."""
     given = inputs.get("keyframe_idxs")
     if given is None:
         return None
     positions = ctx.to_device("keyframe_idxs", given, torch.float32)
     shape = list(positions.shape)
+    per_frame = grid.rows * grid.cols
     if (len(shape) != 4 or shape[0] not in (1, batch) or shape[1] != 3 or shape[3] != 2
-            or not 0 < shape[2] <= tokens):
-        raise ValueError(f"keyframe_idxs has shape {shape}; give the guide tokens' pixel bounds [B, 3, G, 2] with "
-                         f"G at most the {tokens} video tokens (ComfyUI's LTXVAddGuide makes them)")
+            or not 0 < shape[2] <= grid.count or shape[2] % per_frame):
+        raise ValueError(f"keyframe_idxs has shape {shape}; give the guide tokens' pixel bounds [B, 3, G, 2], G "
+                         f"whole latent frames of {per_frame} tokens, at most the {grid.count} video tokens "
+                         f"(ComfyUI's LTXVAddGuide makes them; crop the guides before upscaling the latent)")
     return positions
 
 
