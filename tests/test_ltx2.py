@@ -63,7 +63,8 @@ def guide_conds(frames, size, strength=1.0):
         bounds.append(torch.stack([starts, starts + torch.tensor([1.0, 32.0, 32.0])[:, None]], dim=-1))
     entries = [{"pre_filter_count": size[0] * size[1], "strength": strength, "pixel_mask": None,
                 "latent_shape": [1, *size]} for _ in frames]
-    return {"keyframe_idxs": torch.cat(bounds, dim=1).expand(2, -1, -1, -1).contiguous(), "guide_attention_entries": entries}
+    keyframe_idxs = torch.cat(bounds, dim=1).expand(2, -1, -1, -1).contiguous()
+    return {"keyframe_idxs": keyframe_idxs, "guide_attention_entries": entries}
 
 
 

@@ -2,7 +2,8 @@
 ComfyUI's own LTXAVModel (comfy.ldm.lightricks.av_model) on the same tiny files, built as ComfyUI's loader builds
 it (comfy.model_detection's unet config from the tensors and the `config` metadata) and called as its LTXAV model
 class calls it: the prompt (the text encoder's video and audio features, flagged unprocessed) through its
-preprocess_text_embeds, sigma x denoise mask per video token for image-to-video. Skips without COMFYUI_PATH, or
+preprocess_text_embeds, sigma x denoise mask per video token for image-to-video and for two strength-1.0 guide frames
+(keyframe_idxs; LTX-2.5's keyframe marker on the first latent frame, guides excepted). Skips without COMFYUI_PATH, or
 when that ComfyUI cannot build the release (LTX-2.3 needs ComfyUI >= 0.16.4, LTX-2.5 >= 0.32.0)."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from sp_runtime.families import ltx2
 from sp_runtime.families.header import read_checkpoint_header
 from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 from test_ltx23 import FEATURES
+from test_ltx2_comfy import guide_conds
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 23
@@ -64,7 +66,7 @@ def comfy_model(path: str, release: str):
 
 
 def make_calls(seed=7):
-    """name -> (video, audio, sigma [B], video denoise mask or None, prompt features, frame rate)."""
+    """name -> (video, audio, sigma [B], video denoise mask or None, prompt features, frame rate, guide conds)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -72,13 +74,17 @@ def make_calls(seed=7):
 
     i2v = torch.ones(2, 1, 3, 5, 3)
     i2v[:, :, 0] = 0
+    guided = torch.ones(2, 1, 5, 3, 3)
+    guided[:, :, 3:] = 0
     return {"t2v": (rand(2, 128, 3, 5, 3), rand(2, 8, 7, 16), torch.tensor([0.7, 0.4]), None,
-                    rand(2, 9, FEATURES), 24.0),
+                    rand(2, 9, FEATURES), 24.0, {}),
             "i2v": (rand(2, 128, 3, 5, 3), rand(2, 8, 2, 16), torch.tensor([0.8, 0.6]), i2v,
-                    rand(2, 6, FEATURES), 25.0)}
+                    rand(2, 6, FEATURES), 25.0, {}),
+            "guides": (rand(2, 128, 5, 3, 3), rand(2, 8, 7, 16), torch.tensor([0.8, 0.6]), guided,
+                       rand(2, 9, FEATURES), 24.0, guide_conds((0, 17), (3, 3)))}
 
 
-def comfy_call(model, video, audio, sigma, mask, prompt, frame_rate):
+def comfy_call(model, video, audio, sigma, mask, prompt, frame_rate, conds):
     """ComfyUI's LTXAV model class around its diffusion model: process_timestep, extra_conds' preprocess_text_embeds
     (per conditioning, flagged unprocessed as ComfyUI's LTX-2.3 / 2.5 text encoders flag it), the diffusion model."""
     timestep = sigma
@@ -87,7 +93,7 @@ def comfy_call(model, video, audio, sigma, mask, prompt, frame_rate):
     with torch.no_grad():
         context = torch.cat([model.preprocess_text_embeds(item[None], unprocessed=True) for item in prompt])
         out = model([video, audio], (timestep, sigma), context, frame_rate=frame_rate, transformer_options={},
-                    denoise_mask=mask)
+                    denoise_mask=mask, **conds)
     return (timestep, sigma), out
 
 
@@ -97,8 +103,8 @@ def expected(files):
     results = {}
     for release, path in files.items():
         model = comfy_model(path, release)
-        for call, (video, audio, sigma, mask, prompt, rate) in make_calls().items():
-            results[release, call] = comfy_call(model, video, audio, sigma, mask, prompt, rate)
+        for call, (video, audio, sigma, mask, prompt, rate, conds) in make_calls().items():
+            results[release, call] = comfy_call(model, video, audio, sigma, mask, prompt, rate, conds)
     return results
 
 
@@ -108,9 +114,10 @@ def test_pool_equals_comfyuis_ltxav(family_pool, files, expected, release):
     if degree not in (2, 3):
         pytest.skip("checked at Ulysses 2 and 3")
     handle = family_pool.load_model(files[release])
-    for call, (video, audio, sigma, mask, prompt, rate) in make_calls().items():
+    for call, (video, audio, sigma, mask, prompt, rate, conds) in make_calls().items():
         timesteps, reference = expected[release, call]
-        inputs = {"context": prompt, "frame_rate": rate, **({"denoise_mask": mask} if mask is not None else {})}
+        inputs = {"context": prompt, "frame_rate": rate, **conds,
+                  **({"denoise_mask": mask} if mask is not None else {})}
         x, timestep, extra = ltx2.pack_comfy_call([video, audio], timesteps, inputs)
         got = ltx2.unpack_comfy_output(handle(x, timestep, **extra), [video, audio])
         for output, want, what in zip(got, reference, ("video", "audio")):
@@ -122,9 +129,10 @@ def test_pool_equals_comfyuis_ltxav(family_pool, files, expected, release):
 def test_diffusers_reference_equals_comfyui(expected, release):
     """test_ltx23's reference (diffusers' stock forward with ComfyUI's choices hooked in) against ComfyUI's model."""
     model = build_tiny_model("ltx2", SEED, release=release)
-    for call, (video, audio, sigma, mask, prompt, rate) in make_calls().items():
+    for call, (video, audio, sigma, mask, prompt, rate, conds) in make_calls().items():
         (video_t, audio_t), reference = expected[release, call]
         video_t = ltx2.comfy_video_sigma(video_t, video.shape, mask)
-        got = ltx2.reference_forward(model, video, audio, video_t, prompt, audio_t, rate)
+        got = ltx2.reference_forward(model, video, audio, video_t, prompt, audio_t, rate,
+                                     keyframe_idxs=conds.get("keyframe_idxs"))
         for output, want, what in zip(got, reference, ("video", "audio")):
             assert_parity(output, want, "float32", f"comfyui_ltx{release}_{what}/diffusers_reference/{call}")

@@ -3,9 +3,9 @@ tiny file, called as ComfyUI's LTXAV model class calls it (its process_timestep:
 token; the prompt after its preprocess_text_embeds), at Ulysses 1-4 and Ulysses 2 x CFG 2: text-to-video,
 image-to-video (first latent frame at sigma 0), an inpainting mask that varies within frames of the second batch
 item only with batch items at different sigmas, two strength-1.0 guide frames (LTXVAddGuide's keyframe_idxs and
-guide attention entries, made by ComfyUI's own patchifier), and a file whose config metadata states only sizes (ComfyUI's
-defaults: token starts, no causal time fix, interleaved rope, gate factor 1 / 1000). The diffusers-based reference
-of test_ltx2 (ltx2.reference_forward) is checked against it too. Skips without COMFYUI_PATH, or when that ComfyUI
+guide attention entries, made by ComfyUI's own patchifier), and a file whose config metadata states only sizes
+(ComfyUI's defaults: token starts, no causal time fix, interleaved rope, gate factor 1 / 1000). The diffusers-based
+reference of test_ltx2 (ltx2.reference_forward) is checked against it too. Skips without COMFYUI_PATH, or when that ComfyUI
 has no LTXAV model (0.3.64 has none)."""
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ are in the per-token timestep). The output is packed like x: the video and audio
 which ComfyUI's LTXVCropGuides drops).
 
 SP plan: video tokens are split over the sequence group (balanced shards); every rank patch-embeds, modulates and
-writes only its own (guide tokens are video tokens: their positions are sliced with them). Audio tokens are few (25 per second against thousands of video tokens per frame), so every rank
+writes only its own (guide tokens are video tokens: their positions are sliced with them). Audio tokens are few
+(25 per second against thousands of video tokens per frame), so every rank
 holds all of them: splitting them would cost an exchange per attention for almost no compute. Video self-attention
 goes through sp_attention (Ulysses / Ring); text cross-attention, audio self-attention and audio-to-video attention
 (video queries, audio keys) are local; video-to-audio attention (audio queries over the split video keys) merges the
@@ -31,7 +32,8 @@ ranks' partial results by log-sum-exp (attention_over_key_shards), so the audio 
 audio-token count (also fewer than the ranks) works; rank 0 of each sequence group writes the audio output.
 LTX-2.3 / 2.5 add nothing that crosses tokens: the attention gates are per query token and head, the prompt
 modulation per item (ComfyUI's prompt timestep is the item's largest sigma over all its tokens, which every rank
-holds), so they apply to each rank's own tokens as on one device.
+holds), LTX-2.5's keyframe marker per token (the first latent frame's), so they apply to each rank's own tokens as on
+one device.
 """
 from __future__ import annotations
 
@@ -105,8 +107,8 @@ def pack_comfy_call(x, timestep, inputs: dict) -> tuple:
 
 def check_guides(inputs: dict) -> None:
     """Guides (LTXVAddGuide) that ComfyUI runs as extra video tokens at keyframe_idxs' positions work; refused with a
-    clear error: the per-guide attention mask ComfyUI builds for a guide strength other than 1 or a guide attention mask,
-    and the token filter of guides dilated for IC-LoRAs with reference_downscale_factor > 1 (negative denoise
+    clear error: the per-guide attention mask ComfyUI builds for a guide strength other than 1 or a guide attention
+    mask, and the token filter of guides dilated for IC-LoRAs with reference_downscale_factor > 1 (negative denoise
     mask)."""
     attenuated = [entry for entry in inputs.get("guide_attention_entries") or ()
                   if entry["strength"] != 1.0 or entry.get("pixel_mask") is not None]
@@ -391,7 +393,9 @@ def _prepare_streams(model, latents: Latents, grid: VideoGrid, token_range: tupl
     audio_tokens = latents.audio.transpose(1, 2).flatten(2).to(dtype)
     scale = config.timestep_scale_multiplier
     gate_factor = config.cross_attn_timestep_scale_multiplier / scale
-    video = _stream(model, "", model.proj_in(video_tokens), sigma * scale, a2v_gate * scale * gate_factor,
+    guides = 0 if keyframes is None else keyframes.shape[2]
+    video_hidden = mark_pixel_frames(model, model.proj_in(video_tokens), video_coords, (lo, hi), grid.count - guides)
+    video = _stream(model, "", video_hidden, sigma * scale, a2v_gate * scale * gate_factor,
                     model.rope(_self_positions(video_coords, middle), device=device),
                     model.cross_attn_rope(video_coords[:, 0:1], device=device),
                     video_text, ("av_cross_attn_video_scale_shift", "av_cross_attn_video_a2v_gate"), dtype)
@@ -404,6 +408,19 @@ def _prepare_streams(model, latents: Latents, grid: VideoGrid, token_range: tupl
         video.prompt_temb = _prompt_temb(model.prompt_adaln, full_sigma * scale, dtype)
         audio.prompt_temb = _prompt_temb(model.audio_prompt_adaln, audio_sigma * scale, dtype)
     return video, audio
+
+
+def mark_pixel_frames(model, hidden: torch.Tensor, coords: torch.Tensor, token_range: tuple[int, int],
+                      guide_start: int) -> torch.Tensor:
+    """LTX-2.5's learned keyframe marker added to the tokens that encode one pixel frame, as ComfyUI's newest
+    apply_keyframes_abs_pos_embedding: the tokens starting at time 0 (the first latent frame), guide tokens (index
+    guide_start on) excepted; `coords` [B, 3, n, 2] and `hidden` [B, n, dim] are the tokens token_range of the
+    video. Files without the marker (LTX-2, 2.3) pass unchanged."""
+    if not model.config.use_keyframes_abs_pos_embedding:
+        return hidden
+    index = torch.arange(*token_range, device=hidden.device)
+    marked = (coords[:, 0, :, 0] == 0) & (index < guide_start)
+    return hidden + marked.unsqueeze(-1).to(hidden.dtype) * model.keyframes_abs_pos_embedding.to(hidden.dtype)
 
 
 def prompt_sigma(sigma: torch.Tensor) -> torch.Tensor:
@@ -588,8 +605,10 @@ def reference_forward(model, video: torch.Tensor, audio: torch.Tensor, timestep:
                       frame_rate: float = DEFAULT_FRAME_RATE, comfy: bool = True,
                       keyframe_idxs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' LTX2VideoTransformer3DModel.forward on the whole sequence, given ComfyUI's video token times
-    (comfy_video_coords, with guide tokens' keyframe_idxs), the prompt through diffusers' own connector forward (padding replaced by registers), and
-    (comfy=True) ComfyUI's gates and video-to-audio norm hooked in (comfy_hooks): (video velocity [B, C, F, H, W],
+    (comfy_video_coords, with guide tokens' keyframe_idxs), the prompt through diffusers' own connector forward
+    (padding replaced by registers), and
+    (comfy=True) ComfyUI's gates and video-to-audio norm hooked in (comfy_hooks), LTX-2.5's keyframe marker on the
+    first latent frame's tokens (diffusers' video_keyframes_mask): (video velocity [B, C, F, H, W],
     audio [B, C, T, M]). For files with use_middle_indices_grid (diffusers' rope always takes token middles)."""
     batch, channels, frames, height, width = video.shape
     texts = reference_prompts(model, context)
@@ -598,12 +617,15 @@ def reference_forward(model, video: torch.Tensor, audio: torch.Tensor, timestep:
     audio_sigma = sigma if audio_timestep is None else audio_timestep.reshape(batch, -1) * scale
     coords = comfy_video_coords(model, batch, (frames, height, width), frame_rate, video.device, keyframe_idxs)
     prompt_sigmas = {"sigma": prompt_sigma(sigma), "audio_sigma": prompt_sigma(audio_sigma)}  # LTX-2.3's prompt AdaLN
+    guides = 0 if keyframe_idxs is None else keyframe_idxs.shape[2]
+    not_guide = torch.arange(coords.shape[2], device=coords.device) < coords.shape[2] - guides
+    first_frame = (coords[:, 0, :, 0] == 0) & not_guide
     with torch.no_grad(), (comfy_hooks(model, sigma, audio_sigma) if comfy else contextlib.nullcontext()):
         out, audio_out = model(hidden_states=video.flatten(2).transpose(1, 2),
                                audio_hidden_states=audio.transpose(1, 2).flatten(2), encoder_hidden_states=texts[0],
                                audio_encoder_hidden_states=texts[1], timestep=sigma, audio_timestep=audio_sigma,
                                video_coords=coords, audio_num_frames=audio.shape[2], return_dict=False,
-                               **prompt_sigmas)
+                               video_keyframes_mask=first_frame.unsqueeze(-1), **prompt_sigmas)
     video_out = out.transpose(1, 2).reshape(batch, -1, frames, height, width)
     audio_out = audio_out.unflatten(2, (audio.shape[1], audio.shape[3])).transpose(1, 2)
     return video_out, audio_out
