@@ -24,8 +24,7 @@ which ComfyUI's LTXVCropGuides drops).
 
 SP plan: video tokens are split over the sequence group (balanced shards); every rank patch-embeds, modulates and
 writes only its own (guide tokens are video tokens: their positions are sliced with them). Audio tokens are few
-(25 per second against thousands of video tokens per frame), so every rank
-holds all of them: splitting them would cost an exchange per attention for almost no compute. Video self-attention
+(25 per second against thousands of video tokens per frame), so every rank holds all of them: splitting them would cost an exchange per attention for almost no compute. Video self-attention
 goes through sp_attention (Ulysses / Ring); text cross-attention, audio self-attention and audio-to-video attention
 (video queries, audio keys) are local; video-to-audio attention (audio queries over the split video keys) merges the
 ranks' partial results by log-sum-exp (attention_over_key_shards), so the audio stays the same on every rank. Any
@@ -606,10 +605,9 @@ def reference_forward(model, video: torch.Tensor, audio: torch.Tensor, timestep:
                       keyframe_idxs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' LTX2VideoTransformer3DModel.forward on the whole sequence, given ComfyUI's video token times
     (comfy_video_coords, with guide tokens' keyframe_idxs), the prompt through diffusers' own connector forward
-    (padding replaced by registers), and
-    (comfy=True) ComfyUI's gates and video-to-audio norm hooked in (comfy_hooks), LTX-2.5's keyframe marker on the
-    first latent frame's tokens (diffusers' video_keyframes_mask): (video velocity [B, C, F, H, W],
-    audio [B, C, T, M]). For files with use_middle_indices_grid (diffusers' rope always takes token middles)."""
+    (padding replaced by registers), LTX-2.5's keyframe marker on the first latent frame's tokens (diffusers'
+    video_keyframes_mask) and (comfy=True) ComfyUI's gates and video-to-audio norm hooked in (comfy_hooks): (video
+    velocity [B, C, F, H, W], audio [B, C, T, M]). For files with use_middle_indices_grid (diffusers' rope always takes token middles)."""
     batch, channels, frames, height, width = video.shape
     texts = reference_prompts(model, context)
     scale = model.config.timestep_scale_multiplier
