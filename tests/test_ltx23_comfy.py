@@ -15,10 +15,9 @@ import torch
 import comfy_support as cs
 from family_support import assert_parity
 from sp_runtime.families import ltx2
-from sp_runtime.families.header import read_checkpoint_header
 from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 from test_ltx23 import FEATURES
-from test_ltx2_comfy import guide_conds
+from test_ltx2_comfy import comfy_model as ltx2_comfy_model, guide_conds
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 23
@@ -49,20 +48,11 @@ def comfy_model(path: str, release: str):
     """ComfyUI's LTXAVModel of the file as its loader builds it; a skip naming the version when it cannot."""
     cs.import_comfy()
     import comfy.ldm.lightricks.av_model as av_model
-    import comfy.model_detection
-    import comfy.ops
-    from safetensors.torch import load_file
-    state = {key[len(COMFY_PREFIX):]: value for key, value in load_file(path).items()}
-    config = comfy.model_detection.detect_unet_config(state, "", read_checkpoint_header(path).metadata)
-    config.pop("image_model")
     try:
-        model = av_model.LTXAVModel(**config, dtype=torch.float32, device="cpu",
-                                    operations=comfy.ops.disable_weight_init)
-        model.load_state_dict(state, strict=True)
+        return ltx2_comfy_model(av_model, path)
     except (RuntimeError, TypeError) as error:
         pytest.skip(f"ComfyUI at {cs.comfyui_path()} cannot build LTX-{release} (needs ComfyUI >= "
                     f"{NEEDS[release]}): {str(error)[:200]}")
-    return model.eval()
 
 
 def make_calls(seed=7):
