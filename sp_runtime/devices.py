@@ -2,6 +2,8 @@
 
 A devices text is "auto" (every visible CUDA GPU), GPU indices "0,1,2,3" / "cuda:0,cuda:1", ranges "0-3" (mixable:
 "0-1,4"), or CPU workers: "cpu:N" (also "cpu*N", or "cpu" repeated: "cpu,cpu"); one worker per entry.
+The text is bounded before anything is expanded: at most MAX_DEVICES_TEXT characters, GPU indices up to
+MAX_GPU_INDEX (the highest torch can name), at most MAX_CPU_WORKERS CPU workers; each GPU at most once.
 """
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ _CPU = re.compile(r"^cpu(?:[:*](\d+))?$")
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 _GPU = re.compile(r"^(?:cuda:)?(\d+)$")
 MAX_CPU_WORKERS = 64
+# torch keeps a device index in an int8 (c10::DeviceIndex): cuda:127 is the highest index any process can name
+# (torch.device("cuda:128") wraps to cuda:-128), so no GPU list is longer than 128 entries
+MAX_GPU_INDEX = 127
+MAX_DEVICES_TEXT = 1024  # characters: 0..127 written out one by one is ~400
 DEVICE_HELP = ("use 'auto' (every visible GPU), GPU indices such as '0,1,2,3' or '0-3', or 'cpu:2' for two "
                "CPU workers")
 
@@ -45,13 +51,20 @@ def parse_devices(text: str, cuda_count: Optional[int] = None, count_gpus: Calla
     spec = str(text).strip().lower().replace(" ", "")
     if not spec:
         raise ValueError(f"devices is empty: {DEVICE_HELP}")
+    if len(spec) > MAX_DEVICES_TEXT:
+        raise ValueError(f"devices text has {len(spec)} characters, more than the limit of {MAX_DEVICES_TEXT}: "
+                         f"{DEVICE_HELP}")
     parts = spec.split(",")
     cpu_parts = [part for part in parts if _CPU.match(part)]
     if cpu_parts and len(cpu_parts) < len(parts):
         raise ValueError(f"devices={spec!r} mix CPU and CUDA: CPU and GPU workers cannot be mixed in one pool; "
                          f"{DEVICE_HELP}")
     if cpu_parts:
-        return [device for part in cpu_parts for device in _cpu_devices(spec, part)]
+        workers = [device for part in cpu_parts for device in _cpu_devices(spec, part)]
+        if len(workers) > MAX_CPU_WORKERS:
+            raise ValueError(f"devices={spec!r} asks for {len(workers)} CPU workers, more than the limit of "
+                             f"{MAX_CPU_WORKERS}; e.g. 'cpu:2'")
+        return workers
     count = count_gpus() if cuda_count is None else cuda_count
     if spec == "auto":
         return _auto(count, auto_cpu_workers)
@@ -77,26 +90,38 @@ def _cpu_devices(spec: str, part: str) -> list[str]:
 
 
 def _gpu_indices(spec: str, parts: list[str]) -> list[int]:
+    """The GPU indices of the entries, each checked against MAX_GPU_INDEX before a range is expanded."""
     indices: list[int] = []
     for part in parts:
         span = _RANGE.match(part)
         single = _GPU.match(part)
         if span:
-            first, last = int(span.group(1)), int(span.group(2))
+            first, last = _gpu_index(spec, span.group(1)), _gpu_index(spec, span.group(2))
             if last < first:
                 raise ValueError(f"devices={spec!r}: the range {part!r} runs backwards; write it as "
                                  f"'{last}-{first}'")
             indices.extend(range(first, last + 1))
         elif single:
-            indices.append(int(single.group(1)))
+            indices.append(_gpu_index(spec, single.group(1)))
         else:
             raise ValueError(f"devices={spec!r}: {part!r} is not understood (not a GPU index, a range or "
                              f"cpu:N); {DEVICE_HELP}")
     return indices
 
 
+def _gpu_index(spec: str, digits: str) -> int:
+    significant = digits.lstrip("0") or "0"
+    index = int(significant) if len(significant) <= 3 else MAX_GPU_INDEX + 1  # never int() of 1000 digits
+    if index > MAX_GPU_INDEX:
+        raise ValueError(f"devices={spec!r}: GPU index {digits[:12]}{'...' if len(digits) > 12 else ''} is above "
+                         f"{MAX_GPU_INDEX}, the highest CUDA device index torch can name; use the indices of the "
+                         f"visible GPUs (0..N-1)")
+    return index
+
+
 def _check_indices(spec: str, indices: list[int], count: int) -> None:
-    repeated = sorted({index for index in indices if indices.count(index) > 1})
+    seen: set[int] = set()
+    repeated = sorted({index for index in indices if index in seen or seen.add(index)})
     if repeated:
         raise ValueError(f"devices={spec!r} lists GPU {repeated} more than once: each GPU runs one worker")
     if count == 0:

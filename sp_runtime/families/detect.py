@@ -2,13 +2,20 @@
 clear description of anything none of them recognises."""
 from __future__ import annotations
 
+import os
 from dataclasses import replace
-from typing import Union
+from typing import Optional, Union
 
 from ..formats.detect import plain_view
 from . import FAMILIES, family_module
 from .base import Detection
 from .header import FAMILY_METADATA_KEY, Header, read_checkpoint_header
+
+# This project's own test / benchmark families: a file naming one in its metadata would make every worker build what
+# the metadata asks for (the synthetic family draws random weights of any size). They load only in a process that
+# opted in: the tests' conftest, the benchmarks and the CLI's presets (allow_internal_families); never from metadata.
+INTERNAL_FAMILIES = ("toy", "synthetic")
+INTERNAL_FAMILIES_ENV = "ULYSSES_SP_INTERNAL_FAMILIES"
 
 # Signature keys of model families (and non-model files) that no registered family handles, for the error message.
 # Consulted only when no registered family recognised the file: a newly registered family needs no change here.
@@ -30,11 +37,29 @@ OTHER_KINDS = {
 }
 
 
-def detect(checkpoint: Union[str, Header]) -> Detection:
-    """Family of a checkpoint (a path, or its header already read); ValueError saying what the file is otherwise."""
+def allow_internal_families() -> None:
+    """Let this process (and the workers it starts) load the toy / synthetic families: for test and benchmark code
+    that writes such files itself. Nothing read from a file can call this."""
+    os.environ[INTERNAL_FAMILIES_ENV] = "1"
+
+
+def internal_families_allowed() -> bool:
+    return os.environ.get(INTERNAL_FAMILIES_ENV) == "1"
+
+
+def detect(checkpoint: Union[str, Header], allow_internal: Optional[bool] = None) -> Detection:
+    """Family of a checkpoint (a path, or its header already read); ValueError saying what the file is otherwise.
+
+    allow_internal: whether the toy / synthetic families may load (None: only when this process opted in)."""
     header = checkpoint if isinstance(checkpoint, Header) else read_checkpoint_header(checkpoint)
     named = header.metadata.get(FAMILY_METADATA_KEY)
     if named:
+        allowed = internal_families_allowed() if allow_internal is None else allow_internal
+        if named in INTERNAL_FAMILIES and not allowed:
+            raise ValueError(f"{header.path!r} names the model family {named!r} in its metadata "
+                             f"({FAMILY_METADATA_KEY}): that is ulysses-sp's own test / benchmark model, which "
+                             f"loads only in test and benchmark runs ({INTERNAL_FAMILIES_ENV}=1), never from a "
+                             f"file's word; a downloaded model does not need it, so this file is not a real model")
         return _detect_named(header, named)
     supported = []
     view = plain_view(header)
@@ -92,7 +117,7 @@ def load_worker_model(request, device, groups, progress):
     from ..model_options import with_runtime_options
     from ..sharding import ShardSpec, shard_option, shard_worker, sharded_loading
     header = request.header or read_checkpoint_header(request.path)
-    detection = detect(header)
+    detection = detect(header, allow_internal=True)  # the host refused internal families (pool._request_for)
     world = groups.config.world_size if groups is not None else 1
     shard = ShardSpec(groups.rank, world) if shard_option(request.options) and world > 1 else None
     with sharded_loading(shard):  # blocks read straight into this rank's shards

@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Optional
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# The largest released checkpoints have headers well under 2 MiB (thousands of tensors); safetensors' own cap is
+# 100 MB, which takes seconds and gigabytes to parse as JSON: a header beyond this is refused before it is read.
+MAX_HEADER_BYTES = 16 * 1024 * 1024
 FAMILY_METADATA_KEY = "ulysses_sp.family"  # set only by this project's own test / demo / benchmark checkpoints
 CONFIG_METADATA_KEY = "diffusers.config"  # a folder's config.json, carried in the merged Header's metadata
-# dtype names of the safetensors format (safetensors' Dtype enum)
-SAFETENSORS_DTYPE_NAMES = frozenset({"BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64",
-                                     "I64", "U64", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2",
-                                     "C64"})
+# dtype names of the safetensors format (safetensors' Dtype enum) -> bits per element (Dtype::bitsize)
+SAFETENSORS_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32,
+                          "U32": 32, "F32": 32, "F64": 64, "I64": 64, "U64": 64, "F8_E4M3": 8, "F8_E5M2": 8,
+                          "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64}
+SAFETENSORS_DTYPE_NAMES = frozenset(SAFETENSORS_DTYPE_BITS)
 FORMAT_HINT = "give a .safetensors file or a diffusers model folder (config.json + .safetensors)"
 
 
@@ -165,7 +169,11 @@ def read_header(path: str) -> Header:
         if len(prefix) < 8:
             raise ValueError(f"{path!r} is not a safetensors checkpoint: the file has only {size} bytes")
         (length,) = struct.unpack("<Q", prefix)
-        if length > min(MAX_HEADER_BYTES, size - 8):
+        if MAX_HEADER_BYTES < length <= size - 8:
+            raise ValueError(f"{path!r}: its safetensors header is {length} bytes, more than the limit of "
+                             f"{MAX_HEADER_BYTES} (released checkpoints stay under 2 MiB); this file is not a "
+                             f"checkpoint ulysses-sp loads")
+        if length > size - 8:
             raise ValueError(f"{path!r} is not a safetensors checkpoint (header length {length} does not fit "
                              f"in a {size}-byte file): give a .safetensors file")
         try:
@@ -179,6 +187,7 @@ def read_header(path: str) -> Header:
         raise _damaged(path, "its __metadata__ is not a map of strings")
     data_bytes = size - 8 - length
     tensors = {name: _tensor_entry(path, name, entry, data_bytes) for name, entry in raw.items()}
+    _check_no_overlap(path, {name: entry["data_offsets"] for name, entry in raw.items()})
     return Header(path, tensors, metadata, (path,))
 
 
@@ -197,7 +206,22 @@ def _tensor_entry(path: str, name: str, entry, data_bytes: int) -> tuple[str, tu
     if offsets[1] > data_bytes:
         raise ValueError(f"{path!r} is truncated: tensor {name!r} ends at byte {offsets[1]} of the data but the "
                          f"file holds {data_bytes}; download or copy it again")
+    bits = math.prod(shape) * SAFETENSORS_DTYPE_BITS[dtype]
+    if bits != 8 * (offsets[1] - offsets[0]):
+        raise _damaged(path, f"tensor {name!r} claims shape {shape} of {dtype} ({bits / 8:g} bytes) but its "
+                             f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes")
     return dtype, tuple(shape)
+
+
+def _check_no_overlap(path: str, ranges: dict[str, list[int]]) -> None:
+    """Every byte of the data belongs to at most one tensor (the ranges are known to lie inside the file)."""
+    previous, previous_end = None, 0
+    for begin, end, name in sorted((begin, end, name) for name, (begin, end) in ranges.items()):
+        if begin < previous_end:
+            raise _damaged(path, f"tensors {previous!r} and {name!r} overlap (bytes {begin}..{previous_end} of "
+                                 f"the data)")
+        if end > previous_end:
+            previous, previous_end = name, end
 
 
 def _damaged(path: str, problem: str) -> ValueError:

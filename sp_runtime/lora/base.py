@@ -34,7 +34,7 @@ class BaseWeights:
 
     def __init__(self, checkpoint: Union[str, Header], parameters: set[str], weight_plan: WeightPlanFn):
         header = checkpoint if isinstance(checkpoint, Header) else read_checkpoint_header(checkpoint)
-        detection = detect(header)
+        detection = detect(header, allow_internal=True)  # a model already loaded: the host checked its family
         keys = strip_prefix(header.tensors, detection.prefix)
         key_plan = weight_plan(detection, keys)
         key_plan = identity_plan(keys) if key_plan is None else key_plan
