@@ -289,7 +289,7 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
     unexpected: list[str] = []
     reporter = _Progress(progress, source)
     quant = dtypes.quant
-    ignore |= quant.auxiliary if quant else set()
+    ignore |= quant.auxiliary if quant else {formats.comfy_quant.LEGACY_MARKER}  # a stray marker: ComfyUI ignores it
     for file in source.files:
         with formats.open_weights(file, device) as handle:
             for key in handle.keys():
@@ -310,6 +310,8 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
                 weight = formats.read_quant(handle, key, name, quant)
                 kept = weight is not None and all(target in linear_weights for target, _ in outputs)
                 tensor = None if kept else handle.get_tensor(key) if weight is None else weight.dequantize()
+                if tensor is not None and not tensor.is_floating_point():
+                    _refuse_integer(file, key, tensor, [target for target, _ in outputs if targets[target]])
                 for target, transform in outputs:
                     block = sink.block_of(target) if sink else None
                     if kept:
@@ -333,6 +335,15 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
     model.requires_grad_(False)
     reporter.done()
     return model.eval()
+
+
+def _refuse_integer(file: str, key: str, tensor: torch.Tensor, float_targets: list[str]) -> None:
+    """An integer tensor where the model has a floating-point weight: a cast would load numbers that were never
+    weights (quantized integer weights carry a quantization entry and are read as such)."""
+    if float_targets:
+        raise ValueError(f"{file!r}: tensor {key!r} holds integers ({tensor.dtype}) where the model has the "
+                         f"floating-point weight {float_targets[0]!r}; it is not a plain checkpoint nor a "
+                         f"quantized format ulysses-sp reads")
 
 
 def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:

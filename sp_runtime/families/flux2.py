@@ -47,6 +47,9 @@ CLASS_NAME = "Flux2Transformer2DModel"
 CONFIG_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "num_single_layers", "attention_head_dim",
                "num_attention_heads", "joint_attention_dim", "mlp_ratio", "axes_dims_rope", "rope_theta",
                "guidance_embeds")
+# Flux2Transformer2DModel arguments a diffusers folder's config.json may set away from the released value (the
+# original layout's files fix them at diffusers' defaults)
+FOLDER_ONLY_KEYS = ("timestep_guidance_channels", "eps")
 # Where a header shows each architecture fact: (original key, diffusers key), prefix stripped
 ARCHITECTURE_KEYS = {
     "embed": ("img_in.weight", "x_embedder.weight"),
@@ -69,7 +72,7 @@ def detect(header: Header) -> Optional[Detection]:
     if folder_config is not None:
         if folder_config.get("_class_name") != CLASS_NAME:
             return None
-        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
+        config = {key: folder_config[key] for key in CONFIG_KEYS + FOLDER_ONLY_KEYS if key in folder_config}
         config["axes_dims_rope"] = tuple(config.get("axes_dims_rope", (32, 32, 32, 32)))
         config["out_channels"] = config.get("out_channels") or config["in_channels"]
         return _detection(header, "diffusers", "", config)

@@ -215,13 +215,10 @@ def _tensor_entry(path: str, name: str, entry, data_bytes: int) -> tuple[str, tu
 
 def _check_no_overlap(path: str, ranges: dict[str, list[int]]) -> None:
     """Every byte of the data belongs to at most one tensor (the ranges are known to lie inside the file)."""
-    previous, previous_end = None, 0
-    for begin, end, name in sorted((begin, end, name) for name, (begin, end) in ranges.items()):
-        if begin < previous_end:
-            raise _damaged(path, f"tensors {previous!r} and {name!r} overlap (bytes {begin}..{previous_end} of "
-                                 f"the data)")
-        if end > previous_end:
-            previous, previous_end = name, end
+    from ..formats.byte_ranges import first_overlap
+    overlap = first_overlap((begin, end, name) for name, (begin, end) in ranges.items())
+    if overlap:
+        raise _damaged(path, f"tensors {overlap[0]!r} and {overlap[1]!r} overlap in the file")
 
 
 def _damaged(path: str, problem: str) -> ValueError:

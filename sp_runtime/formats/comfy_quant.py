@@ -36,34 +36,71 @@ FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 NVFP4_BLOCK, MXFP8_BLOCK = 16, 32
 REGULAR_HADAMARD_4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
+DEFAULT_CONVROT_GROUP = 256
+CONVROT_GROUPS = (4, 16, 64, 256, 1024, 4096)  # powers of 4; the rotation is a group x group matrix per call
+MAX_LAYER_JSON_BYTES = 4096  # a `.comfy_quant` entry: ComfyUI writes a few dozen bytes
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Detection: layer -> its quantization entry
 
-def layer_entries(tensors: dict, metadata: dict, prefix: str, read_small) -> Optional[dict[str, dict]]:
+def layer_entries(path: str, tensors: dict, metadata: dict, prefix: str, read_small) -> Optional[dict[str, dict]]:
     """Layer name (prefix stripped) -> {"format": ..., ...} of a ComfyUI quantized file; None for other files.
 
-    read_small(keys) -> {key: tensor} reads small tensors (the JSON bytes of `.comfy_quant` entries)."""
+    read_small(keys) -> {key: tensor} reads small tensors (the JSON bytes of `.comfy_quant` entries), each checked
+    against MAX_LAYER_JSON_BYTES in the header first. Every entry is checked (check_entry); errors name the file and
+    the layer. A `scaled_fp8` marker without any `.scale_weight` layer quantizes nothing, as in ComfyUI's
+    comfy/utils.py convert_old_quants: the file is a plain one (None)."""
     if prefix + LEGACY_MARKER in tensors:
-        return {key[len(prefix):-len(".scale_weight")]: {"format": "legacy"}
-                for key in tensors if key.startswith(prefix) and key.endswith(".scale_weight")}
+        layers = {key[len(prefix):-len(".scale_weight")]: {"format": "legacy"}
+                  for key in tensors if key.startswith(prefix) and key.endswith(".scale_weight")}
+        return layers or None
     if METADATA_KEY in metadata:
-        layers = json.loads(metadata[METADATA_KEY]).get("layers", {})
-        return {name[len(prefix):]: entry for name, entry in layers.items() if name.startswith(prefix)}
-    keys = [key for key in tensors if key.startswith(prefix) and key.endswith(LAYER_SUFFIX)]
-    if not keys:
-        return None
-    return {key[len(prefix):-len(LAYER_SUFFIX)]: json.loads(bytes(value.tolist()).decode("utf-8"))
-            for key, value in read_small(keys).items()}
+        layers = _parse_json(path, f"metadata {METADATA_KEY!r}", metadata[METADATA_KEY].encode("utf-8"))
+        layers = layers.get("layers", {}) if isinstance(layers, dict) else None
+        if not isinstance(layers, dict):
+            raise ValueError(f"{path!r}: metadata {METADATA_KEY!r} has no 'layers' object (layer -> entry); "
+                             f"download the file again")
+        entries = {name[len(prefix):]: entry for name, entry in layers.items() if name.startswith(prefix)}
+    else:
+        keys = [key for key in tensors if key.startswith(prefix) and key.endswith(LAYER_SUFFIX)]
+        if not keys:
+            return None
+        for key in keys:
+            dtype, shape = tensors[key]
+            if dtype != "U8" or len(shape) != 1 or shape[0] > MAX_LAYER_JSON_BYTES:
+                raise ValueError(f"{path!r}: {key!r} is {dtype} {list(shape)}, not the bytes of a JSON entry of at "
+                                 f"most {MAX_LAYER_JSON_BYTES} bytes (U8 [n])")
+        entries = {key[len(prefix):-len(LAYER_SUFFIX)]: _parse_json(path, repr(key), value.numpy().tobytes())
+                   for key, value in read_small(keys).items()}
+    for layer, entry in entries.items():
+        check_entry(path, layer, entry)
+    return entries
 
 
-def check_entry(layer: str, entry: dict) -> None:
-    """A clear error for quant formats we cannot dequantize."""
-    name = entry.get("format")
+def _parse_json(path: str, field: str, data: bytes):
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ValueError(f"{path!r}: {field} is not valid JSON ({type(error).__name__}: {error}); download the "
+                         f"file again") from None
+
+
+def check_entry(path: str, layer: str, entry) -> None:
+    """A clear error for entries that are malformed or name formats / rotations we cannot dequantize."""
+    name = entry.get("format") if isinstance(entry, dict) else None
+    if not isinstance(entry, dict) or not isinstance(name, str):
+        raise ValueError(f"{path!r}: the quantization entry of layer {layer!r} is {str(entry)[:80]!r}, not an "
+                         f"object with a 'format'; download the file again")
     if name != "legacy" and name not in SUPPORTED:
-        raise ValueError(f"layer {layer!r} is quantized as {name!r}, which is not supported; supported ComfyUI "
-                         f"formats: scaled fp8, {', '.join(SUPPORTED)}")
+        raise ValueError(f"{path!r}: layer {layer!r} is quantized as {name!r}, which is not supported; supported "
+                         f"ComfyUI formats: scaled fp8, {', '.join(SUPPORTED)}")
+    if entry.get("convrot"):
+        group = entry.get("convrot_groupsize", DEFAULT_CONVROT_GROUP)
+        if isinstance(group, bool) or not isinstance(group, (int, str)) or str(group) not in map(str, CONVROT_GROUPS):
+            raise ValueError(f"{path!r}: layer {layer!r} has convrot_groupsize {group!r}; a convrot group is a "
+                             f"power of 4 from {CONVROT_GROUPS[0]} to {CONVROT_GROUPS[-1]} (ComfyUI writes "
+                             f"{DEFAULT_CONVROT_GROUP})")
 
 
 def auxiliary_keys(layer: str, entry: dict) -> list[str]:
@@ -93,7 +130,8 @@ def read_weight(handle, full_prefix: str, entry: dict, available: set) -> QuantW
     if kind == "mxfp8":
         return _mxfp8(data, parts)
     scale = parts.get("scale", torch.ones((), device=data.device)).float()
-    return scaled_weight(data, scale, int(entry.get("convrot_groupsize", 256)) if entry.get("convrot") else 0)
+    group = int(entry.get("convrot_groupsize", DEFAULT_CONVROT_GROUP)) if entry.get("convrot") else 0
+    return scaled_weight(data, scale, group)
 
 
 def scaled_weight(codes: torch.Tensor, scale: torch.Tensor, rotation_group: int = 0) -> QuantWeight:

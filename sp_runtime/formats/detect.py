@@ -40,13 +40,12 @@ def quantization(header, prefix: str = "") -> Optional[Quantization]:
         layers = {key[len(prefix):]: {"format": "gguf", "type": kind} for key, (kind, _) in header.tensors.items()
                   if key.startswith(prefix) and kind not in gguf_file.PLAIN_TYPES}
         return Quantization("gguf", layers, frozenset()) if layers else None
-    entries = comfy_quant.layer_entries(header.tensors, header.metadata, prefix,
+    entries = comfy_quant.layer_entries(header.path, header.tensors, header.metadata, prefix,
                                         _small_reader(getattr(header, "files", ()) or (header.path,)))
     if entries is None:
         return None
     layers, auxiliary = {}, set()
     for layer, entry in entries.items():
-        comfy_quant.check_entry(layer, entry)
         layers[f"{layer}.weight"] = entry
         auxiliary.update(comfy_quant.auxiliary_keys(layer, entry))
     kind = "scaled_fp8" if comfy_quant.LEGACY_MARKER in (k[len(prefix):] for k in header.tensors) else "comfy_quant"

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Optional
 
 import numpy as np
 import torch
 
+from .gguf_limits import check_gguf_header
 from .weights import DEQUANTIZERS, QuantWeight
 
 MAGIC = b"GGUF"
@@ -22,6 +24,7 @@ ARCHITECTURE_KEY = "general.architecture"
 ORIGINAL_SHAPE_PREFIX = "comfy.gguf.orig_shape."
 METADATA_ARCHITECTURE = "gguf.architecture"  # where read_header puts it in Header.metadata
 PLAIN_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+INTEGER_TYPES = tuple(range(6)) + (10, 11)  # GGUFValueType's UINT8..INT32, UINT64, INT64
 
 
 def is_gguf(path: str) -> bool:
@@ -30,26 +33,41 @@ def is_gguf(path: str) -> bool:
 
 
 def _reader(path: str):
+    """The gguf package's reader, after the bounded walk of gguf_limits (the package reads whatever a file states)."""
     import gguf
+    check_gguf_header(path)
     try:
         return gguf.GGUFReader(path)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, IndexError) as error:
         raise ValueError(f"{path!r} is not a readable GGUF file ({error}); download or convert it again") from None
 
 
-def _original_shape(reader, name: str):
-    field = reader.get_field(ORIGINAL_SHAPE_PREFIX + name)
-    return None if field is None else tuple(int(field.parts[index][0]) for index in field.data)
+def _original_shape(path: str, reader, tensor) -> Optional[tuple[int, ...]]:
+    """The converter's torch shape of a reshaped tensor: integers holding exactly the tensor's elements."""
+    import gguf
+    field = reader.get_field(ORIGINAL_SHAPE_PREFIX + tensor.name)
+    if field is None:
+        return None
+    shape = None
+    if field.types[:1] == [gguf.GGUFValueType.ARRAY] and len(field.types) == 2 and field.types[1] in INTEGER_TYPES:
+        shape = tuple(int(field.parts[index][0]) for index in field.data)
+    if shape is None or min(shape, default=0) < 0 or math.prod(shape) != int(tensor.n_elements):
+        raise ValueError(f"{path!r}: GGUF metadata {field.name!r} is not a shape of the tensor's "
+                         f"{int(tensor.n_elements)} elements; download or convert the file again")
+    return shape
 
 
 def read_tensor_table(path: str) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
     """name -> (GGUF type name, torch shape), and {METADATA_ARCHITECTURE: ...}: what a safetensors header holds."""
+    import gguf
     reader = _reader(path)
     tensors = {}
     for tensor in reader.tensors:
-        shape = _original_shape(reader, tensor.name) or tuple(int(size) for size in reversed(tensor.shape))
+        shape = _original_shape(path, reader, tensor) or tuple(int(size) for size in reversed(tensor.shape))
         tensors[tensor.name] = (tensor.tensor_type.name, shape)
     field = reader.get_field(ARCHITECTURE_KEY)
+    if field is not None and field.types != [gguf.GGUFValueType.STRING]:
+        raise ValueError(f"{path!r}: GGUF metadata {ARCHITECTURE_KEY!r} is not a string")
     metadata = {} if field is None else {METADATA_ARCHITECTURE: str(field.parts[field.data[-1]], encoding="utf-8")}
     return tensors, metadata
 
@@ -73,6 +91,7 @@ class GGUFHandle:
     quantized it) and quant_weight(key) (kept quantized)."""
 
     def __init__(self, path: str, device: torch.device):
+        self.path = path
         self.reader = _reader(path)
         self.device = torch.device(device)
         self.entries = {tensor.name: tensor for tensor in self.reader.tensors}
@@ -82,7 +101,7 @@ class GGUFHandle:
 
     def shape(self, key: str) -> tuple[int, ...]:
         tensor = self.entries[key]
-        return _original_shape(self.reader, key) or tuple(int(size) for size in reversed(tensor.shape))
+        return _original_shape(self.path, self.reader, tensor) or tuple(int(size) for size in reversed(tensor.shape))
 
     def _raw(self, key: str) -> torch.Tensor:
         with warnings.catch_warnings():  # the reader's arrays are read-only memory maps; we copy

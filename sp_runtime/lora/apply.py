@@ -115,8 +115,12 @@ class LoraState:
         uses: dict[str, list[_Use]] = {}
         for entry, (lora, strength) in enumerate(zip(files, strengths)):
             unknown = []
+            self.resolver.start_file()
             for adapter in lora.adapters:
-                targets = self.resolver.resolve(adapter.module, adapter.kind)
+                try:
+                    targets = self.resolver.resolve(adapter.module, adapter.kind)
+                except ValueError as error:
+                    raise ValueError(f"LoRA {lora.path!r}: {error}") from None
                 if targets is None:
                     unknown.append(adapter.module)
                     continue

@@ -88,7 +88,10 @@ def read_lora_file(path: str) -> LoraFile:
     parsed = LoraFile(path, identity)
     used = set(alphas)
     for key in header.tensors:
-        adapter = _adapter_from(key, header.tensors, alphas)
+        try:
+            adapter = _adapter_from(key, header.tensors, alphas)
+        except ValueError as error:
+            raise ValueError(f"LoRA {path!r}: {error}") from None
         if adapter is None:
             continue
         used.update(name for name in (adapter.up, adapter.down) if name)
@@ -134,6 +137,9 @@ def _adapter_from(key: str, tensors: dict, alphas: dict[str, float]) -> Optional
             if len(up_shape) < 2 or len(down_shape) < 2 or up_shape[1] != down_shape[0]:
                 raise ValueError(f"LoRA tensors {key!r} {list(up_shape)} and {down!r} {list(down_shape)} do not "
                                  f"multiply (rank mismatch)")
+            if down_shape[0] == 0:
+                raise ValueError(f"LoRA tensors {key!r} {list(up_shape)} and {down!r} {list(down_shape)} have rank 0: "
+                                 f"the file is damaged (a LoRA's rank is at least 1)")
             inner = 1
             for size in down_shape[1:]:
                 inner *= size

@@ -23,7 +23,9 @@ from ..families.checkpoint import KeyPlan, Transform
 DOTTED_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.transformer.",
                    "base_model.model.", "transformer.", "unet.")
 UNDERSCORED_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
-MAX_UNDERSCORES = 14  # decoding tries every "_" / "." choice: 2^14 candidates at most per name
+# plan lookups a LoRA file's unknown kohya names may cost all together: a real file needs a few hundred (one search
+# per name pattern, e.g. 8 for "double_blocks_N_img_attn_qkv"); a crafted one is refused at once, not after hours
+MAX_DECODE_LOOKUPS = 4096
 PlanFn = Callable[[Iterable[str]], dict]
 WeightPlanFn = Callable[[Detection, Iterable[str]], Optional[KeyPlan]]  # a family module's weight_plan
 
@@ -55,6 +57,8 @@ class KeyResolver:
     def __init__(self, parameters: Iterable[str], plan: PlanFn, known_keys: Iterable[str] = ()):
         self.parameters = set(parameters)
         self.plan = plan
+        self.patterns: dict[tuple, Optional[tuple[str, ...]]] = {}  # decoded name patterns (see _decode)
+        self.lookups_left = MAX_DECODE_LOOKUPS
         self.underscored = {}
         for key in itertools.chain(self.parameters, known_keys):
             module = key.rsplit(".", 1)[0]
@@ -93,19 +97,45 @@ class KeyResolver:
                 return found
         return self._decode(name, kind)
 
+    def start_file(self) -> None:
+        """A new LoRA file: a fresh budget of plan lookups for decoding its names."""
+        self.lookups_left = MAX_DECODE_LOOKUPS
+
     def _decode(self, name: str, kind: str) -> Optional[list[Target]]:
-        """Try every spelling of `name` with each "_" kept or made a ".": kohya names of keys that neither the
-        model nor the base checkpoint spells (e.g. original Flux names on a model loaded from a diffusers file).
-        Two spellings that both resolve would be ambiguous: refuse rather than pick one."""
+        """A kohya name that neither the model nor the base checkpoint spells (e.g. original Flux names on a model
+        loaded from a diffusers file). Block indices are always their own segment, so a name's pattern is its words
+        with the indices left out; the "_" / "." choice between words is found once per pattern, within the file's
+        budget of plan lookups, and reused for every block. Two spellings that both resolve would be ambiguous:
+        refuse rather than pick one."""
         parts = name.split("_")
-        if len(parts) - 1 > MAX_UNDERSCORES:
-            return None
-        found: dict[str, list[Target]] = {}
-        for joins in itertools.product("_.", repeat=len(parts) - 1):
-            dotted = parts[0] + "".join(join + part for join, part in zip(joins, parts[1:]))
-            targets = self.resolve_dotted(dotted, kind)
-            if targets:
-                found[dotted] = targets
+        pattern = tuple("#" if part.isdigit() else part for part in parts) + (kind,)
+        if pattern not in self.patterns:
+            self.patterns[pattern] = self._find_joins(parts, kind)
+        joins = self.patterns[pattern]
+        return None if joins is None else self.resolve_dotted(_spelled(parts, joins), kind)
+
+    def _find_joins(self, parts: list[str], kind: str) -> Optional[tuple[str, ...]]:
+        free = [index for index in range(len(parts) - 1) if not (parts[index].isdigit() or parts[index + 1].isdigit())]
+        spellings = 2 ** len(free)
+        if spellings > self.lookups_left:
+            raise ValueError(f"the LoRA module name {'_'.join(parts)!r} has {spellings} possible spellings, more than "
+                             f"the {self.lookups_left} left of this file's limit of {MAX_DECODE_LOOKUPS} name "
+                             f"lookups: it is no module name of this model (name modules as the model, its "
+                             f"checkpoint or ComfyUI does)")
+        self.lookups_left -= spellings
+        found: dict[str, tuple[str, ...]] = {}
+        for choice in itertools.product("_.", repeat=len(free)):
+            joins = ["."] * (len(parts) - 1)
+            for index, join in zip(free, choice):
+                joins[index] = join
+            dotted = _spelled(parts, joins)
+            if self.resolve_dotted(dotted, kind):
+                found[dotted] = tuple(joins)
         if len(found) > 1:
-            raise ValueError(f"the LoRA module name {name!r} fits several weights ({sorted(found)}): ambiguous")
+            raise ValueError(f"the LoRA module name {'_'.join(parts)!r} fits several weights ({sorted(found)}): "
+                             f"ambiguous")
         return next(iter(found.values()), None)
+
+
+def _spelled(parts: list[str], joins) -> str:
+    return parts[0] + "".join(join + part for join, part in zip(joins, parts[1:]))
