@@ -35,7 +35,7 @@ def parse_device(device: str) -> str:
     if text == "cpu":
         return text
     if gpu:
-        return f"cuda:{gpu.group(1)}"
+        return f"cuda:{_gpu_index(text, gpu.group(1))}"
     raise ValueError(
         f"device {device!r} is not understood: use 'cpu' or 'cuda:N' (N = a GPU index such as 0), "
         f"one entry per worker")

@@ -47,6 +47,11 @@ def test_device_text_is_bounded(text, words):
         assert word in message
 
 
+def test_one_device_entry_is_bounded_too():
+    with pytest.raises(ValueError, match="above 127"):
+        devices.parse_device("cuda:" + "9" * 5000)  # int() of it would raise Python's own digit-limit error
+
+
 def test_every_gpu_index_torch_can_name_still_parses():
     assert devices.parse_devices("0-127", cuda_count=128)[-1] == "cuda:127"
     assert devices.parse_devices("cuda:007", cuda_count=8) == ["cuda:7"]
@@ -136,7 +141,6 @@ def test_original_kohya_names_resolve_on_a_diffusers_model(flux_diffusers, tmp_p
     from sp_runtime.lora.apply import LoraState
     path, model = flux_diffusers
     state = LoraState(model, "flux", path, torch.device("cpu"))
-    state.resolver.start_file()
     targets = state.resolver.resolve("lora_unet_double_blocks_1_img_attn_qkv", "weight")
     assert [t.parameter for t in targets] == [f"transformer_blocks.1.attn.to_{p}.weight" for p in "qkv"]
     assert state.resolver.resolve("lora_unet_final_layer_adaLN_modulation_1", "weight")[0].parameter == \

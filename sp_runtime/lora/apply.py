@@ -63,6 +63,7 @@ class LoraState:
         files = [self._file(path) for path, _ in loras]
         strengths = [float(strength) for _, strength in loras]
         uses = self._uses(files, strengths, parameters)
+        self.resolver.reset_budget()  # ComfyUI's weight patches: a budget of their own for decoding names
         groups = resolve_patch_targets(patches, self.resolver, parameters) if patches else {}
         wanted = {name: tuple((files[use.entry].identity, strengths[use.entry]) for use in group)
                   for name, group in uses.items()}
@@ -115,7 +116,7 @@ class LoraState:
         uses: dict[str, list[_Use]] = {}
         for entry, (lora, strength) in enumerate(zip(files, strengths)):
             unknown = []
-            self.resolver.start_file()
+            self.resolver.reset_budget()
             for adapter in lora.adapters:
                 try:
                     targets = self.resolver.resolve(adapter.module, adapter.kind)

@@ -97,8 +97,8 @@ class KeyResolver:
                 return found
         return self._decode(name, kind)
 
-    def start_file(self) -> None:
-        """A new LoRA file: a fresh budget of plan lookups for decoding its names."""
+    def reset_budget(self) -> None:
+        """A fresh budget of plan lookups for decoding the names of one LoRA file (or one set of ComfyUI patches)."""
         self.lookups_left = MAX_DECODE_LOOKUPS
 
     def _decode(self, name: str, kind: str) -> Optional[list[Target]]:

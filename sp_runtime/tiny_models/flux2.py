@@ -13,7 +13,8 @@ from .weights import cast_like_release, randomize_, save_folder
 
 FLUX2_TINY = dict(patch_size=1, in_channels=16, out_channels=None, num_layers=1, num_single_layers=2,
                   attention_head_dim=128, num_attention_heads=3, joint_attention_dim=32, mlp_ratio=3.0,
-                  axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=True, timestep_guidance_channels=256)
+                  axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=True,
+                  timestep_guidance_channels=256)
 _TOP = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
         "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
         "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
