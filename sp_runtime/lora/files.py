@@ -134,12 +134,12 @@ def _adapter_from(key: str, tensors: dict, alphas: dict[str, float]) -> Optional
             if down not in tensors:
                 raise ValueError(f"LoRA tensor {key!r} has no matching {down!r}: the file is incomplete")
             up_shape, down_shape = tuple(tensors[key][1]), tuple(tensors[down][1])
+            if down_shape[:1] == (0,):
+                raise ValueError(f"LoRA tensors {key!r} {list(up_shape)} and {down!r} {list(down_shape)} have rank 0: "
+                                 f"the file is damaged (a LoRA's rank is at least 1)")
             if len(up_shape) < 2 or len(down_shape) < 2 or up_shape[1] != down_shape[0]:
                 raise ValueError(f"LoRA tensors {key!r} {list(up_shape)} and {down!r} {list(down_shape)} do not "
                                  f"multiply (rank mismatch)")
-            if down_shape[0] == 0:
-                raise ValueError(f"LoRA tensors {key!r} {list(up_shape)} and {down!r} {list(down_shape)} have rank 0: "
-                                 f"the file is damaged (a LoRA's rank is at least 1)")
             inner = 1
             for size in down_shape[1:]:
                 inner *= size
