@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sp_runtime import SPConfig, WorkerPool  # noqa: E402
-from sp_runtime.attention.fp8_exchange import SCALE_BYTES  # noqa: E402
+from sp_runtime.attention.fp8_exchange import INPUT_CODEC, OUTPUT_CODEC  # noqa: E402
 from sp_runtime.cli.comm import AttentionShape, step_exchanges  # noqa: E402
 from sp_runtime.cli.machine import LoadMonitor, describe_machine, parse_devices, write_json  # noqa: E402
 from sp_runtime.cli.presets import get_preset, materialize  # noqa: E402
@@ -28,12 +28,14 @@ VARIANTS = {"plain": {}, "fp8_exchange": {"fp8_exchange": True}, "overlap": {"ov
 
 
 def exchange_bytes(info, workload, config, dtype: str, fp8: bool) -> int:
-    """Bytes one rank sends per step in the Ulysses all-to-alls (fp8: D + 4 bytes per row of D values)."""
+    """Bytes one rank sends per step in the Ulysses all-to-alls (fp8_exchange: the codes' bytes per row of D values:
+    8-bit q / k / v, 12-bit output)."""
     shape = AttentionShape.of(info.family, info.config)
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     total = 0
     for exchange in step_exchanges(shape, config, workload.tokens, workload.text_tokens, workload.batch):
-        per_value = (shape.head_dim + SCALE_BYTES) / shape.head_dim if fp8 else element
+        codec = INPUT_CODEC if "to heads" in exchange.name else OUTPUT_CODEC
+        per_value = codec.row_bytes(shape.head_dim) / shape.head_dim if fp8 else element
         total += int(exchange.elements * exchange.sent_fraction * exchange.calls * per_value)
     return total
 

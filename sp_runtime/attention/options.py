@@ -14,9 +14,9 @@ RUNTIME_OPTION_KEYS = ("attention", "fp8_exchange", "overlap", "compile")
 
 @dataclass(frozen=True)
 class AttentionOptions:
-    """backend: one of BACKENDS (sdpa = torch's SDPA, the default); fp8_exchange: Ulysses all-to-alls carry fp8
-    e4m3 values with per-token, per-head scales; overlap: the output exchange runs in head chunks overlapped with
-    the attention of the next chunk."""
+    """backend: one of BACKENDS (sdpa = torch's SDPA, the default); fp8_exchange: Ulysses all-to-alls carry 8-bit
+    (q, k, v) and 12-bit (output) integer codes with one scale per token and head (attention.fp8_exchange);
+    overlap: the output exchange runs in head chunks overlapped with the attention of the next chunk."""
 
     backend: str = "sdpa"
     fp8_exchange: bool = False

@@ -7,7 +7,7 @@ Joint text tokens are replicated: each rank cuts its heads out locally and the r
 output so every rank ends with all heads of the text.
 The two exchanges are public (exchange_to_heads, exchange_to_tokens) for the Ulysses x Ring hybrid. With the
 model's overlap option, the return exchange goes in two head halves, the first in flight while the second attends;
-with fp8_exchange both exchanges carry fp8 bytes (sp_runtime.attention.fp8_exchange).
+with fp8_exchange q, k, v travel as 8-bit and the output as 12-bit codes (sp_runtime.attention.fp8_exchange).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends import attend
-from .fp8_exchange import AllToAll
+from .fp8_exchange import INPUT_CODEC, OUTPUT_CODEC, AllToAll, Codec
 from .local import _joint_mask
 from .options import current
 from .shards import SeqShards
@@ -35,8 +35,8 @@ def _pad(x: torch.Tensor, tokens: int, heads: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad_heads, 0, pad_tokens))
 
 
-def _all_to_all(send: torch.Tensor, group, async_op: bool = False) -> AllToAll:
-    return AllToAll(send, group, fp8=current().fp8_exchange, async_op=async_op)
+def _all_to_all(send: torch.Tensor, group, codec: Codec, async_op: bool = False) -> AllToAll:
+    return AllToAll(send, group, codec if current().fp8_exchange else None, async_op=async_op)
 
 
 def _head_parts(heads: int) -> list[slice]:
@@ -89,7 +89,8 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         out = attend(q[:, part], k[:, part], v[:, part], mask, scale)  # [B, h, L + N, D]
         image = out[:, :, image_start:image_start + shards.total]
         text_out = out[:, :, text_start:text_start + text_len] if text is not None else None
-        exchanges.append(_all_to_all(_scatter_sequence(image, text_out, shards), group, async_op=True))
+        exchanges.append(_all_to_all(_scatter_sequence(image, text_out, shards), group, OUTPUT_CODEC,
+                                      async_op=True))
     parts = [exchange.result() for exchange in exchanges]
     received = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return _split_received(received, shards, query.shape[1], heads, text is not None)
@@ -109,7 +110,7 @@ def exchange_to_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     # [P (destination's heads), 3, B, h, chunk, D]: one contiguous send buffer for q, k and v together.
     per_destination = [_pad(x, chunk, padded_heads).view(batch, chunk, degree, heads_here, head_dim)
                        .permute(2, 0, 3, 1, 4) for x in (query, key, value)]
-    return _all_to_all(torch.stack(per_destination, dim=1), group).result()
+    return _all_to_all(torch.stack(per_destination, dim=1), group, INPUT_CODEC).result()
 
 
 def gather_sequence(recv: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
@@ -124,7 +125,7 @@ def exchange_to_tokens(image: torch.Tensor, text: Optional[torch.Tensor], group,
     image: [B, h, S, D] output of this rank's heads for the whole sequence; text: [B, h, L, D] or None (sent to
     every rank, so each ends with all heads of the text). Returns ([B, local_tokens, H, D], [B, L, H, D] or None).
     """
-    received = _all_to_all(_scatter_sequence(image, text, shards), group).result()
+    received = _all_to_all(_scatter_sequence(image, text, shards), group, OUTPUT_CODEC).result()
     return _split_received(received, shards, local_tokens, heads, text is not None)
 
 

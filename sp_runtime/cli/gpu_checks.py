@@ -94,10 +94,10 @@ def attention_parity(rank: int, devices: list[str], layout: dict, cases: list[di
 def exchange_sweep(rank: int, devices: list[str], sizes: list[int], repeats: int, head_dim: int = 128
                    ) -> list[dict]:
     """Spawned rank: all_to_all_single of bf16 [world, rows, head_dim] buffers (bytes per rank = size), timed
-    plain and through FP8 bytes (quantize + exchange + dequantize)."""
+    plain and through the fp8_exchange option's q/k/v codes (encode + exchange + decode)."""
     import torch.distributed as dist
 
-    from ..attention.fp8_exchange import AllToAll
+    from ..attention.fp8_exchange import INPUT_CODEC, AllToAll
     from .linkprobe import _timed
     device = torch.device(devices[rank])
     world = len(devices)
@@ -106,27 +106,28 @@ def exchange_sweep(rank: int, devices: list[str], sizes: list[int], repeats: int
         count = max(1, size // 2 // head_dim // world)
         send = torch.randn(world, count, head_dim, device=device).to(torch.bfloat16)
         plain = _timed(lambda: AllToAll(send, None).result(), device, repeats)
-        fp8 = _timed(lambda: AllToAll(send, None, fp8=True).result(), device, repeats)
-        rows.append({"bytes": send.numel() * 2, "fp8_bytes": world * count * (head_dim + 4),
+        fp8 = _timed(lambda: AllToAll(send, None, INPUT_CODEC).result(), device, repeats)
+        rows.append({"bytes": send.numel() * 2, "fp8_bytes": world * count * INPUT_CODEC.row_bytes(head_dim),
                      "plain_seconds": plain, "fp8_seconds": fp8})
     dist.barrier()
     return rows
 
 
 def fp8_error(device: torch.device, shape: tuple[int, ...], repeats: int = 5) -> dict:
-    """FP8 exchange error on bf16 values like attention inputs (normal, with a few outlier tokens), its bytes, and
-    the quantize + dequantize time on `device` (no communication)."""
-    from ..attention.fp8_exchange import dequantize, exchange_bytes, quantize
+    """fp8_exchange's q/k/v code error on bf16 values like attention inputs (normal, with a few outlier tokens), its
+    bytes, and the encode + decode time on `device` (no communication)."""
+    from ..attention.fp8_exchange import INPUT_CODEC, exchange_bytes
     generator = torch.Generator().manual_seed(0)
     values = torch.randn(shape, generator=generator)
     values.view(-1, shape[-1])[::97] *= 20  # outlier rows: per-row scales keep the others precise
     values = values.to(device, torch.bfloat16)
-    roundtrip = dequantize(quantize(values), torch.bfloat16)
+    roundtrip = INPUT_CODEC.decode(INPUT_CODEC.encode(values), torch.bfloat16)
     error = (roundtrip.float() - values.float()).abs()
     row_scale = values.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
-    seconds = median_time(lambda: dequantize(quantize(values), torch.bfloat16), repeats, sync=device_sync(device))
-    plain = exchange_bytes(shape, torch.bfloat16, fp8=False)
-    packed = exchange_bytes(shape, torch.bfloat16, fp8=True)
+    seconds = median_time(lambda: INPUT_CODEC.decode(INPUT_CODEC.encode(values), torch.bfloat16), repeats,
+                          sync=device_sync(device))
+    plain = exchange_bytes(shape, torch.bfloat16)
+    packed = exchange_bytes(shape, torch.bfloat16, INPUT_CODEC)
     return {"shape": list(shape), "max_error_vs_row_amax": float((error / row_scale).max()),
             "mean_error_vs_row_amax": float((error / row_scale).mean()),
             "bf16_bytes": plain, "fp8_bytes": packed, "bytes_ratio": round(packed / plain, 4),
