@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per message size (default: 5)")
     parser.add_argument("--skip-workers", action="store_true", help="do not start a worker pool")
     parser.add_argument("--skip-bandwidth", action="store_true", help="do not measure the links")
+    parser.add_argument("--plan-devices", type=int, default=None,
+                        help="predict layouts on this many devices (default: the devices checked)")
+    parser.add_argument("--link-gbs", type=float, default=None,
+                        help="stated link bandwidth per device and direction, GB/s (default: the measured sweep)")
+    parser.add_argument("--tflops", default=None, help="stated achieved TFLOP/s: MATMUL[,ATTENTION] (default: "
+                                                       "measured on the first device)")
+    parser.add_argument("--memory-gb", type=float, default=None, help="memory per device (default: the GPUs')")
     parser.add_argument("--json", default=None, help="also write the report as JSON to this path ('-': stdout, "
                                                      "and nothing else there)")
 
@@ -57,6 +64,7 @@ def run(args) -> int:
         sizes = _sizes(args.sizes, devices)
         if args.repeats < 1:
             raise ValueError("--repeats must be at least 1")
+        stated = _stated(args)
     except ValueError as error:
         print(f"doctor: {error}", file=sys.stderr)
         return 2
@@ -76,6 +84,8 @@ def run(args) -> int:
         report["all_to_all"] = _bandwidth(out, devices, sizes, args.repeats)
     out.section(f"recommendation for {args.model}")
     report["recommendation"] = _recommendation(out, args, devices, report.get("all_to_all"))
+    out.section(f"predicted step time per layout for {args.model}")
+    report["layouts"] = _layouts(out, args, devices, report["recommendation"], report.get("all_to_all"), stated)
     report["machine_load"] = monitor.finish()
     out.line(report["machine_load"]["note"])
     if args.json == "-":
@@ -110,6 +120,24 @@ def _sizes(text: Optional[str], devices: list[str]) -> list[int]:
     else:
         values = GPU_SIZES_MIB if devices[0].startswith("cuda") else CPU_SIZES_MIB
     return [int(value * 2**20) for value in values]
+
+
+def _stated(args) -> dict:
+    """--tflops / --link-gbs / --plan-devices / --memory-gb, checked."""
+    stated = {}
+    if args.tflops:
+        try:
+            values = [float(part) * 1e12 for part in args.tflops.split(",")]
+        except ValueError:
+            raise ValueError(f"--tflops {args.tflops!r} must be MATMUL[,ATTENTION] TFLOP/s, e.g. 600,350") from None
+        if not 1 <= len(values) <= 2 or min(values) <= 0:
+            raise ValueError(f"--tflops {args.tflops!r} must be one or two positive numbers")
+        stated["flops"] = (values[0], values[-1])
+    for name in ("link_gbs", "memory_gb", "plan_devices"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    return stated
 
 
 # ---- devices -------------------------------------------------------------------------------------------------------
@@ -253,3 +281,36 @@ def _recommendation(out: _Printer, args, devices: list[str], sweep: Optional[dic
         out.line(f"  - {reason}")
     out.line(f"  ({result['note']})")
     return result
+
+
+def _layouts(out: _Printer, args, devices: list[str], recommendation: dict, sweep: Optional[dict],
+             stated: dict) -> dict:
+    """The speed model's table: every layout (Ulysses, Ring, hybrid, CFG, shard_weights) on up to --plan-devices,
+    from the stated or measured throughput and link, and the fastest that fits in memory."""
+    from .speed_model import Device, Link, format_table, known_shape, plan
+    shape = known_shape(args.model)
+    measured = recommendation["throughput"]
+    matmul, attention = stated.get("flops", (measured["matmul_flops_per_s"], measured["attention_flops_per_s"]))
+    memory = args.memory_gb * 1e9 if args.memory_gb else None
+    if memory is None and devices[0].startswith("cuda"):
+        memory = min(torch.cuda.get_device_properties(int(d.split(":")[1])).total_memory for d in devices)
+    shared = not devices[0].startswith("cuda") and not stated.get("flops")
+    device = Device(devices[0], matmul, attention, memory, shared_cores=shared)
+    rows = (sweep or {}).get("rows")
+    if args.link_gbs:
+        link, link_note = Link(args.link_gbs * 1e9), f"stated {args.link_gbs:g} GB/s per direction"
+    elif rows:
+        link, link_note = Link(float("inf"), sweep=rows), "the measured all-to-all sweep"
+    else:
+        link, link_note = Link(float("inf"), latency_s=0.0), "link not measured (--link-gbs): exchanges not counted"
+    count = args.plan_devices or len(devices)
+    result = plan(shape, recommendation["image_tokens"], recommendation["text_tokens"], count, device, link)
+    out.line(f"{args.model}: {recommendation['image_tokens']} image + {recommendation['text_tokens']} text tokens"
+             f"{', CFG (batch 2)' if shape.cfg else ''}; {matmul / 1e12:.3g} / {attention / 1e12:.3g} TFLOP/s "
+             f"(matmul / attention, {'stated' if stated.get('flops') else 'measured'}); link: {link_note}"
+             + ("; CPU workers share their cores: compute does not shrink" if shared else ""))
+    for line in format_table(result):
+        out.line(line)
+    best = result["recommended"]
+    return {"devices": count, "link": link_note, "matmul_flops": matmul, "attention_flops": attention,
+            "rows": [row.__dict__ for row in result["rows"]], "recommended": best.layout if best else None}
