@@ -6,7 +6,9 @@ full-sequence attention for its H/P heads); torch.distributed.all_to_all_single 
 same buffer (same shapes and memory traffic; the values are this rank's own, which costs the same). Prediction =
 emulated time x max(1, P x threads / cores) (P CPU ranks on fewer cores share them) + the recorded all-to-all bytes
 at the link measured by the doctor's all-to-all sweep over P gloo ranks (sp_runtime.cli.linkprobe). Emulated and
-real runs alternate, so machine load hits both alike; medians are reported with the load average.
+real runs alternate, so machine load hits both alike; medians are reported with the load average. Each forward's
+process CPU time is recorded too: on a machine other work keeps busy it compares the ranks' work without the waits
+for cores.
 
 Usage: python benchmarks/rank_emulation.py [--family qwen_image] [--degrees 2 4] [--repeats 3]
 Writes benchmarks/results/rank_emulation_cpu.json.
@@ -80,16 +82,24 @@ def emulated_rank(rank: int, devices: list[str], family: str, width: int, text: 
             worker.forward(workload.noise, t, workload.conditioning, out, context)  # warm-up
             calls = len(moved)
             for _ in range(repeats):
-                started = time.perf_counter()
-                worker.forward(workload.noise, t, workload.conditioning, out, context)
-                times.append(time.perf_counter() - started)
+                times.append(_timed_forward(worker, workload, t, out, context))
     finally:
         dist.all_to_all_single = original
-    return {"seconds": times, "all_to_all_buffers": moved[:calls], "tokens": workload.tokens}
+    return {"seconds": [wall for wall, _ in times], "cpu_seconds": [cpu for _, cpu in times],
+            "all_to_all_buffers": moved[:calls], "tokens": workload.tokens}
 
 
-def real_rank(rank: int, devices: list[str], family: str, width: int, text: int, repeats: int) -> list[float]:
-    """Spawned gloo rank of a real Ulysses-P forward: per repeat, seconds from a common barrier to this rank's end."""
+def _timed_forward(worker, workload, t, out, context) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one forward: CPU time does not count waiting for the cores
+    other processes hold, so it compares the work of a rank on a busy machine."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    worker.forward(workload.noise, t, workload.conditioning, out, context)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def real_rank(rank: int, devices: list[str], family: str, width: int, text: int, repeats: int) -> list[tuple]:
+    """Spawned gloo rank of a real Ulysses-P forward: per repeat, (wall seconds from a common barrier to this rank's
+    end, CPU seconds)."""
     import torch.distributed as dist
 
     from sp_runtime.cli.gpu_checks import RankContext
@@ -102,9 +112,7 @@ def real_rank(rank: int, devices: list[str], family: str, width: int, text: int,
         worker.forward(workload.noise, t, workload.conditioning, out, context)
         for _ in range(repeats):
             dist.barrier()
-            started = time.perf_counter()
-            worker.forward(workload.noise, t, workload.conditioning, out, context)
-            times.append(time.perf_counter() - started)
+            times.append(_timed_forward(worker, workload, t, out, context))
     return times
 
 
@@ -132,16 +140,18 @@ def main() -> None:
         sweep_sizes = [2 ** 14, 2 ** 17, 2 ** 20, 2 ** 22, 2 ** 24]
         sweep = [max(rows, key=lambda row: row["seconds"]) for rows in
                  zip(*run_ranks(all_to_all_sweep, ["cpu"] * degree, sweep_sizes, 3, timeout=300))]
-        emulated, real, loads, buffers = [], [], [], []
+        emulated, real, emulated_cpu, real_cpu, loads, buffers = [], [], [], [], [], []
         for _ in range(args.rounds):
             loads.append(load_average())
             row = run_ranks(emulated_rank, ["cpu"], args.family, args.width, args.text, degree, threads,
                             args.repeats, timeout=900)[0]
             emulated += row["seconds"]
+            emulated_cpu += row["cpu_seconds"]
             buffers = row["all_to_all_buffers"]
             per_rank = run_ranks(real_rank, ["cpu"] * degree, args.family, args.width, args.text, args.repeats,
                                  timeout=900)
-            real += [max(times) for times in zip(*per_rank)]
+            real += [max(wall for wall, _ in ranks) for ranks in zip(*per_rank)]
+            real_cpu += [statistics.median(cpu for _, cpu in ranks) for ranks in zip(*per_rank)]
             print(f"u{degree}: emulated {statistics.median(row['seconds']):.3f} s, real "
                   f"{statistics.median(real[-args.repeats:]):.3f} s (load {loads[-1]})", flush=True)
         share = max(1.0, degree * threads / cores)
@@ -151,13 +161,17 @@ def main() -> None:
         measured = statistics.median(real)
         result["degrees"][f"u{degree}"] = {
             "threads_per_rank": threads, "core_share_factor": share, "emulated_rank_s": emulated,
-            "real_step_s": real, "all_to_all_calls": len(buffers), "all_to_all_buffer_bytes": sum(buffers),
+            "real_step_s": real, "emulated_rank_cpu_s": emulated_cpu, "real_rank_cpu_s": real_cpu,
+            "cpu_time_ratio_real_over_emulated": round(statistics.median(real_cpu) / statistics.median(emulated_cpu),
+                                                       4),
+            "all_to_all_calls": len(buffers), "all_to_all_buffer_bytes": sum(buffers),
             "link_sweep": sweep, "predicted_compute_s": round(compute, 4),
             "predicted_exchange_s": round(exchange, 4), "predicted_step_s": round(predicted, 4),
             "measured_step_s_median": round(measured, 4), "error": round(predicted / measured - 1, 4),
             "load_average_at_rounds": loads}
         print(f"u{degree}: predicted {predicted:.3f} s (compute {compute:.3f} + exchange {exchange:.3f}) vs real "
-              f"{measured:.3f} s: {predicted / measured - 1:+.1%}", flush=True)
+              f"{measured:.3f} s: {predicted / measured - 1:+.1%}; CPU seconds of a rank: emulated "
+              f"{statistics.median(emulated_cpu):.3f}, real {statistics.median(real_cpu):.3f}", flush=True)
     result["machine_load"] = monitor.finish()
     write_json(args.out, result, say=True)
 

@@ -42,7 +42,7 @@ def test_cpu_safe_sections_run_and_report(tmp_path, capsys):
     assert set(layouts) == {"u2", "r2"}
     variants = {(row["case"], row["variant"]) for row in layouts["u2"]["rows"]}
     assert len(variants) == 3 * 3 and all(row["ok"] for row in layouts["u2"]["rows"] + layouts["r2"]["rows"])
-    assert sections["fp8"]["bytes_ratio"] == pytest.approx(20 / 32)  # D=16: 16 fp8 bytes + 4 scale bytes vs 32
+    assert sections["fp8"]["bytes_ratio"] == pytest.approx(18 / 32)  # D=16: 16 code bytes + a bf16 scale vs 32
     rows = sections["bandwidth"]["rows"]
     assert [row["bf16_bytes_per_rank"] for row in rows] == [2**16, 2**20]
     assert all(row["plain_ms"] > 0 and row["fp8_ms"] > 0 for row in rows)

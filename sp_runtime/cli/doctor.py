@@ -16,7 +16,7 @@ import torch
 
 from ..config import SPConfig
 from .machine import DEFAULT_CPU_WORKERS, LoadMonitor, describe_machine, parse_devices, write_json
-from .recommend import MODELS, measure_throughput, recommend
+from .recommend import MODELS, Throughput, measure_throughput, recommend
 
 NCCL_P2P_REMEDIES = [
     "NCCL then copies through host memory: expect lower all-to-all bandwidth (see the table) and prefer fewer ranks",
@@ -83,7 +83,7 @@ def run(args) -> int:
         out.section(f"all-to-all bandwidth over {len(devices)} ranks")
         report["all_to_all"] = _bandwidth(out, devices, sizes, args.repeats)
     out.section(f"recommendation for {args.model}")
-    report["recommendation"] = _recommendation(out, args, devices, report.get("all_to_all"))
+    report["recommendation"] = _recommendation(out, args, devices, report.get("all_to_all"), stated)
     out.section(f"predicted step time per layout for {args.model}")
     report["layouts"] = _layouts(out, args, devices, report["recommendation"], report.get("all_to_all"), stated)
     report["machine_load"] = monitor.finish()
@@ -252,7 +252,7 @@ def _bandwidth(out: _Printer, devices: list[str], sizes: list[int], repeats: int
     return {"ranks": world, "rows": rows}
 
 
-def _recommendation(out: _Printer, args, devices: list[str], sweep: Optional[dict]) -> dict:
+def _recommendation(out: _Printer, args, devices: list[str], sweep: Optional[dict], stated: dict) -> dict:
     from .presets import get_preset
     from .recommend import MODELS
     preset = get_preset(MODELS[args.model])
@@ -260,7 +260,11 @@ def _recommendation(out: _Printer, args, devices: list[str], sweep: Optional[dic
     frames = args.frames or preset.frames
     config = preset.size
     heads = config["num_attention_heads"]
-    throughput = measure_throughput(devices[0], heads, config["attention_head_dim"])
+    if "flops" in stated:
+        matmul, attention = stated["flops"]
+        throughput = Throughput(devices[0], "bfloat16", attention, matmul)
+    else:
+        throughput = measure_throughput(devices[0], heads, config["attention_head_dim"])
     memory = None
     if devices[0].startswith("cuda"):
         memory = min(torch.cuda.get_device_properties(int(d.split(":")[1])).total_memory for d in devices)
@@ -269,7 +273,8 @@ def _recommendation(out: _Printer, args, devices: list[str], sweep: Optional[dic
     size = f"{width}x{height}" + (f", {frames} frames" if preset.is_video else "")
     out.line(f"{args.model} at {size}: {result['image_tokens']} image + {result['text_tokens']} text tokens, "
              f"{result['heads']} heads, {result['parameters'] / 1e9:.1f}B parameters")
-    out.line(f"measured on {devices[0]}: attention {throughput.attention_flops_per_s / 1e12:.2f} TFLOP/s, matmul "
+    out.line(f"{'stated' if 'flops' in stated else 'measured on ' + devices[0]}: attention "
+             f"{throughput.attention_flops_per_s / 1e12:.2f} TFLOP/s, matmul "
              f"{throughput.matmul_flops_per_s / 1e12:.2f} TFLOP/s ({throughput.dtype})")
     for candidate in result["candidates"]:
         comm = "?" if candidate["comm_ms"] is None else f"{candidate['comm_ms']:.1f}"

@@ -360,7 +360,7 @@ def _bandwidth(suite: Suite) -> dict:
                      "fp8_effective_gb_s": round(row["bytes"] / fp8 / 1e9, 3),
                      "fp8_speedup": round(plain / fp8, 3)})
     largest = rows[-1]
-    return {"how": how + "; fp8 = quantize + exchange of fp8 bytes and scales + dequantize; effective GB/s counts "
+    return {"how": how + "; fp8 = fp8_exchange's q/k/v codes (encode, exchange, decode); effective GB/s counts "
                          "the bf16 bytes delivered", "rows": rows,
             "summary": f"{largest['bf16_bytes_per_rank'] / 2**20:.0f} MiB: bf16 {largest['plain_algbw_gb_s']:.2f} "
                        f"GB/s; the fp8 exchange takes {1 / largest['fp8_speedup']:.2f}x the bf16 time"}
