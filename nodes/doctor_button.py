@@ -1,20 +1,36 @@
 """The panel's "Run doctor" button: `python -m sp_runtime doctor` in a fresh interpreter (a hung probe cannot stall
-ComfyUI), its JSON report read back."""
+ComfyUI), its JSON report read back; one doctor at a time (it starts rank processes on the pool's own devices)."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import threading
 from typing import Optional
 
 import sp_runtime
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(sp_runtime.__file__)))  # the folder holding sp_runtime
+_running = threading.Lock()
+
+
+class DoctorBusy(RuntimeError):
+    """A doctor is running already (the route answers 409)."""
 
 
 def doctor_report(devices: list[str], family: Optional[str] = None, timeout_s: float = 600.0) -> dict:
-    """The doctor's report for these devices and the model family in use (no worker check: the pool shows that)."""
+    """The doctor's report for these devices and the model family in use (no worker check: the pool shows that).
+    Raises DoctorBusy at once while another doctor runs."""
+    if not _running.acquire(blocking=False):
+        raise DoctorBusy("the doctor is already running (one at a time): wait for its report")
+    try:
+        return _run_doctor(devices, family, timeout_s)
+    finally:
+        _running.release()
+
+
+def _run_doctor(devices: list[str], family: Optional[str], timeout_s: float) -> dict:
     family = family or ""
     model = "flux" if family.startswith("flux") else "wan" if family.startswith("wan") else "qwen-image"
     spec = f"cpu:{len(devices)}" if all(d.startswith("cpu") for d in devices) else ",".join(devices)

@@ -8,7 +8,7 @@ import logging
 
 from aiohttp import web
 
-from .doctor_button import doctor_report
+from .doctor_button import DoctorBusy, doctor_report
 from .pool_owner import OWNER
 
 log = logging.getLogger("ulysses_sp")
@@ -53,12 +53,15 @@ async def post_shutdown(request: web.Request) -> web.Response:
 
 
 async def post_doctor(request: web.Request) -> web.Response:
-    """The doctor's recommendation for the first pool's devices and model (or 2 CPU workers when no pool runs)."""
+    """The doctor's recommendation for the first pool's devices and model (or 2 CPU workers when no pool runs);
+    409 while another doctor runs."""
     pools = OWNER.status()["pools"]
     devices = pools[0]["devices"] if pools else ["cpu", "cpu"]
     family = next((model.get("family") for pool in pools for model in pool["models"]), None)
     try:
         report = await _in_thread(doctor_report, devices, family)
+    except DoctorBusy as error:
+        return web.json_response({"error": str(error)}, status=409)
     except Exception as error:  # noqa: BLE001 - shown in the panel
         return web.json_response({"error": str(error)}, status=500)
     return web.json_response({"devices": devices, "recommendation": report.get("recommendation"),
