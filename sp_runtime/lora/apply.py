@@ -4,13 +4,15 @@ Every patched parameter holds store_as(base + sum over the list, in order, of st
 float32 (ComfyUI's intermediate dtype) from the base value re-read from the checkpoint. A record per parameter of
 which (file, strength) pairs it holds makes a change of list touch only the parameters whose contributions change;
 the same list again touches nothing, and a parameter whose contributions become empty gets its base value back,
-bitwise. All files are parsed and all names resolved before the first parameter changes, so a bad LoRA leaves the
-weights as they were. Quantized layers (sp_runtime.formats.QuantLinear) are never rewritten: their LoRAs are kept
+bitwise. All files are parsed, all names resolved and all shapes checked before the first parameter changes, and a
+failure while writing (a cancel, an error) rewrites what was written back to the previous list: a set either
+happens whole or leaves the weights as they were. Quantized layers (sp_runtime.formats.QuantLinear) are never rewritten: their LoRAs are kept
 as unmerged low-rank (or difference) terms added at compute time, so removing them is exact too.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -28,6 +30,7 @@ from .patch_targets import assemble, resolve_patch_targets, row_sources, split
 from .rounding import store_as
 
 Progress = Optional[Callable[[float, str], None]]
+log = logging.getLogger("ulysses_sp.lora")
 Contribution = tuple  # (file identity, strength): what a parameter's value depends on, per list entry
 
 
@@ -55,10 +58,32 @@ class LoraState:
         self._files: dict[str, LoraFile] = {}
         self._base: Optional[BaseWeights] = None
         self._resolver: Optional[KeyResolver] = None
+        self._current: tuple = ([], None)  # the (loras, patches) the weights hold after the last successful set
+        self._writes = 0  # write phases started (a failure after one restores)
 
     def set(self, loras: Sequence[Sequence], progress: Progress = None, patches: Optional[PatchSet] = None) -> dict:
         """Make the weights base + the given LoRAs ([[path, strength], ...], in order), then ComfyUI's weight
-        `patches` (stock LoRA nodes) on top; returns a summary."""
+        `patches` (stock LoRA nodes) on top; returns a summary. On any failure the weights stay as they were."""
+        writes = self._writes
+        try:
+            summary = self._set(loras, progress, patches)
+        except BaseException:
+            if self._writes != writes:
+                self._restore()
+            raise
+        self._current = ([list(lora) for lora in loras], patches)
+        return summary
+
+    def _restore(self) -> None:
+        """Rewrite the parameters a failed set changed to what the last successful set made them (each parameter's
+        record says what it holds, so only those are rewritten)."""
+        loras, patches = self._current
+        try:
+            self._set(loras, None, patches)
+        except Exception:  # noqa: BLE001 - the records still say what each parameter holds: the next set fixes it
+            log.exception("restoring the weights after a failed LoRA change failed")
+
+    def _set(self, loras: Sequence[Sequence], progress: Progress, patches: Optional[PatchSet]) -> dict:
         parameters = self._targets()
         files = [self._file(path) for path, _ in loras]
         strengths = [float(strength) for _, strength in loras]
@@ -143,6 +168,7 @@ class LoraState:
     def _write(self, change: "_Change", progress: Progress) -> None:
         from safetensors import safe_open
 
+        self._writes += 1  # from here on a failure may leave parameters changed: set() restores them
         grouped = {target.parameter for targets in change.groups.values() for target in targets}
         deltas = _DeltaCache(change.uses, [name for name in change.names if name not in self.quantized])
         done = iter(range(len(change.names)))
@@ -222,7 +248,11 @@ def _unmerged(use: _Use, strength: float, handle) -> tuple:
     first, up = adapter_factors(handle, use.adapter)
     transform = use.target.transform or (lambda tensor: tensor)
     factor = strength * use.adapter.scale
-    return (first, transform(up), factor) if up is not None else (transform(first), None, factor)
+    # Copies: float32 factors of a float32 file are views of its memory map, which a rewrite of the file in place
+    # would pull from under the kept terms (SIGBUS at the next call).
+    if up is None:
+        return transform(first).clone(), None, factor
+    return first.clone(), transform(up).clone(), factor
 
 
 @dataclass

@@ -140,6 +140,9 @@ def _adapter_from(key: str, tensors: dict, alphas: dict[str, float]) -> Optional
             if len(up_shape) < 2 or len(down_shape) < 2 or up_shape[1] != down_shape[0]:
                 raise ValueError(f"LoRA tensors {key!r} {list(up_shape)} and {down!r} {list(down_shape)} do not "
                                  f"multiply (rank mismatch)")
+            if any(size != 1 for size in up_shape[2:]):
+                raise ValueError(f"LoRA tensor {key!r} has shape {list(up_shape)}: an up tensor is [out, rank] (a "
+                                 f"conv's [out, rank, 1, 1]); the file is malformed or in a format we do not apply")
             inner = 1
             for size in down_shape[1:]:
                 inner *= size
