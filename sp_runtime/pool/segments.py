@@ -1,5 +1,6 @@
-"""Shared-memory segments of a pool: owner-only POSIX segments named usp_<pid>_<pool token>_<part>, mapped as uint8
-tensors.
+"""Shared-memory segments of a pool: owner-only POSIX segments named usp_<pid>_<pool token>_<part><random>, mapped
+as uint8 tensors. The random part (fresh per segment) makes the next name unguessable: another local user cannot
+pre-create it, and a name taken anyway (FileExistsError) is drawn again.
 
 The host creates and unlinks every segment; workers only attach. Each pool holds an owner file
 usp_<pid>_<token>_lock beside its segments (see ownership.py), so a later start, or a worker whose host died, can
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import sys
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -24,6 +26,9 @@ from .ownership import TOKEN_HEX, OwnerLock, owner_is_dead
 PREFIX = "usp_"
 _OWNED_NAME = re.compile(rf"^({PREFIX}\d+_[0-9a-f]{{{TOKEN_HEX}}}_)")  # group 1: the owner's prefix
 LOCK_PART = "lock"
+RANDOM_HEX = 16  # 64 random bits per segment name (fewer where macOS's 31-character limit leaves less room)
+MACOS_NAME_MAX = 31
+CREATE_TRIES = 8
 log = logging.getLogger("ulysses_sp.pool")
 
 # Mappings that could not be closed yet because tensors still view them; retried by release_retired().
@@ -33,6 +38,13 @@ _retired: list[Mapping] = []
 def owned_name(token: str, part: str) -> str:
     """The name of one part of a pool's segments (stays under macOS's 31-character limit for short parts)."""
     return f"{PREFIX}{os.getpid()}_{token}_{part}"
+
+
+def fresh_name(token: str, part: str) -> str:
+    """A new unguessable name for one segment of a pool: its owned prefix, the part, then random hex."""
+    base = owned_name(token, part)
+    room = RANDOM_HEX if sys.platform != "darwin" else max(4, min(RANDOM_HEX, MACOS_NAME_MAX - 1 - len(base)))
+    return base + secrets.token_hex((room + 1) // 2)[:room]
 
 
 def claim_names(token: str) -> Optional[OwnerLock]:
@@ -60,7 +72,12 @@ class Segment:
     def create(cls, token: str, part: str, size: int, spill_dir: Optional[Callable[[], str]] = None) -> "Segment":
         """An owner-only segment with all its pages reserved; in the folder spill_dir() gives when /dev/shm is too
         small."""
-        return cls(create_mapping(owned_name(token, part), max(1, size), spill_dir), owner=True)
+        for attempt in range(CREATE_TRIES):
+            try:
+                return cls(create_mapping(fresh_name(token, part), max(1, size), spill_dir), owner=True)
+            except FileExistsError:  # taken by someone else: never ours to open or unlink; draw another name
+                if attempt == CREATE_TRIES - 1:
+                    raise
 
     @classmethod
     def attach(cls, name: str) -> "Segment":

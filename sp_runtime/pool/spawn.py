@@ -6,7 +6,6 @@ the spawn start method re-imports the parent's __main__ (ComfyUI's main.py) in e
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -26,6 +25,7 @@ from typing import Optional
 
 from .errors import describe_exit
 from .ownership import TOKEN_HEX, OwnerLock, owner_is_dead
+from .protocol import send
 
 log = logging.getLogger("ulysses_sp.pool")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -214,15 +214,20 @@ class WorkerProcess:
 def launch_worker(rank: int, device: str, spec: dict, env: dict, run_dir: str) -> WorkerProcess:
     parent_end, child_end = socket.socketpair()
     log_path = os.path.join(run_dir, f"worker{rank}.log")
-    spec = {**spec, "rank": rank, "fd": child_end.fileno()}
+    fd = child_end.fileno()
     try:
-        with open(log_path, "ab") as log_file:
-            process = _spawner.popen([sys.executable, "-m", "sp_runtime.pool.worker", json.dumps(spec)],
-                                     pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL, stdout=log_file,
+        with open(log_path, "ab") as log_file:  # argv (world-readable in /proc) holds the pipe's number only
+            process = _spawner.popen([sys.executable, "-m", "sp_runtime.pool.worker", str(fd)],
+                                     pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=log_file,
                                      stderr=subprocess.STDOUT, env=env, cwd=run_dir)
     except BaseException:
         parent_end.close()
         raise
     finally:
         child_end.close()
-    return WorkerProcess(rank, device, process, Connection(parent_end.detach()), log_path)
+    conn = Connection(parent_end.detach())
+    try:
+        send(conn, {**spec, "rank": rank})  # the spec (segment and store names) goes over the private pipe
+    except OSError:
+        pass  # the worker died at once: the pool's start-up wait reports how
+    return WorkerProcess(rank, device, process, conn, log_path)

@@ -1,4 +1,5 @@
-"""Worker process main: one per device, started by WorkerPool as `python -m sp_runtime.pool.worker '<json spec>'`.
+"""Worker process main: one per device, started by WorkerPool as `python -m sp_runtime.pool.worker <pipe fd>`; the
+spec (JSON: layout, control segment, store, run folder) is the pipe's first message, never in argv (world-readable).
 
 It joins the process group, then serves JSON requests from its pipe (load, call, set_loras, unload, exit) until told
 to exit
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import os
 import signal
 import sys
@@ -281,10 +281,13 @@ class Worker:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(argv[1])
+    conn = Connection(int(argv[1]))
+    try:
+        spec = recv(conn)
+    except (EOFError, OSError):
+        return 3  # the host died before it sent the spec
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C belongs to the host, which decides what to stop
     guard(spec["parent_pid"], spec["control"], spec["run_dir"])
-    conn = Connection(spec["fd"])
     try:
         worker = Worker(spec, conn)
         worker.start()
