@@ -1,8 +1,10 @@
 """Hung ranks: a worker stopped (SIGSTOP) during a call or a load fails it within the watchdog time, naming that
-rank, and the pool restarts cleanly."""
+rank, and the pool restarts cleanly; a rank wedged before a collective while its heartbeat goes on is found by the
+progress (stall) watchdog long before the collective timeout."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -14,6 +16,7 @@ from sp_runtime.pool import WorkerError
 from test_pool_kit import alive, assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
 
 WATCHDOG_S = 1.5
+STALL_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +79,25 @@ def test_rank_stopped_during_a_load_fails_the_load_naming_it(pool, checkpoint):
     assert time.monotonic() - started < WATCHDOG_S + 2.5
     assert_restarts_cleanly(pool, checkpoint, pids)
 
+
+
+def test_a_rank_wedged_before_a_collective_is_found_by_the_stall_watchdog(pool, checkpoint):
+    """Rank 1 sleeps inside a block (its heartbeat goes on) while rank 0 waits for it in the next all-to-all: no
+    block passes and no rank computes, so the call fails after stall_s, not after the 300 s collective timeout."""
+    timeouts = dataclasses.replace(pool.timeouts)
+    pool.timeouts.stall_s, pool.timeouts.watchdog_s = STALL_S, 20.0  # heartbeats go on: only the stall counts
+    try:
+        model = pool.load_model(checkpoint)
+        pids, restarts = pool.worker_pids, pool.restarts
+        pool._exchange.block_s = 0.0  # the limit grows with the slowest block measured: none here
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match=r"no progress for .* during call .*stall_s") as caught:
+            call(model, toy_sleep=10.0, toy_sleep_rank=1)
+        elapsed = time.monotonic() - started
+        assert elapsed < STALL_S + 2.5, f"the wedge was found after {elapsed:.1f} s"
+        assert "blocks passed per rank" in str(caught.value)
+        assert pool.state == "broken"
+        assert_restarts_cleanly(pool, checkpoint, pids)
+        assert pool.restarts == restarts + 1
+    finally:
+        pool.timeouts.stall_s, pool.timeouts.watchdog_s = timeouts.stall_s, timeouts.watchdog_s

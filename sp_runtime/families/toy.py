@@ -3,8 +3,10 @@
 x [B, C, H, W] or [B, C, T, H, W] -> patch tokens -> blocks of (modulated joint self-attention with the text
 tokens from `context`, token-wise MLP) -> output patches. Conditioning: timestep, optional `y` [B, y_dim],
 `guidance`, `ref_latents` (list of latents, pooled into the conditioning vector) and `attention_mask` [B, L] over
-the text. Test hooks (call kwargs): `toy_sleep` seconds per block, `toy_fail_rank` (a rank that raises at the first
-block; -1: all ranks raise before any collective), `toy_alloc` (bytes every rank allocates first). Config
+the text. Test hooks (call kwargs): `toy_sleep` seconds per block (`toy_sleep_rank`: on that rank only, the others
+then wait in the next collective), `toy_busy` seconds of CPU work per block (a slow block), `toy_fail_rank` (a rank
+that raises at the first block; -1: all ranks raise before any collective), `toy_alloc` (bytes every rank allocates
+first). Config
 `passthrough=True` makes the forward near-free (out = x[:, :out_channels] * scale) for overhead benchmarks.
 """
 from __future__ import annotations
@@ -213,7 +215,9 @@ def _text_mask(inputs: dict, to_device: Callable) -> Optional[torch.Tensor]:
 
 
 def _test_hooks(inputs: dict, rank: int) -> Callable[[int], None]:
-    sleep_s = float(inputs.get("toy_sleep") or 0.0)
+    sleep_rank = inputs.get("toy_sleep_rank")
+    sleep_s = float(inputs.get("toy_sleep") or 0.0) if sleep_rank in (None, rank) else 0.0
+    busy_s = float(inputs.get("toy_busy") or 0.0)
     fail_rank = inputs.get("toy_fail_rank")
 
     def hook(block: int) -> None:
@@ -221,11 +225,21 @@ def _test_hooks(inputs: dict, rank: int) -> Callable[[int], None]:
             raise RuntimeError(f"toy failure injected on rank {rank}")
         if sleep_s:
             time.sleep(sleep_s)
+        if busy_s:
+            _busy(busy_s)
     if fail_rank == -1:
         raise ValueError("toy failure injected on every rank")
     if inputs.get("toy_alloc"):
         torch.empty(int(inputs["toy_alloc"]), dtype=torch.uint8)
     return hook
+
+
+def _busy(seconds: float) -> None:
+    """Compute (hold a CPU) for `seconds`, like a block that is slow."""
+    deadline = time.monotonic() + seconds
+    value = torch.ones(64, 64)
+    while time.monotonic() < deadline:
+        value = torch.tanh(value @ value)
 
 
 class ToyWorkerModel:

@@ -46,21 +46,25 @@ class WorkerPool:
 
     start_timeout_s: how long workers may take to start and join the process group.
     error_grace_s: after one rank raised, how long the others may take to answer before the pool restarts.
-    cancel_grace_s: after a cancel, the least time workers may take to reach their next block check (the pool
-        waits longer, two of the slowest blocks measured, when blocks are slow) before the pool restarts.
+    cancel_grace_s: after a cancel, how long the workers may show no progress (no block check passed, no CPU
+        worker computing) before the pool restarts (longer, two of the slowest blocks measured, when blocks are
+        slow); CPU workers that compute a slow block are waited for.
     watchdog_s: a rank that shows no sign of life for this long during a request fails it (and the pool restarts).
+    stall_s: a call in which no block passes and no CPU worker computes for this long (or 4 of the slowest blocks
+        measured, if longer) fails as wedged (and the pool restarts): a rank stuck before a collective that the
+        others wait in, found long before collective_timeout_s.
     collective_timeout_s: the process group's timeout for one collective (a rank wedged inside one).
     A pool dropped without close() is closed when it is garbage-collected, and at interpreter exit.
     """
 
     def __init__(self, config: Union[SPConfig, Sequence[str]], *, start_timeout_s: float = 180.0,
                  error_grace_s: float = 3.0, cancel_grace_s: float = 5.0, watchdog_s: float = 20.0,
-                 collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, env: Optional[dict] = None,
+                 stall_s: float = 60.0, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, env: Optional[dict] = None,
                  threads: Optional[int] = None, steps: StepHistory = STEPS):
         self.config = config if isinstance(config, SPConfig) else SPConfig(devices=list(config))
         self.start_timeout_s = start_timeout_s
         self.collective_timeout_s = collective_timeout_s
-        self.timeouts = Timeouts(error_grace_s, cancel_grace_s, watchdog_s)
+        self.timeouts = Timeouts(error_grace_s, cancel_grace_s, watchdog_s, stall_s)
         self._env, self._threads = env, threads
         self._token = new_token()  # in every shared name: unique even where two processes share a PID
         self._owner_pid = os.getpid()

@@ -1,9 +1,14 @@
 """One request to every worker and the wait for all replies: progress relay, dead and hung ranks (a liveness
-watchdog on each rank's heartbeat), cancel with a grace that scales with the measured block time, and the error
-texts of failed requests.
+watchdog on each rank's heartbeat), wedged calls (a progress watchdog: no block passed and no CPU worker computing
+for stall_s), cancel with a grace that counts from the workers' last progress, and the error texts of failed
+requests.
+
+Progress inside a call is a block passed on any rank, or, on CPU workers, CPU time spent: a slow block computes, a
+rank wedged before or inside a collective (gloo waits without spinning) or asleep does not.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -23,6 +28,11 @@ from .spawn import WorkerProcess
 log = logging.getLogger("ulysses_sp.pool")
 POLL_S = 0.05
 CANCEL_GRACE_BLOCKS = 2.0  # after a cancel, wait this many of the slowest measured blocks (at least cancel_grace_s)
+STALL_BLOCKS = 4.0  # the stall watchdog waits at least this many of the slowest measured blocks
+CPU_SAMPLE_S = 0.25  # CPU time is sampled this often, and compared over the last CPU_WINDOW_S
+CPU_WINDOW_S = 1.0  # (a rank that stops computing is seen idle this much later)
+CPU_BUSY_SHARE = 0.02  # a rank that used this share of the window (and 2 clock ticks) computes; an idle one with its
+CPU_BUSY_MIN_S = 0.02  # heartbeat thread uses ~0.0002 (and the kernel counts CPU time in ticks of 10 ms)
 
 
 @dataclass
@@ -30,11 +40,14 @@ class Timeouts:
     """error_grace_s: after one rank raised, how long the others may take to answer before the pool restarts.
     cancel_grace_s: after a cancel, the least time workers may take to reach their next block check.
     watchdog_s: a rank whose heartbeat stops for this long (stopped, or stuck holding the interpreter) is hung.
+    stall_s: a call in which no block passes and no CPU worker computes for this long (or STALL_BLOCKS of the
+        slowest measured block, if longer) is wedged, e.g. a rank stuck before a collective the others wait in.
     """
 
     error_grace_s: float = 3.0
     cancel_grace_s: float = 5.0
     watchdog_s: float = 20.0
+    stall_s: float = 60.0
 
 
 class Exchange:
@@ -89,6 +102,9 @@ class Exchange:
     def cancel_grace_s(self, block_s: float) -> float:
         return max(self.timeouts.cancel_grace_s, CANCEL_GRACE_BLOCKS * max(block_s, self.block_s))
 
+    def stall_limit_s(self, block_s: float) -> float:
+        return max(self.timeouts.stall_s, STALL_BLOCKS * max(block_s, self.block_s))
+
     def _raise_failures(self, replies: list[dict], op: str) -> None:
         errors = {rank: reply for rank, reply in enumerate(replies) if not reply["ok"]}
         if not errors:
@@ -135,6 +151,17 @@ class Exchange:
                            f"holds the interpreter); it was killed and the pool restarts on the next call. Raise "
                            f"watchdog_s if this rank is only slow.", worker.rank, worker.device)
 
+    def call_stalled(self, workers: Sequence[WorkerProcess], op: str, stalled_s: float) -> WorkerError:
+        blocks = {worker.rank: self.control.counter(worker.rank) for worker in workers}
+        self._on_event({"event": "worker_hung", "rank": None, "device": None, "silent_s": stalled_s})
+        self.on_break(f"no progress for {stalled_s:.1f} s")
+        first = min(workers, key=lambda worker: worker.rank)
+        return WorkerError(f"the workers made no progress for {stalled_s:.1f} s during {op} (no block passed and no "
+                           f"CPU worker computed; blocks passed per rank: {blocks}): a rank is wedged, e.g. stuck "
+                           f"before a collective the others wait in. They were killed and the pool restarts on the "
+                           f"next call. Raise stall_s if a single block of this model is that slow.",
+                           first.rank, first.device)
+
 
 class _Wait:
     """The wait for one request's replies (one instance per request)."""
@@ -154,6 +181,8 @@ class _Wait:
         self.callback_error: Optional[BaseException] = None
         self.beats = {worker.rank: (self.control.heartbeat(worker.rank), now) for worker in workers}
         self.blocks, self.block_at, self.block_s = self._blocks_done(), now, 0.0
+        self.progress_at = now  # the last time a block passed or a CPU worker computed
+        self.cpu = {worker.rank: _CpuMeter(worker.pid, now) for worker in workers if worker.device.startswith("cpu")}
 
     def run(self) -> list[dict]:
         while self.pending:
@@ -165,8 +194,10 @@ class _Wait:
                     raise self.exchange.worker_died(worker, self.op)
             self._watch_heartbeats(now)
             self._measure_blocks(now)
+            self._measure_cpu(now)
             self._check_failures(now)
             self._check_cancel(now)
+            self._check_stall(now)
         if self.block_s:
             self.exchange.block_s = self.block_s
         return [self.replies[rank] for rank in range(len(self.replies))]
@@ -201,6 +232,19 @@ class _Wait:
         if blocks != self.blocks:
             self.block_s = max(self.block_s, now - self.block_at)
             self.blocks, self.block_at = blocks, now
+            self.progress_at = now
+
+    def _measure_cpu(self, now: float) -> None:
+        for worker in self.pending.values():
+            meter = self.cpu.get(worker.rank)
+            if meter is not None and meter.computed(now):
+                self.progress_at = now
+
+    def _check_stall(self, now: float) -> None:
+        if not self.pending or self.op != "call" or self.cancel_at is not None:
+            return
+        if now - self.progress_at > self.exchange.stall_limit_s(self.block_s):
+            raise self.exchange.call_stalled(list(self.pending.values()), self.op, now - self.progress_at)
 
     def _check_failures(self, now: float) -> None:
         if not self.pending or all(reply["ok"] for reply in self.replies.values()):
@@ -219,12 +263,13 @@ class _Wait:
             self.cancel_at = now
         if self.cancel_at is None:
             return
-        # The current block must be allowed to finish: wait for a multiple of the slowest one measured so far.
+        # The current block must be allowed to finish: while the workers compute, wait; once they make no progress,
+        # wait a multiple of the slowest block measured so far (at least cancel_grace_s), then restart.
         grace = self.exchange.cancel_grace_s(self.block_s)
-        if now - max(self.cancel_at, self.block_at) > grace:
-            self.exchange.on_break(f"the workers did not reach a block check within {grace:.1f} s of a cancel")
-            raise Cancelled(f"cancelled; the workers did not stop within {grace:.1f} s (no block check passed), "
-                            f"so the pool restarts on the next call")
+        if now - max(self.cancel_at, self.progress_at) > grace:
+            self.exchange.on_break(f"the workers made no progress for {grace:.1f} s after a cancel")
+            raise Cancelled(f"cancelled; the workers made no progress for {grace:.1f} s after the cancel (no block "
+                            f"check passed, no CPU worker computing), so the pool restarts on the next call")
 
     def _cancel_wanted(self) -> bool:
         try:
@@ -233,6 +278,42 @@ class _Wait:
             log.warning("the cancel callback raised %s: cancelling the call", type(error).__name__)
             self.callback_error = error
             return True
+
+
+class _CpuMeter:
+    """Whether a CPU worker computes: its CPU time (all threads) over the last CPU_WINDOW_S, sampled."""
+
+    def __init__(self, pid: int, now: float):
+        self._process = _process(pid)
+        first = self._seconds()
+        self._samples = collections.deque([(now, first)] if first is not None else [])
+
+    def _seconds(self) -> Optional[float]:
+        try:
+            times = self._process.cpu_times() if self._process is not None else None
+        except Exception:  # noqa: BLE001 - gone, or not readable: no CPU signal (blocks still count)
+            return None
+        return None if times is None else times.user + times.system
+
+    def computed(self, now: float) -> bool:
+        if not self._samples or now - self._samples[-1][0] < CPU_SAMPLE_S:
+            return False
+        cpu = self._seconds()
+        if cpu is None:
+            return False
+        self._samples.append((now, cpu))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= CPU_WINDOW_S:
+            self._samples.popleft()
+        start, start_cpu = self._samples[0]
+        return cpu - start_cpu >= max(CPU_BUSY_MIN_S, CPU_BUSY_SHARE * (now - start))
+
+
+def _process(pid: int):
+    try:
+        import psutil
+        return psutil.Process(pid)
+    except Exception:  # noqa: BLE001 - psutil missing or the process gone: no CPU signal
+        return None
 
 
 def call_message(handle, x: torch.Tensor, timestep: torch.Tensor, kwargs: dict, inputs: InputArena,
