@@ -10,6 +10,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from sp_runtime.config import config_from_inputs
+from sp_runtime.families.base import Cancelled
 
 from .comfy_model import build_sp_model, comfy_model_config, weight_shapes
 from .model_spec import ModelSpec
@@ -42,11 +43,20 @@ def progress_reporter(bar: "comfy.utils.ProgressBar"):
     return report
 
 
+def load_cancellable(spec: ModelSpec, progress):
+    """OWNER.load that ComfyUI's Cancel stops at the workers' next tensor (ComfyUI's own interrupt is raised)."""
+    try:
+        handle = OWNER.load(spec, progress=progress, should_cancel=comfy.model_management.processing_interrupted)
+    except Cancelled:
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        raise
+    comfy.model_management.throw_exception_if_processing_interrupted()
+    return handle
+
+
 def load_sp_model(spec: ModelSpec):
     """Load spec's model in its pool (with a progress bar) and wrap it as a ComfyUI MODEL."""
-    bar = comfy.utils.ProgressBar(100)
-    handle = OWNER.load(spec, progress=progress_reporter(bar))
-    comfy.model_management.throw_exception_if_processing_interrupted()
+    handle = load_cancellable(spec, progress_reporter(comfy.utils.ProgressBar(100)))
     info, header = handle.info, handle.request.header
     proxy = SPDiffusionModel(spec, info, weight_shapes=weight_shapes(header))
     return build_sp_model(comfy_model_config(header, info), proxy, proxy.dtype)

@@ -6,8 +6,7 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 
-from .loader import CATEGORY, progress_reporter
-from .pool_owner import OWNER
+from .loader import CATEGORY, load_cancellable, progress_reporter
 from .proxy import SPDiffusionModel
 
 
@@ -43,7 +42,7 @@ class SPLoraLoader(io.ComfyNode):
             return io.NodeOutput(model)
         path = folder_paths.get_full_path_or_raise("loras", lora_name)
         spec = proxy.spec.with_lora(path, strength_model)
-        OWNER.load(spec, progress=progress_reporter(comfy.utils.ProgressBar(100)))  # errors show on this node
+        load_cancellable(spec, progress_reporter(comfy.utils.ProgressBar(100)))  # errors show on this node
         patched = model.clone()
         patched.add_object_patch("diffusion_model", proxy.with_spec(spec))
         return io.NodeOutput(patched)

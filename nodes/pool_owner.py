@@ -84,50 +84,51 @@ class PoolOwner:
                 log.info("ulysses-sp: closing the pool on %s to free GPUs for %s", list(other), list(key))
                 self._close(other)
 
-    def _close(self, key: tuple[str, ...]) -> None:
-        pool = self._pools.pop(key, None)
+    def _close(self, key: tuple[str, ...]) -> bool:
+        pool = self._pools.pop(key, None)  # atomic: a loader holding the pool gets PoolClosedError from it
         if pool is None:
-            return
+            return False
         try:
             pool.close()
         except Exception:
             log.exception("ulysses-sp: closing the pool on %s failed", list(key))
+        return True
 
     # ----- models -----
-    def load(self, spec: ModelSpec, progress: Optional[Callable[[float, str], None]] = None, patches=None):
+    def load(self, spec: ModelSpec, progress: Optional[Callable[[float, str], None]] = None, patches=None,
+             should_cancel: Optional[Callable[[], bool]] = None):
         """Handle of spec's model with spec's LoRAs and ComfyUI's weight `patches` (a PatchSet) applied, loading
-        it in its pool when needed."""
+        it in its pool when needed; should_cancel() true stops the load or LoRA change (Cancelled)."""
         with self._lock:
             pool = self.pool_for(spec.config)
-            handle = pool.load_model(spec.path, dtype=spec.dtype, progress=progress, **spec.options)
-            pool.set_loras(handle, [list(lora) for lora in spec.loras], progress, patches)
+            handle = pool.load_model(spec.path, dtype=spec.dtype, progress=progress, should_cancel=should_cancel,
+                                     **spec.options)
+            pool.set_loras(handle, [list(lora) for lora in spec.loras], progress, patches, should_cancel)
             return handle
 
     def call(self, spec: ModelSpec, x, timestep, context=None, should_cancel=None, patches=None, **extra):
         """One diffusion_model call through the pool (which records the step time for the panel)."""
         return self.load(spec, patches=patches)(x, timestep, context=context, should_cancel=should_cancel, **extra)
 
-    # ----- control -----
+    # ----- control: never behind self._lock, which a load holds for as long as it takes -----
     def unload_all(self) -> int:
-        """Unload every model in every pool; the pools stay up. Returns how many models were unloaded."""
-        with self._lock:
-            count = sum(pool.unload_all() for pool in self._pools.values())
+        """Unload every model in every pool; the pools stay up (a load in progress is stopped, not waited for).
+        Returns how many models were unloaded."""
+        count = sum(pool.unload_all() for pool in list(self._pools.values()))
         self.emit_status()
         return count
 
     def shutdown(self, devices: Optional[list[str]] = None) -> int:
-        """Close the pool on these devices, or every pool; returns how many were closed."""
-        with self._lock:
-            keys = [key for key in ([tuple(devices)] if devices else list(self._pools)) if key in self._pools]
-            for key in keys:
-                self._close(key)
+        """Close the pool on these devices, or every pool (a load in progress is stopped, not waited for);
+        returns how many were closed."""
+        keys = [key for key in ([tuple(devices)] if devices else list(self._pools)) if key in self._pools]
+        closed = sum(self._close(key) for key in keys)
         self.emit_status()
-        return len(keys)
+        return closed
 
     def close_all(self) -> None:
-        with self._lock:
-            for key in list(self._pools):
-                self._close(key)
+        for key in list(self._pools):
+            self._close(key)
 
     # ----- status -----
     def status(self) -> dict:

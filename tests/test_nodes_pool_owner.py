@@ -32,13 +32,13 @@ class FakePool:
         self.closed = False
         self.unloads = self.loads = 0
 
-    def load_model(self, path, dtype="default", progress=None, **options):
+    def load_model(self, path, dtype="default", progress=None, should_cancel=None, **options):
         self.loads += 1
         if progress:
             progress(1.0, "loaded")
         return self.handles.setdefault((path, dtype), FakeHandle(path, dtype, options))
 
-    def set_loras(self, handle, loras, progress=None, patches=None):
+    def set_loras(self, handle, loras, progress=None, patches=None, should_cancel=None):
         self.lora_calls.append((handle, loras) if patches is None else (handle, loras, patches))
 
     def unload_all(self):

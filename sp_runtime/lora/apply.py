@@ -87,7 +87,7 @@ class LoraState:
         parameters = self._targets()
         files = [self._file(path) for path, _ in loras]
         strengths = [float(strength) for _, strength in loras]
-        uses = self._uses(files, strengths, parameters)
+        uses = self._uses(files, strengths, parameters, progress)
         self.resolver.reset_budget()  # ComfyUI's weight patches: a budget of their own for decoding names
         groups = resolve_patch_targets(patches, self.resolver, parameters) if patches else {}
         wanted = {name: tuple((files[use.entry].identity, strengths[use.entry]) for use in group)
@@ -136,13 +136,16 @@ class LoraState:
             self._files[path] = cached = read_lora_file(path)
         return cached
 
-    def _uses(self, files: list[LoraFile], strengths: list[float], parameters: dict) -> dict[str, list[_Use]]:
+    def _uses(self, files: list[LoraFile], strengths: list[float], parameters: dict,
+              progress: Progress = None) -> dict[str, list[_Use]]:
         """parameter -> the adapters acting on it, in list order (entries of strength 0 act on nothing)."""
         uses: dict[str, list[_Use]] = {}
         for entry, (lora, strength) in enumerate(zip(files, strengths)):
             unknown = []
             self.resolver.reset_budget()
             for adapter in lora.adapters:
+                if progress is not None:  # where a cancel is seen while names are resolved
+                    progress(0.0, "resolving LoRA names")
                 try:
                     targets = self.resolver.resolve(adapter.module, adapter.kind)
                 except ValueError as error:

@@ -4,6 +4,7 @@ How one request reaches the workers and how its failures are worded is in reques
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ CLOSE_WAIT_S = 10.0  # how long close() waits for a call in another thread befor
 _live_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()  # for the fork hook
 Listener = Callable[[dict], None]
 ACTIVITY = {"load": "loading", "call": "sampling", "set_loras": "applying LoRAs", "unload": "unloading"}
+LOADS = frozenset({"load", "set_loras"})  # what Unload interrupts (close interrupts every request)
 
 
 class WorkerPool:
@@ -69,6 +71,7 @@ class WorkerPool:
         self._token = new_token()  # in every shared name: unique even where two processes share a PID
         self._owner_pid = os.getpid()
         self._lock = threading.RLock()
+        self._interrupted: frozenset = frozenset()  # ops a control call (unload, close) stops while it waits
         self._state, self._activity = "starting", None
         self._workers: list[WorkerProcess] = []  # changed in place: the finalizer holds this list
         self._rendezvous: Optional[Rendezvous] = None
@@ -134,19 +137,22 @@ class WorkerPool:
             self._listeners.remove(listener)
 
     def load_model(self, path: Union[str, os.PathLike], dtype: Union[torch.dtype, str, None] = "default",
-                   progress: Optional[ProgressFn] = None, **options: Any) -> ModelHandle:
+                   progress: Optional[ProgressFn] = None, *, should_cancel: Optional[Callable[[], bool]] = None,
+                   **options: Any) -> ModelHandle:
         """Load a checkpoint in every worker (cached there by path, dtype and options) and return its handle.
 
         A model that is resident already costs no header read and no request to the workers (the pool owner asks
-        for its model at every step); its file's stamp is checked, so a file replaced on disk is loaded again."""
+        for its model at every step); its file's stamp is checked, so a file replaced on disk is loaded again.
+        should_cancel() true (or unload / close in another thread) stops the load at the workers' next tensor:
+        Cancelled, and nothing stays loaded."""
         with self._lock:
             self._ensure_running()
             request = self._resident_request(path, dtype, options) or _load_request(path, dtype, options)
-            info = self._make_resident(request, progress)
+            info = self._make_resident(request, progress, should_cancel)
         return ModelHandle(self, request, info)
 
     def set_loras(self, handle: ModelHandle, loras: Sequence, progress: Optional[ProgressFn] = None,
-                  patches: Optional[PatchSet] = None) -> dict:
+                  patches: Optional[PatchSet] = None, should_cancel: Optional[Callable[[], bool]] = None) -> dict:
         """Apply LoRAs [[path, strength], ...] to a loaded model in every worker, replacing its previous list, and
         then `patches` (ComfyUI's weight patches, e.g. from its stock LoRA nodes), replacing the previous set.
 
@@ -156,23 +162,25 @@ class WorkerPool:
         switch the workers' copy back to it when another handle of the same model changed it.
         Returns rank 0's summary: {"parameters": patched now, "updated": rewritten by this call, "skipped": [...]};
         the list the workers already hold sends nothing and returns {"parameters": None, "updated": 0, ...}.
+        should_cancel() true (or unload / close in another thread) stops the change at the workers' next weight:
+        Cancelled, and the weights and the handle's list stay as they were.
         """
         wanted = normalize_loras(loras)
         with self._lock:
             self._ensure_running()
             self._follow_file(handle)
-            self._make_resident(handle.request, None)
+            self._make_resident(handle.request, None, should_cancel)
             if self._holds(handle.key, wanted, patches):
                 summary = {"parameters": None, "updated": 0, "skipped": []}
             else:
-                summary = self._apply_loras(handle, wanted, progress, patches)
+                summary = self._apply_loras(handle, wanted, progress, patches, should_cancel)
         handle.loras, handle.patches = wanted, patches
         return summary
 
     def unload(self, model: Union[ModelHandle, str]) -> None:
         """Free a model in the workers now (a later call through a handle to it loads it again)."""
         key = model.key if isinstance(model, ModelHandle) else model
-        with self._lock:
+        with self._interrupting(LOADS):
             self._models.pop(key, None)
             if key in self._resident and self._state == "idle":
                 self._request({"op": "unload", "key": key})
@@ -181,10 +189,11 @@ class WorkerPool:
         self._emit({"event": "unloaded", "model": key})
 
     def unload_all(self) -> int:
-        """Free every model in the workers (the pool stays up); returns how many models the pool had."""
-        with self._lock:
+        """Free every model in the workers (the pool stays up); returns how many models the pool had. A load or
+        LoRA change in another thread is stopped (Cancelled there) rather than waited for."""
+        with self._interrupting(LOADS):
             count = len(self._models)
-            if self._resident and self._state == "idle":
+            if self._state == "idle":  # also when nothing is resident: ranks may hold a load that was interrupted
                 self._request({"op": "unload", "all": True})
             self._models.clear()
             self._resident.clear()
@@ -201,9 +210,9 @@ class WorkerPool:
         with self._lock:
             self._ensure_running()
             self._follow_file(handle)
-            self._make_resident(handle.request, None)
+            self._make_resident(handle.request, None, should_cancel)
             if not self._holds(handle.key, handle.loras, handle.patches):
-                self._apply_loras(handle, handle.loras, None, handle.patches)
+                self._apply_loras(handle, handle.loras, None, handle.patches, should_cancel)
             if should_cancel is not None and should_cancel():
                 raise Cancelled("cancelled before the call was sent to the workers")
             return self._call(handle, x, timestep, kwargs, should_cancel)
@@ -254,7 +263,9 @@ class WorkerPool:
         """End and reap every worker and unlink every shared-memory segment. Idempotent."""
         if self._owner_pid != os.getpid():
             return  # a forked child: the workers, segments and folder are its parent's
-        # A call stuck in another thread must not block shutdown (e.g. at interpreter exit): go on without the lock.
+        # A request in another thread is stopped (at the workers' next block or tensor); one stuck there must not
+        # block shutdown (e.g. at interpreter exit): after CLOSE_WAIT_S go on without the lock.
+        self._interrupted = frozenset(ACTIVITY)
         locked = self._lock.acquire(timeout=CLOSE_WAIT_S)
         try:
             if self._state == "closed":
@@ -265,6 +276,18 @@ class WorkerPool:
         finally:
             if locked:
                 self._lock.release()
+
+    @contextlib.contextmanager
+    def _interrupting(self, ops: frozenset):
+        """Hold the pool's lock, stopping requests of these ops in other threads instead of waiting for them."""
+        self._interrupted = self._interrupted | ops
+        try:
+            with self._lock:
+                self._interrupted = frozenset()
+                yield
+        finally:
+            if self._interrupted == ops:  # never reached the lock (interrupted itself): stop asking
+                self._interrupted = frozenset()
 
     def _after_fork_in_child(self) -> None:
         """Let go of what the parent owns: its workers' pipes, owner files and lock (held maybe by a thread that
@@ -386,10 +409,15 @@ class WorkerPool:
         key = _request_for(path, dtype, options, same_file.header, stamp).key
         return self._models[key][0] if key in self._resident else None
 
-    def _make_resident(self, request: LoadRequest, progress: Optional[ProgressFn]) -> ModelInfo:
+    def _make_resident(self, request: LoadRequest, progress: Optional[ProgressFn],
+                       should_cancel: Optional[Callable[[], bool]] = None) -> ModelInfo:
         if request.key not in self._resident:
-            replies = self._request({"op": "load", "request": request.to_message()},
-                                    on_progress=self._progress_relay(request, progress))
+            try:
+                replies = self._request({"op": "load", "request": request.to_message()}, should_cancel,
+                                        on_progress=self._progress_relay(request, progress))
+            except Cancelled:
+                self._drop_partial_load(request.key)
+                raise
             infos = [reply["info"] for reply in replies]
             if any(info != infos[0] for info in infos):
                 self._break("ranks loaded different models")
@@ -401,6 +429,16 @@ class WorkerPool:
             self._applied_patches[request.key] = None
             self._emit({"event": "loaded", "model": _model_entry(request, self._models[request.key][1], True)})
         return self._models[request.key][1]
+
+    def _drop_partial_load(self, key: str) -> None:
+        """After a cancelled load: ranks that finished before they saw the cancel hold the model; free it (not
+        when close or an unload interrupted it: they free what they free, and never wait for this)."""
+        if self._state != "idle" or self._interrupted:
+            return
+        try:
+            self._request({"op": "unload", "key": key})
+        except Exception:  # noqa: BLE001 - the pool says what failed; the model is unknown to the host anyway
+            log.warning("freeing a cancelled load of %s in the workers failed", key, exc_info=True)
 
     def _drop_superseded(self, request: LoadRequest) -> None:
         """Unload the copies of this model made from its file as it was before it changed on disk."""
@@ -433,7 +471,7 @@ class WorkerPool:
                 table.pop(key, None)
 
     def _apply_loras(self, handle: ModelHandle, loras: LoraList, progress: Optional[ProgressFn],
-                     patches: Optional[PatchSet] = None) -> dict:
+                     patches: Optional[PatchSet] = None, should_cancel: Optional[Callable[[], bool]] = None) -> dict:
         key = handle.key
         self._applied_loras[key] = None  # a failure part-way leaves the workers' state unknown until it succeeds
         self._applied_patches.pop(key, None)
@@ -445,7 +483,7 @@ class WorkerPool:
                 message["patches"] = {"digest": patches.digest}
             elif patches is not None:
                 message["patches"], segment = stage_patch_set(patches, self._token, self._run.ensure)
-            replies = self._request(message, on_progress=_quiet(progress))
+            replies = self._request(message, should_cancel, on_progress=_quiet(progress))
         except BaseException:
             self._kept_patches.pop(key, None)
             raise
@@ -477,7 +515,6 @@ class WorkerPool:
               should_cancel: Optional[Callable[[], bool]]) -> torch.Tensor:
         started = time.perf_counter()
         message, copied = call_message(handle, x, timestep, kwargs, self._inputs, self._outputs)
-        self._control.set_cancel(False)
         self._control.reset_counters(self.config.world_size)
         replies = self._request(message, should_cancel=should_cancel)
         out = self._outputs.read(message["output"], x.dtype)
@@ -507,10 +544,15 @@ class WorkerPool:
 
     def _request(self, message: dict, should_cancel: Optional[Callable[[], bool]] = None,
                  on_progress: Optional[ProgressFn] = None) -> list[dict]:
-        """One request to every worker (see requests.Exchange); the pool is busy meanwhile."""
-        self._set_state("busy", ACTIVITY.get(message["op"], message["op"]))
+        """One request to every worker (see requests.Exchange); the pool is busy meanwhile. It is cancelled when
+        should_cancel() is true, or when unload / close in another thread interrupts requests of its op."""
+        op = message["op"]
+
+        def cancel() -> bool:
+            return op in self._interrupted or (should_cancel is not None and should_cancel())
+        self._set_state("busy", ACTIVITY.get(op, op))
         try:
-            replies = self._exchange.request(self._workers, message, should_cancel, on_progress)
+            replies = self._exchange.request(self._workers, message, cancel, on_progress)
         except Exception as error:
             self._note_error(error)
             raise

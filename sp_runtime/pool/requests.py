@@ -28,6 +28,7 @@ from .spawn import WorkerProcess
 log = logging.getLogger("ulysses_sp.pool")
 POLL_S = 0.05
 CANCEL_GRACE_BLOCKS = 2.0  # after a cancel, wait this many of the slowest measured blocks (at least cancel_grace_s)
+APART = frozenset({"load", "set_loras", "unload"})  # requests each rank serves without collectives
 STALL_BLOCKS = 4.0  # the stall watchdog waits at least this many of the slowest measured blocks
 CPU_SAMPLE_S = 0.25  # CPU time is sampled this often, and compared over the last CPU_WINDOW_S
 CPU_WINDOW_S = 1.0  # (a rank that stops computing is seen idle this much later)
@@ -74,6 +75,7 @@ class Exchange:
                 on_progress: Optional[ProgressFn] = None) -> list[dict]:
         """Send one request to every worker and wait for all replies; raise on any failure."""
         message["id"] = next(self._ids)
+        self.control.set_cancel(False)
         try:
             for worker in workers:
                 try:
@@ -109,8 +111,10 @@ class Exchange:
         errors = {rank: reply for rank, reply in enumerate(replies) if not reply["ok"]}
         if not errors:
             return
-        if all(reply["error"] == "Cancelled" for reply in errors.values()) and len(errors) == len(replies):
-            raise Cancelled(errors[0]["message"])
+        # Loads and LoRA changes run apart on each rank (no collectives): some may finish before they see a cancel.
+        if all(reply["error"] == "Cancelled" for reply in errors.values()) and (
+                len(errors) == len(replies) or op in APART):
+            raise Cancelled(next(iter(errors.values()))["message"])
         # Ranks that failed differently (or not at all) may disagree about which collectives ran: restart.
         consistent = len(errors) == len(replies) and len({reply["error"] for reply in errors.values()}) == 1
         if not consistent:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..cfg_parallel import run_forward
 from ..config import SPConfig
-from ..families.base import LoadRequest
+from ..families.base import Cancelled, LoadRequest
 from ..families.header import check_unchanged
 from ..families.detect import load_worker_model
 from ..groups import build_groups
@@ -35,6 +35,10 @@ from .protocol import decode_tree, name_to_dtype, recv, send
 from .segments import Segment, release_retired
 
 PROGRESS_INTERVAL_S = 0.1
+# Test hook (set in a pool's env by the tests only): "op=seconds,...": every progress step of these requests (load,
+# set_loras) sleeps that long, a slow load.
+TEST_SLOW_PROGRESS = {op: float(seconds) for op, _, seconds in (
+    entry.partition("=") for entry in os.environ.get("ULYSSES_SP_TEST_SLOW_PROGRESS", "").split(",") if entry)}
 NCCL_REMEDIES = ("usual remedies: set NCCL_P2P_DISABLE=1 (GPUs without working peer-to-peer, e.g. some consumer "
                  "cards or virtual machines), NCCL_IB_DISABLE=1 (no InfiniBand), use the same NVIDIA driver for all "
                  "GPUs, and set NCCL_DEBUG=INFO to see why")
@@ -174,14 +178,19 @@ class Worker:
         if request.key not in self.models:
             check_unchanged(request.path, request.stamp)
             self.models[request.key] = load_worker_model(request, self.device, self.groups,
-                                                         self._progress_fn(message["id"]))
+                                                         self._progress_fn(message["id"], "load"))
             self.requests[request.key] = request
         return {"info": self.models[request.key].info.to_dict()}
 
-    def _progress_fn(self, request_id):
+    def _progress_fn(self, request_id, op: str):
         last = [0.0]
 
         def progress(fraction: float, text: str = "") -> None:
+            """Relays rank 0's progress; on every rank, the point where a load or LoRA change can be cancelled."""
+            if op in TEST_SLOW_PROGRESS:
+                time.sleep(TEST_SLOW_PROGRESS[op])
+            if self.control.cancel_requested():
+                raise Cancelled(f"cancelled by the caller at {text or 'a progress step'}")
             now = time.monotonic()
             if self.rank == 0 and (now - last[0] >= PROGRESS_INTERVAL_S or fraction >= 1.0):
                 last[0] = now
@@ -214,7 +223,7 @@ class Worker:
             request = self.requests[key]
             self.lora_states[key] = lora_state(self.models[key], request.header or request.path, self.device)
         patches = self._patch_set(key, message.get("patches"))
-        return self.lora_states[key].set(message["loras"], self._progress_fn(message["id"]), patches)
+        return self.lora_states[key].set(message["loras"], self._progress_fn(message["id"], "set_loras"), patches)
 
     def _patch_set(self, key: str, entry: Optional[dict]):
         if entry is None:
