@@ -26,12 +26,14 @@ def run_ranks(fn: Callable, devices: Sequence[str], *args: Any, timeout: float =
     return spawn_ranks(_child, len(devices), (list(devices), threads, fn, args, backend), timeout, "link probe")
 
 
-def _child(rank: int, port: int, results, devices: list[str], threads: int, fn: Callable, args: tuple,
+def _child(rank: int, store_path: str, results, devices: list[str], threads: int, fn: Callable, args: tuple,
            backend: Optional[str]) -> None:
     import datetime
 
     import torch
     import torch.distributed as dist
+
+    from ..local_ranks import join_process_group
     try:
         torch.set_num_threads(threads)
         device = torch.device(devices[rank])
@@ -41,8 +43,8 @@ def _child(rank: int, port: int, results, devices: list[str], threads: int, fn: 
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         if backend == "nccl":
             options["device_id"] = device
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(devices),
-                                timeout=datetime.timedelta(seconds=120), **options)
+        join_process_group(backend, store_path, rank, len(devices), timeout=datetime.timedelta(seconds=120),
+                           **options)
         try:
             results.put((rank, True, fn(rank, devices, *args)))
         finally:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Optional
 
+from ..local_ranks import loopback_interface
 from .errors import describe_exit
 from .ownership import TOKEN_HEX, OwnerLock, owner_is_dead
 from .protocol import send
@@ -123,20 +124,13 @@ def remove_if_dead(run_dir: str) -> bool:
     return True
 
 
-def _loopback_interface() -> Optional[str]:
-    try:
-        return next((name for _, name in socket.if_nameindex() if name in ("lo", "lo0")), None)
-    except OSError:
-        return None
-
-
 def worker_env(extra: Optional[dict] = None) -> dict:
     env = dict(os.environ)
     # The worker is a fresh interpreter running `-m sp_runtime.pool.worker`: ComfyUI imports this package under a
     # name made from its folder path, so the folder that holds sp_runtime must be on the child's path.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    loopback = _loopback_interface()
+    loopback = loopback_interface()
     if loopback:  # keep gloo / NCCL bootstrap sockets on the loopback interface (one machine, nothing exposed)
         env.setdefault("GLOO_SOCKET_IFNAME", loopback)
         env.setdefault("NCCL_SOCKET_IFNAME", loopback)
