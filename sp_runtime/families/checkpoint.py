@@ -354,9 +354,13 @@ def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
 
 def out_of_file(tensor: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
     """`tensor`, copied when it still views the file mapping `read` came from (safetensors maps files on the CPU):
-    a checkpoint rewritten or truncated on disk must not change a loaded model, nor kill its worker with SIGBUS."""
-    if tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() == read.untyped_storage().data_ptr():
-        return tensor.clone()
+    a checkpoint rewritten or truncated on disk must not change a loaded model, nor kill its worker with SIGBUS.
+    Where the pool's CPU workers share weights (formats.copies_into), every CPU weight moves there."""
+    from ..formats import kept_copy, sharing_weights
+    if tensor.device.type != "cpu":
+        return tensor
+    if sharing_weights() or tensor.untyped_storage().data_ptr() == read.untyped_storage().data_ptr():
+        return kept_copy(tensor)
     return tensor
 
 

@@ -7,6 +7,7 @@ per call, into the activations' dtype.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
@@ -15,6 +16,28 @@ import torch.nn.functional as F
 
 # format name -> dequantizer(weight, dtype) -> tensor of weight.shape; each format module registers its own
 DEQUANTIZERS: dict[str, Callable[["QuantWeight", torch.dtype], torch.Tensor]] = {}
+_keep: list[Callable[[torch.Tensor], torch.Tensor]] = [torch.Tensor.clone]  # the innermost copies_into() wins
+
+
+@contextlib.contextmanager
+def copies_into(keep: Callable[[torch.Tensor], torch.Tensor]):
+    """While loading: how kept CPU weights are copied (the pool's CPU workers: into memory the ranks share)."""
+    _keep.append(keep)
+    try:
+        yield
+    finally:
+        _keep.remove(keep)
+
+
+def sharing_weights() -> bool:
+    """Whether kept weights go to shared memory now (then even private tensors move there)."""
+    return _keep[-1] is not torch.Tensor.clone
+
+
+def kept_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU weight the model keeps, as its own copy (never a view of a file mapping: a checkpoint rewritten on
+    disk must not change a loaded model, nor kill its worker with SIGBUS)."""
+    return _keep[-1](tensor)
 
 
 @dataclass
@@ -46,7 +69,7 @@ class QuantWeight:
         """The weight with its CPU parts copied out of the file mapping they may view: a checkpoint rewritten on
         disk must not change a loaded model (as families.checkpoint.out_of_file does for plain tensors)."""
         def own(part):
-            return part.clone() if part.device.type == "cpu" else part
+            return kept_copy(part) if part.device.type == "cpu" else part
         return replace(self, rows={k: own(v) for k, v in self.rows.items()},
                        consts={k: own(v) for k, v in self.consts.items()})
 

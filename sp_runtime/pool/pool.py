@@ -29,7 +29,8 @@ from .ownership import OwnerLock, new_token
 from .patch_transport import KeptSets, stage_patch_set
 from .protocol import recv, send
 from .requests import POLL_S, Exchange, Timeouts, call_message, tail_of
-from .segments import claim_names, clean_stale_segments, release_retired
+from .segments import claim_names, clean_stale_segments, fresh_name, release_retired
+from .shared_weights import can_share, remove_chunks
 from .spawn import RunFolder, Rendezvous, WorkerProcess, clean_stale_run_dirs, launch_worker, worker_env
 from .status import rank_memory
 from .steps import STEPS, StepHistory
@@ -56,16 +57,18 @@ class WorkerPool:
         measured, if longer) fails as wedged (and the pool restarts): a rank stuck before a collective that the
         others wait in, found long before collective_timeout_s.
     collective_timeout_s: the process group's timeout for one collective (a rank wedged inside one).
+    share_cpu_weights: CPU workers keep one shared copy of each model's weights (Linux /dev/shm), not one each.
     A pool dropped without close() is closed when it is garbage-collected, and at interpreter exit.
     """
 
     def __init__(self, config: Union[SPConfig, Sequence[str]], *, start_timeout_s: float = 180.0,
                  error_grace_s: float = 3.0, cancel_grace_s: float = 5.0, watchdog_s: float = 20.0,
                  stall_s: float = 60.0, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, env: Optional[dict] = None,
-                 threads: Optional[int] = None, steps: StepHistory = STEPS):
+                 threads: Optional[int] = None, steps: StepHistory = STEPS, share_cpu_weights: bool = True):
         self.config = config if isinstance(config, SPConfig) else SPConfig(devices=list(config))
         self.start_timeout_s = start_timeout_s
         self.collective_timeout_s = collective_timeout_s
+        self.share_cpu_weights = share_cpu_weights
         self.timeouts = Timeouts(error_grace_s, cancel_grace_s, watchdog_s, stall_s)
         self._env, self._threads = env, threads
         self._token = new_token()  # in every shared name: unique even where two processes share a PID
@@ -412,12 +415,15 @@ class WorkerPool:
     def _make_resident(self, request: LoadRequest, progress: Optional[ProgressFn],
                        should_cancel: Optional[Callable[[], bool]] = None) -> ModelInfo:
         if request.key not in self._resident:
+            message = {"op": "load", "request": request.to_message(), "shared_weights": self._shared_weights_name()}
             try:
-                replies = self._request({"op": "load", "request": request.to_message()}, should_cancel,
-                                        on_progress=self._progress_relay(request, progress))
+                replies = self._request(message, should_cancel, on_progress=self._progress_relay(request, progress))
             except Cancelled:
                 self._drop_partial_load(request.key)
                 raise
+            finally:
+                if message["shared_weights"]:
+                    remove_chunks(message["shared_weights"])
             infos = [reply["info"] for reply in replies]
             if any(info != infos[0] for info in infos):
                 self._break("ranks loaded different models")
@@ -429,6 +435,13 @@ class WorkerPool:
             self._applied_patches[request.key] = None
             self._emit({"event": "loaded", "model": _model_entry(request, self._models[request.key][1], True)})
         return self._models[request.key][1]
+
+    def _shared_weights_name(self) -> Optional[str]:
+        """The chunk names' base for a load whose CPU ranks share its weights; None: each keeps its own copy."""
+        if not self.share_cpu_weights or self.config.world_size < 2 or not can_share() or \
+                any(not device.startswith("cpu") for device in self.config.devices):
+            return None
+        return fresh_name(self._token, "w")
 
     def _drop_partial_load(self, key: str) -> None:
         """After a cancelled load: ranks that finished before they saw the cancel hold the model; free it (not

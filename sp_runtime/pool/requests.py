@@ -129,7 +129,8 @@ class Exchange:
             text += (f"\nout of memory on {device}: lower the resolution, frame count or batch, use more devices, "
                      f"or load the weights in a smaller dtype (bf16 / fp8)")
             if device == "cpu":
-                text += "; every CPU worker holds its own copy of the weights: free RAM or use fewer CPU workers"
+                text += "; free RAM or use fewer CPU workers (they share one copy of the weights, but each holds its " \
+                        "own activations)"
         if restarted:
             text += "\n(the other ranks could not finish, so the pool restarts on the next call)"
         text += f"\n--- worker traceback (rank {rank}) ---\n{reply.get('traceback', '')}"

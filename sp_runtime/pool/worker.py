@@ -7,6 +7,7 @@ or until the pipe closes (the parent died). Tensors come and go through shared m
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -177,10 +178,19 @@ class Worker:
         request = LoadRequest.from_message(message["request"])
         if request.key not in self.models:
             check_unchanged(request.path, request.stamp)
-            self.models[request.key] = load_worker_model(request, self.device, self.groups,
-                                                         self._progress_fn(message["id"], "load"))
+            with self._weights_sharing(message.get("shared_weights")):
+                self.models[request.key] = load_worker_model(request, self.device, self.groups,
+                                                             self._progress_fn(message["id"], "load"))
             self.requests[request.key] = request
         return {"info": self.models[request.key].info.to_dict()}
+
+    def _weights_sharing(self, base: Optional[str]):
+        """CPU ranks keep the weights they load in shared chunks named from `base` (see shared_weights)."""
+        if base is None or self.device.type != "cpu":
+            return contextlib.nullcontext()
+        from ..formats import copies_into
+        from .shared_weights import SharedWeights
+        return copies_into(SharedWeights(base))
 
     def _progress_fn(self, request_id, op: str):
         last = [0.0]
