@@ -61,6 +61,19 @@ def in_thread(function, *args, **kwargs):
     return thread, outcome
 
 
+def interrupting(control, bound_s: float, load, *args):
+    """Start load(*args) in a thread; a second later control() must return within bound_s, and the load end.
+    Returns (control's result, the load's result or exception)."""
+    thread, outcome = in_thread(load, *args)
+    time.sleep(1.0)
+    started = time.monotonic()
+    result = control()
+    assert time.monotonic() - started < bound_s
+    thread.join(10)
+    assert not thread.is_alive()
+    return result, outcome[0]
+
+
 def after(seconds: float):
     start = time.monotonic()
     return lambda: time.monotonic() - start > seconds
@@ -83,13 +96,8 @@ def test_a_slow_lora_change_is_cancelled_unchanged_and_close_does_not_wait_for_o
         assert pool.worker_pids == pids and pool.state == "idle" and handle.loras == ()
         assert torch.equal(handle(x, t, context=context), plain)
 
-        thread, outcome = in_thread(pool.set_loras, handle, [[files["lora"], 1.0]])
-        time.sleep(1.0)
-        started = time.monotonic()
-        pool.close()
-        assert time.monotonic() - started < 12.0
-        thread.join(10)
-        assert isinstance(outcome[0], (Cancelled, PoolClosedError))
+        _, outcome = interrupting(pool.close, 12.0, pool.set_loras, handle, [[files["lora"], 1.0]])
+        assert isinstance(outcome, (Cancelled, PoolClosedError))
     finally:
         pool.close()
 
@@ -104,13 +112,8 @@ def test_a_slow_load_is_cancelled_and_loads_nothing(slow_pool, files):
 
 
 def test_unload_all_does_not_wait_behind_a_slow_load(slow_pool, files):
-    thread, outcome = in_thread(slow_pool.load_model, files["toy"])
-    time.sleep(1.0)
-    started = time.monotonic()
-    slow_pool.unload_all()
-    assert time.monotonic() - started < 5.0
-    thread.join(10)
-    assert isinstance(outcome[0], Cancelled)
+    _, outcome = interrupting(slow_pool.unload_all, 5.0, slow_pool.load_model, files["toy"])
+    assert isinstance(outcome, Cancelled)
     assert slow_pool.state == "idle" and slow_pool.status()["models"] == []
 
 
@@ -120,19 +123,9 @@ def test_the_panels_unload_and_shutdown_do_not_wait_behind_a_loader(slow_pool, f
     spec = model_spec.ModelSpec.create(SPConfig(["cpu"] * 2), files["toy"])
     try:
         owner.pool_for(spec.config)
-        thread, outcome = in_thread(owner.load, spec)
-        time.sleep(1.0)
-        started = time.monotonic()
-        owner.unload_all()
-        assert time.monotonic() - started < 5.0
-        thread.join(10)
-        assert isinstance(outcome[0], Cancelled)
-        thread, outcome = in_thread(owner.load, spec)
-        time.sleep(1.0)
-        started = time.monotonic()
-        assert owner.shutdown() == 1
-        assert time.monotonic() - started < 12.0
-        thread.join(10)
-        assert isinstance(outcome[0], (Cancelled, PoolClosedError)) and owner.pool_count == 0
+        _, outcome = interrupting(owner.unload_all, 5.0, owner.load, spec)
+        assert isinstance(outcome, Cancelled)
+        closed, outcome = interrupting(owner.shutdown, 12.0, owner.load, spec)
+        assert closed == 1 and isinstance(outcome, (Cancelled, PoolClosedError)) and owner.pool_count == 0
     finally:
         owner.close_all()

@@ -275,6 +275,8 @@ class WorkerPool:
                 return
             self._set_state("closed")
             self._close_rendezvous()
+            if not locked:  # a request still runs in another thread: its workers will not read "exit"
+                _stop(self._workers, graceful=False)
             self._finalizer()
         finally:
             if locked:

@@ -84,7 +84,11 @@ class Exchange:
                     raise self.worker_died(worker, message["op"]) from None
             wait_ = _Wait(self, workers, message, should_cancel, on_progress)
             replies = wait_.run()
-        except (WorkerError, Cancelled):
+        except Cancelled:
+            if self._closed():  # close() in another thread stopped the request: say so
+                raise PoolClosedError(f"the worker pool was closed during {message['op']}") from None
+            raise
+        except WorkerError:
             raise
         except BaseException:  # e.g. KeyboardInterrupt while waiting: the workers are mid-call
             self.on_break(f"interrupted while waiting for the workers ({message['op']})")
