@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sp_runtime import SPConfig  # noqa: E402
 from sp_runtime.cli.machine import describe_machine, write_json  # noqa: E402
+from sp_runtime.families.detect import allow_internal_families  # noqa: E402
 from sp_runtime.families.toy import save_toy_checkpoint  # noqa: E402
 from sp_runtime.pool import WorkerPool  # noqa: E402
 
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cpu_weight_sharing.json")
     args = parser.parse_args(argv)
+    allow_internal_families()  # the toy checkpoints written below
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "toy.safetensors")
         save_toy_checkpoint(path, **MODEL)
