@@ -14,10 +14,22 @@ from .comfy_model import meta_state_dict
 from .loader import CATEGORY, load_sp_model, pool_inputs, sp_model_spec
 
 
+# Diffusion-model tensors ComfyUI's detection or conversion reads by value (newer ComfyUI's convert_old_quants calls
+# .item() on every scale_input of a legacy scaled-fp8 file): given real, everything else of the model stays meta.
+VALUE_READ_SUFFIXES = ("scaled_fp8", ".scale_input", ".scale_weight", ".input_scale", ".weight_scale",
+                       ".weight_scale_2", ".comfy_quant")
+SMALL_TENSOR_ELEMENTS = 16  # markers and scalars: a few bytes each
+
+
+def read_by_comfy(key: str, tensor) -> bool:
+    """Whether `key` of the diffusion model is read with its value (scales, markers), not only its shape."""
+    return key.endswith(VALUE_READ_SUFFIXES) or tensor.numel() <= SMALL_TENSOR_ELEMENTS
+
+
 def text_encoder_and_vae(path: str):
     """(CLIP, VAE) of an all-in-one checkpoint through ComfyUI's own loading. Only the tensors outside the diffusion
-    model are read: the diffusion model's entries are meta tensors, which ComfyUI's detection needs (shapes) and its
-    text-encoder / VAE loading never touches."""
+    model are read, and the diffusion model's scales and markers (read_by_comfy): its weights are meta tensors, which
+    ComfyUI's detection needs (shapes) and its text-encoder / VAE loading never touches."""
     header = read_checkpoint_header(path)
     if len(header.files) != 1 or not path.lower().endswith((".safetensors", ".sft")):
         raise ValueError(f"{path!r}: 'Load Checkpoint (Ulysses SP)' takes one all-in-one .safetensors file; for a "
@@ -31,7 +43,7 @@ def text_encoder_and_vae(path: str):
                          f"loaders")
     with safetensors.safe_open(path, framework="pt", device="cpu") as handle:
         for key in handle.keys():
-            if not key.startswith(prefix):
+            if not key.startswith(prefix) or read_by_comfy(key, state[key]):
                 state[key] = handle.get_tensor(key)
     _, clip, vae, _ = comfy.sd.load_state_dict_guess_config(
         state, output_vae=True, output_clip=True, output_model=False,

@@ -8,12 +8,14 @@ ComfyHost (sp_runtime.families.comfy_host). Sizes in unet_config never matter he
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
 
 import comfy.model_detection
 import comfy.model_patcher
+import comfy.patcher_extension
 import comfy.supported_models
 import comfy.utils
 
@@ -21,12 +23,14 @@ from sp_runtime.families import FAMILIES, comfy_host
 from sp_runtime.families.checkpoint import SAFETENSORS_DTYPES, count_blocks
 from sp_runtime.formats.detect import plain_view
 
+from . import model_options_policy as policy
 from .weight_patches import UnsupportedPatch, cached_patch_set, translate
 
 log = logging.getLogger("ulysses_sp")
 
 
 HOST_MEMORY_FACTOR = 0.01  # read by some ComfyUI code paths; memory_required below is what the host needs
+COMPILE_WRAPPER_KEY = "torch.compile"  # comfy_api.torch_helpers.torch_compile.COMPILE_KEY
 HOST_LATENT_COPIES = 8  # x, noise, denoised, the sampler's state and the shared-memory copies, in float32
 
 
@@ -148,13 +152,54 @@ class SPModelPatcher(comfy.model_patcher.ModelPatcher):
         _check_supported(self.hook_patches.get(hook.hook_ref, {}), self._proxy().weight_shapes)
         return added
 
-    def clone(self):
-        copy = super().clone()
+    def clone(self, *args, **kwargs):
+        """ModelPatcher.clone with every argument passed through (newer ComfyUI: disable_dynamic, model_override,
+        force_deepcopy, ...). The weights live in the workers, so a deep copy here is a clone sharing the proxy."""
+        if kwargs.get("force_deepcopy") and kwargs.get("model_override") is None:
+            kwargs["model_override"] = self.get_clone_model_override()
+            kwargs["force_deepcopy"] = False
+        copy = super().clone(*args, **_accepted(super().clone, kwargs))
         copy.patch_labels = self._labels()
+        copy.option_origins = self._origins().cloned(policy.current_node(), self.option_keys())
         return copy
 
+    def add_wrapper_with_key(self, wrapper_type, key, wrapper):
+        """TorchCompileModel: the workers compile the blocks (the `compile` load option) instead of a host wrapper
+        around a torch.compile of the proxy."""
+        if wrapper_type == comfy.patcher_extension.WrappersMP.APPLY_MODEL and key == COMPILE_WRAPPER_KEY:
+            proxy = self._proxy()
+            self.add_object_patch("diffusion_model", proxy.with_spec(proxy.spec.with_options(compile=True)))
+            log.info("ulysses-sp: TorchCompileModel on an SP model compiles the blocks in the workers")
+            return
+        return super().add_wrapper_with_key(wrapper_type, key, wrapper)
+
+    def set_injections(self, key, injections):
+        """Bypass LoRAs ("Load LoRA (Bypass)", comfy.sd.load_bypass_lora_for_models) become ordinary weight patches
+        for the workers: base(x) + strength * adapter(x) is the adapter's weight patch at that strength. Other
+        forward injections cannot reach the workers and are refused, naming the node."""
+        hooks = _bypass_hooks(injections)
+        if hooks is None:
+            node = policy.current_node()
+            raise RuntimeError(f"Ulysses SP model: forward injections {key!r}{f' (set by {node})' if node else ''} "
+                               f"would change modules of ComfyUI's own network, which runs in the SP workers; "
+                               f"remove that node for SP models")
+        for hook in hooks:
+            self.add_patches({f"diffusion_model.{hook.module.sp_key}": hook.adapter}, float(hook.multiplier))
+
+    def option_keys(self) -> dict:
+        """Every option this patcher carries, as model_options_policy names them."""
+        return policy.model_option_keys(self.model_options, getattr(self, "wrappers", {}),
+                                        getattr(self, "callbacks", {}), self.object_patches)
+
+    def check_options(self) -> None:
+        """Refuse, naming the node, any option the workers cannot serve (model_options_policy)."""
+        policy.check(self.option_keys(), self._origins().origin)
+
     def pre_run(self):
-        """Right before sampling: the diffusion model sends this patcher's weight patches with its calls."""
+        """Right before sampling: options are checked, and the diffusion model sends this patcher's weight patches
+        with its calls."""
+        self.check_options()
+        self._proxy().option_origins = self._origins()
         super().pre_run()
         self.unpatch_hooks()
 
@@ -184,8 +229,36 @@ class SPModelPatcher(comfy.model_patcher.ModelPatcher):
     def _labels(self) -> tuple:
         return getattr(self, "patch_labels", ())
 
+    def _origins(self) -> policy.OptionOrigins:
+        return getattr(self, "option_origins", None) or policy.OptionOrigins()
+
     def _proxy(self):
         return self.get_model_object("diffusion_model")
+
+
+def _bypass_hooks(injections) -> "list | None":
+    """The BypassForwardHooks inside ComfyUI's bypass-LoRA injections (held by their manager, which the injection's
+    functions close over), when every hook targets a WeightPath of the proxy; None for anything else."""
+    hooks = []
+    for injection in injections:
+        managers = [cell.cell_contents for function in (injection.inject, injection.eject)
+                    for cell in (getattr(function, "__closure__", None) or ())
+                    if hasattr(cell.cell_contents, "hooks") and hasattr(cell.cell_contents, "adapters")]
+        if not managers:
+            return None
+        found = list(managers[0].hooks)
+        if not all(hasattr(hook.module, "sp_key") and hasattr(hook, "adapter") for hook in found):
+            return None
+        hooks.extend(found)
+    return hooks
+
+
+def _accepted(method, kwargs: dict) -> dict:
+    """kwargs without those `method` does not take (ComfyUI 0.3.64's clone takes none; nobody passes any there)."""
+    parameters = inspect.signature(method).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return kwargs
+    return {key: value for key, value in kwargs.items() if key in parameters}
 
 
 def _check_supported(patches: dict, shapes: dict) -> None:

@@ -39,3 +39,8 @@ class ModelSpec:
     def with_lora(self, lora_path: str, strength: float) -> "ModelSpec":
         return ModelSpec(self.devices, self.ulysses_degree, self.ring_degree, self.cfg_degree, self.path,
                          self.dtype, self.options_json, self.loras + ((lora_path, float(strength)),))
+
+    def with_options(self, **options) -> "ModelSpec":
+        """This spec with load options added or changed (e.g. compile=True)."""
+        return ModelSpec(self.devices, self.ulysses_degree, self.ring_degree, self.cfg_degree, self.path,
+                         self.dtype, json.dumps({**self.options, **options}, sort_keys=True), self.loras)

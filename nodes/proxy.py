@@ -15,13 +15,43 @@ from sp_runtime.families import comfy_host
 from sp_runtime.families.base import DTYPES, Cancelled, patch_size_2
 from sp_runtime.lora.patch_set import PatchSet
 
+from . import model_options_policy as policy
 from .model_spec import ModelSpec
 from .pool_owner import OWNER
 
 HOST_ONLY_KEYS = ("transformer_options", "control")
-# Options ComfyUI's LTX-2 network reads to skip streams or blocks (STG guidance); the workers always run everything.
-STREAM_SWITCH_DEFAULTS = {"run_vx": True, "run_ax": True, "a2v_cross_attn": True, "v2a_cross_attn": True,
-                          "stg_self_attn_blocks": False, "stg_skip_self_attn": False}
+ROPE_OPTION_FAMILIES = ("wan",)  # families whose workers apply ScaleROPE's rope_options (sp_runtime.families.rope)
+ROPE_OPTION_KEYS = ("scale_x", "shift_x", "scale_y", "shift_y", "scale_t", "shift_t")
+
+
+class WeightPath:
+    """A module path of the checkpoint seen from the host (`blocks.0.self_attn.q`): attribute and index access go
+    down the path; `.weight` is a meta tensor when `<path>.weight` is a weight. Nothing runs through it."""
+
+    def __init__(self, shapes: dict, path: str, dtype):
+        self._shapes, self.path, self._dtype = shapes, path, dtype
+        self.sp_key = f"{path}.weight"  # the weight a bypass adapter on this module changes
+
+    @classmethod
+    def find(cls, shapes: dict, path: str, dtype) -> Optional["WeightPath"]:
+        prefix = path + "."
+        return cls(shapes, path, dtype) if any(key.startswith(prefix) for key in shapes) else None
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name == "weight" and self.sp_key in self._shapes:
+            return torch.empty(self._shapes[self.sp_key], dtype=self._dtype or torch.float32, device="meta")
+        found = WeightPath.find(self._shapes, f"{self.path}.{name}", self._dtype)
+        if found is None:
+            raise AttributeError(f"the Ulysses SP model has no module {self.path}.{name}")
+        return found
+
+    def __getitem__(self, index: int):
+        try:
+            return self.__getattr__(str(index))
+        except AttributeError as error:
+            raise IndexError(str(error)) from None
 
 
 class SPPoolError(RuntimeError):
@@ -41,6 +71,7 @@ class SPDiffusionModel(torch.nn.Module):
         self.owner = owner
         self.weight_shapes = dict(weight_shapes or {})
         self.weight_patches: Optional[PatchSet] = None
+        self.option_origins: Optional[policy.OptionOrigins] = None  # set by SPModelPatcher.pre_run
         self._meta: Optional[dict[str, torch.Tensor]] = None
         self.dtype = DTYPES.get(info.compute_dtype, torch.float32)
         self.in_channels = info.in_channels
@@ -54,6 +85,17 @@ class SPDiffusionModel(torch.nn.Module):
 
     def with_spec(self, spec: ModelSpec) -> "SPDiffusionModel":
         return SPDiffusionModel(spec, self.info, self.owner, self.weight_shapes)
+
+    def __getattr__(self, name: str):
+        """Besides nn.Module's own: the checkpoint's module paths as WeightPath stand-ins (ComfyUI's bypass LoRA
+        looks the modules of its weight keys up this way; SPModelPatcher.set_injections turns them into patches)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            path = WeightPath.find(self.__dict__.get("weight_shapes") or {}, name, self.__dict__.get("dtype"))
+            if path is None:
+                raise
+            return path
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self._meta is None:
@@ -69,8 +111,9 @@ class SPDiffusionModel(torch.nn.Module):
         return executor.execute(x, timestep, context, transformer_options, **kwargs)
 
     def _forward(self, x, timestep, context, transformer_options, **kwargs):
-        _reject_host_patches(transformer_options, kwargs.get("control"))
+        self._check_options(transformer_options, kwargs.get("control"))
         extra = {key: value for key, value in kwargs.items() if key not in HOST_ONLY_KEYS}
+        extra.update(self._rope_input(transformer_options))
         if self.host is not None and self.host.sampler_inputs is not None:
             extra.update(self.host.sampler_inputs(transformer_options, extra))
         packing = self.host is not None and self.host.pack_call is not None
@@ -88,25 +131,34 @@ class SPDiffusionModel(torch.nn.Module):
                 raise
             raise converted from error
 
+    def _check_options(self, transformer_options: dict, control) -> None:
+        """Per call: what the sampler, hooks and conditionings add to transformer_options must be on the allow-list
+        (model_options_policy; the patcher checked its own options before sampling)."""
+        if control is not None:
+            raise SPPoolError("ControlNet / control inputs are not supported on a Ulysses SP model yet: the control "
+                              "network would have to run inside the SP workers. Remove the ControlNet apply node.")
+        origins = self.option_origins or policy.OptionOrigins()
+        try:
+            policy.check(policy.transformer_option_keys(transformer_options), origins.origin)
+        except policy.RefusedOption as error:
+            raise SPPoolError(str(error)) from None
 
-def _reject_host_patches(transformer_options: dict, control) -> None:
-    """Patches that ComfyUI would run inside its own network cannot reach the workers: say so, never ignore."""
-    if control is not None:
-        raise SPPoolError("ControlNet / control inputs are not supported on a Ulysses SP model yet: the control "
-                          "network would have to run inside the SP workers. Remove the ControlNet apply node.")
-    patches = {key: value for key, value in (transformer_options.get("patches") or {}).items() if value}
-    replaces = {key: value for key, value in (transformer_options.get("patches_replace") or {}).items() if value}
-    switched = {key: transformer_options[key] for key, default in STREAM_SWITCH_DEFAULTS.items()
-                if key in transformer_options and bool(transformer_options[key]) != default}
-    if switched:
-        raise SPPoolError(f"transformer options {switched} (set by a guidance node such as STG or a stream switch) "
-                          f"would change what ComfyUI's network runs, and the Ulysses SP workers run every stream "
-                          f"and block in full; remove that node for SP models")
-    if patches or replaces:
-        names = sorted(patches) + sorted(replaces)
-        raise SPPoolError(f"model patches {names} (added by a node such as an IP-Adapter, PuLID or attention "
-                          f"patch) cannot run inside the Ulysses SP workers and would silently do nothing; remove "
-                          f"that node for SP models")
+    def _rope_input(self, transformer_options: dict) -> dict:
+        """ScaleROPE's rope_options as the workers' `rope_options` input (only the scales and shifts that differ
+        from identity); refused for families whose workers do not apply it."""
+        options = transformer_options.get("rope_options") or {}
+        values = {key: float(options.get(key, 1.0 if key.startswith("scale") else 0.0)) for key in ROPE_OPTION_KEYS}
+        unknown = sorted(set(options) - set(ROPE_OPTION_KEYS))
+        if unknown:
+            raise SPPoolError(f"rope_options keys {unknown} are not known to ulysses-sp (known: "
+                              f"{', '.join(ROPE_OPTION_KEYS)}); remove the node that sets them")
+        if all(values[key] == (1.0 if key.startswith("scale") else 0.0) for key in ROPE_OPTION_KEYS):
+            return {}
+        if self.info.family not in ROPE_OPTION_FAMILIES:
+            raise SPPoolError(f"ScaleROPE (transformer option rope_options) is not implemented in the Ulysses SP "
+                              f"workers for {self.info.family} models yet (implemented for: "
+                              f"{', '.join(ROPE_OPTION_FAMILIES)}); remove the ScaleROPE node")
+        return {"rope_options": values}
 
 
 def _as_node_error(error: Exception) -> Exception:

@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Optional
 
+import torch
+
+from sp_runtime.lora.patch_math import patched_weight
 from sp_runtime.lora.patch_set import PatchSet, TargetPatches, WeightPatch
 
 PREFIX = "diffusion_model."
@@ -49,11 +52,11 @@ def translate(patches: dict, shapes: dict[str, tuple[int, ...]], labels=()) -> P
         if not key.startswith(PREFIX) or key[len(PREFIX):] not in shapes:
             raise UnsupportedPatch(f"a weight patch for {key!r}, which is not a weight of the Ulysses SP model")
         name = key[len(PREFIX):]
-        targets[name] = TargetPatches(tuple(shapes[name]), tuple(_entry(name, entry) for entry in entries))
+        targets[name] = TargetPatches(tuple(shapes[name]), tuple(_entry(name, entry, shapes[name]) for entry in entries))
     return PatchSet(targets, tuple(labels))
 
 
-def _entry(key: str, entry: tuple) -> WeightPatch:
+def _entry(key: str, entry: tuple, shape: tuple) -> WeightPatch:
     strength, value, strength_model, offset, function = entry
     if function is not None:
         raise UnsupportedPatch(f"the weight patch on {key} carries a weight function ({function!r}), which cannot "
@@ -62,6 +65,9 @@ def _entry(key: str, entry: tuple) -> WeightPatch:
                "offset": tuple(int(number) for number in offset) if offset is not None else None}
     name = getattr(value, "name", None)
     if name is not None and hasattr(value, "weights"):
+        row_offset = getattr(value, "row_offset", None)
+        if row_offset is not None:
+            return _rows_of_fused(key, name, value.weights, int(row_offset), tuple(shape), scalars)
         return _adapter(key, name, value.weights, scalars)
     if isinstance(value, list):
         raise UnsupportedPatch(f"the weight patch on {key} is a model merge (weights of another model), which the "
@@ -90,3 +96,28 @@ def _adapter(key: str, name: str, weights: tuple, scalars: dict) -> WeightPatch:
     alpha = values.pop("alpha", None)
     tensors = {field: tensor for field, tensor in values.items() if field != "reshape" and tensor is not None}
     return WeightPatch(name, tensors, alpha=None if alpha is None else float(alpha), **scalars)
+
+
+def _rows_of_fused(key: str, name: str, weights: tuple, row_offset: int, shape: tuple, scalars: dict) -> WeightPatch:
+    """An adapter trained on a fused projection (newer ComfyUI's LoKr `row_offset` / `key`: a fused-qkv LoKr on a
+    model with split q / k / v) applied to its rows row_offset.. of this weight: its difference is built here once
+    and the workers add those rows as a `diff` patch (same math as ComfyUI: strength x alpha-scaled product)."""
+    whole = _adapter(key, name, weights, {"strength": 1.0, "strength_model": 1.0, "offset": None})
+    if "dora_scale" in whole.tensors:
+        raise UnsupportedPatch(f"the {name} patch on {key} has a row offset and a DoRA scale, which the Ulysses SP "
+                               f"workers cannot apply")
+    rows = _fused_rows(whole)
+    if rows is None or row_offset < 0 or row_offset + shape[0] > rows:
+        raise UnsupportedPatch(f"the {name} patch on {key} covers rows {row_offset}..{row_offset + shape[0]} of a "
+                               f"fused weight with {rows} rows")
+    fused = patched_weight(torch.zeros((rows, *shape[1:]), dtype=torch.float32), [whole], key)
+    return WeightPatch("diff", {"diff": fused[row_offset:row_offset + shape[0]].contiguous()}, **scalars)
+
+
+def _fused_rows(patch: WeightPatch) -> Optional[int]:
+    tensors = patch.tensors
+    first = tensors["w1"].shape[0] if "w1" in tensors else tensors["w1a"].shape[0] if "w1a" in tensors else None
+    second = tensors["w2"].shape[0] if "w2" in tensors else tensors["w2a"].shape[0] if "w2a" in tensors else None
+    if patch.kind != "lokr" or first is None or second is None:
+        return None
+    return first * second

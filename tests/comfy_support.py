@@ -102,10 +102,15 @@ def comfy_reference_model(family: str, path: str):
 
 
 def newer_comfy_fields(unet_config: dict) -> dict:
-    """A HunyuanVideo unet_config with the HunyuanVideo 1.5 fields newer ComfyUI versions require, off."""
+    """unet_config with the fields newer ComfyUI versions require, at the values their detection gives a Flux.1 /
+    HunyuanVideo 1.0 file (HunyuanVideo 1.5's fields off; Flux.1's text ids without extra dimensions)."""
+    import dataclasses
+    if unet_config.get("image_model") == "flux":
+        import comfy.ldm.flux.model as comfy_flux
+        fields = {field.name for field in dataclasses.fields(comfy_flux.FluxParams)}
+        return {**unet_config, **({"txt_ids_dims": []} if "txt_ids_dims" in fields else {})}
     if unet_config.get("image_model") != "hunyuan_video":
         return dict(unet_config)
-    import dataclasses
     import comfy.ldm.hunyuan_video.model as comfy_hunyuan
     fields = {field.name for field in dataclasses.fields(comfy_hunyuan.HunyuanVideoParams)}
     newer = dict(use_cond_type_embedding=False, vision_in_dim=None, meanflow_sum=False)

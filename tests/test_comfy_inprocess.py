@@ -86,6 +86,7 @@ def test_diffusion_model_wrappers_run_around_the_pool_call(sp_models, references
         seen.append((tuple(args[0].shape), isinstance(args[-1], dict)))
         return executor(*args, **kwargs) * 0.5
 
+    cs.import_node_module("model_options_policy").allow_host_only("wrappers.diffusion_model.test")
     model = sp_models["qwen_image"].clone()
     model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test", wrapper)
     reference = references["qwen_image"].clone()
@@ -262,8 +263,9 @@ def test_loader_with_shard_weights_samples_exactly_like_without(comfy_env, sp_mo
     ({"stg_self_attn_blocks": [3]}, "stg_self_attn_blocks"),
     ({"run_ax": False}, "run_ax"),
     ({"a2v_cross_attn": False}, "a2v_cross_attn")])
-def test_host_patches_and_stream_switches_are_refused_not_ignored(comfy_env, options, named):
+def test_host_patches_and_stream_switches_are_refused_not_ignored(comfy_env, sp_models, options, named):
     proxy_module = cs.import_node_module("proxy")
+    proxy = sp_models["qwen_image"].get_model_object("diffusion_model")
     with pytest.raises(proxy_module.SPPoolError, match=named):
-        proxy_module._reject_host_patches(options, None)
-    proxy_module._reject_host_patches({"run_vx": True, "stg_self_attn_blocks": [], "patches": {}}, None)
+        proxy._check_options(options, None)
+    proxy._check_options({"run_vx": True, "stg_self_attn_blocks": [], "patches": {}}, None)

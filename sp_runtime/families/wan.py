@@ -30,6 +30,7 @@ from ..groups import SeqParallel
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries, patch_size_2
 from .checkpoint import KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, detected_checkpoint, load_weights
 from .header import Header, header_config
+from .rope_options import is_identity, rotary_axis, scaled_positions
 from .video_tokens import VideoGrid, pad_to_patch_3d
 from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY,
                              folder_overrides, wan_key_plan)
@@ -49,6 +50,7 @@ from .wan_vace import VaceHints, prepare_hints
 DESCRIPTION = ("Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun InP / Control / Camera, HuMo, S2V, "
                "Animate, Animate 2)")
 COMFY_PATCH = (1, 2, 2)
+WAN_ROPE_THETA = 10000.0  # diffusers' WanRotaryPosEmbed default (it keeps no theta attribute)
 
 
 def _comfy_unet_config(info: ModelInfo) -> dict:
@@ -330,8 +332,11 @@ def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: 
         block_modulation, out_modulation = projection[:, 0], temb
     else:
         block_modulation, out_modulation = projection[:, entries], temb[:, entries]
-    cos, sin = rotary_factors(model.rope, sequence, sequence.positions(lo, hi, ctx.device)) if s2v is None \
-        else s2v.rotary(model.rope, lo, hi)
+    rope_options = inputs.get("rope_options")
+    if s2v is not None and not is_identity(rope_options):
+        raise ValueError("ScaleROPE's rope_options are not applied to Wan S2V models by ulysses-sp")
+    cos, sin = rotary_factors(model.rope, sequence, sequence.positions(lo, hi, ctx.device), rope_options) \
+        if s2v is None else s2v.rotary(model.rope, lo, hi)
     vace = prepare_hints(model, inputs, x, grid, lo, hi, hidden, block_modulation, ctx, dtype) \
         if variant == "vace" else None
     audio = prepare_audio(model, inputs, x, grid, lo, ctx, dtype) if variant == "humo" else None
@@ -481,9 +486,17 @@ def token_entries(entries: int, total: int, lo: int, hi: int, device) -> Optiona
     return torch.arange(lo, hi, device=device) // step
 
 
-def rotary_factors(rope, grid: VideoGrid, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_factors(rope, grid: VideoGrid, positions: torch.Tensor, rope_options: Optional[dict] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin [1, n, 1, D/2] for (frame, row, col) positions of the grid, from diffusers' WanRotaryPosEmbed
-    tables."""
+    tables; with ScaleROPE's rope_options, at the scaled and shifted positions (computed, not looked up)."""
+    if not is_identity(rope_options):
+        placed = scaled_positions(positions, rope_options)
+        sizes = (rope.t_dim, rope.h_dim, rope.w_dim)
+        axes = [rotary_axis(placed[:, axis], size, getattr(rope, "theta", WAN_ROPE_THETA))
+                for axis, size in enumerate(sizes)]
+        cos, sin = torch.cat([c for c, _ in axes], dim=1), torch.cat([s for _, s in axes], dim=1)
+        return cos[None, :, None, 0::2], sin[None, :, None, 1::2]
     longest = max(grid.frames, grid.rows, grid.cols)
     if longest > rope.max_seq_len:
         raise ValueError(f"the video is {longest} patches long on one axis; Wan's rotary tables hold "

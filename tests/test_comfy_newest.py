@@ -1,0 +1,164 @@
+"""What newer ComfyUI does to an SP MODEL (issue 26), on a tiny Wan checkpoint at devices cpu:2, against ComfyUI's
+own code of the version under test (the newest tier: tools/comfyui_newest.py): clone's newer arguments and
+TorchCompileModel, bypass LoRAs, ScaleROPE equal to ComfyUI's own Wan with the same options, LoKr with a row
+offset, the options allow-list naming the node that set a refused option.
+
+Needs COMFYUI_PATH (a ComfyUI checkout whose requirements are installed in this Python); skipped otherwise.
+"""
+import inspect
+import os
+
+import pytest
+
+import comfy_support as cs
+
+pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
+FRAMES, STEPS = 3, 2
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    cs.import_comfy()
+    import folder_paths
+    models = tmp_path_factory.mktemp("models")
+    folder_paths.add_model_folder_path("diffusion_models", str(models / "diffusion_models"), is_default=True)
+    path = cs.write_tiny("wan", str(models / "diffusion_models"))
+    loader = cs.import_node_module("loader")
+    sp = loader.SPModelLoader.execute(unet_name=os.path.basename(path), weight_dtype="fp32", devices="cpu:2",
+                                      ulysses_degree=0, ring_degree=1, cfg_parallel=False).result[0]
+    yield {"sp": sp, "ref": cs.comfy_reference_model("wan", path)}
+    cs.import_node_module("pool_owner").OWNER.close_all()
+
+
+def run(model):
+    return cs.sample(model, cs.conditioning("wan", 1), cs.conditioning("wan", 2), steps=STEPS, frames=FRAMES)
+
+
+def test_clone_passes_every_argument_through(wan):
+    import comfy.model_patcher
+    sp = wan["sp"]
+    names = list(inspect.signature(comfy.model_patcher.ModelPatcher.clone).parameters)[1:]
+    calls = [{}] + [{name: True} for name in names if name in ("disable_dynamic", "force_deepcopy")]
+    for kwargs in calls:
+        copy = sp.clone(**kwargs)
+        assert type(copy) is type(sp) and copy.get_model_object("diffusion_model") is sp.get_model_object(
+            "diffusion_model"), kwargs
+    if "model_override" in names:
+        assert sp.clone(model_override=sp.get_clone_model_override()).model is sp.model
+
+
+def test_torch_compile_node_compiles_in_the_workers(wan):
+    import comfy.patcher_extension
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+    out = TorchCompileModel.execute(wan["sp"], "inductor")
+    model = out.result[0] if hasattr(out, "result") else out[0]
+    proxy = model.get_model_object("diffusion_model")
+    assert proxy.spec.options.get("compile") is True
+    assert not model.get_all_wrappers(comfy.patcher_extension.WrappersMP.APPLY_MODEL)  # no host torch.compile
+    model.check_options()  # torch_compile_kwargs is served by the workers
+    assert wan["sp"].get_model_object("diffusion_model").spec.options.get("compile") is None
+
+
+def bypass_lora():
+    import torch
+    generator = torch.Generator().manual_seed(7)
+    state = {}
+    for module, rows, columns in (("lora_unet_blocks_0_self_attn_q", 96, 96), ("lora_unet_blocks_1_ffn_2", 96, 128)):
+        state[f"{module}.lora_up.weight"] = torch.randn(rows, 4, generator=generator) * 0.2
+        state[f"{module}.lora_down.weight"] = torch.randn(4, columns, generator=generator) * 0.2
+        state[f"{module}.alpha"] = torch.tensor(2.0)
+    return state
+
+
+def test_bypass_lora_equals_comfys_bypass_lora(wan):
+    import comfy.sd
+    if not hasattr(comfy.sd, "load_bypass_lora_for_models"):
+        pytest.skip("this ComfyUI has no bypass LoRAs (newer than 0.3.64)")
+    sp = comfy.sd.load_bypass_lora_for_models(wan["sp"], None, bypass_lora(), 0.8, 0)[0]
+    ref = comfy.sd.load_bypass_lora_for_models(wan["ref"], None, bypass_lora(), 0.8, 0)[0]
+    actual = run(sp)
+    cs.assert_close(actual, run(ref))
+    assert (actual - run(wan["sp"])).abs().max() > 1e-3  # the LoRA was applied, not dropped
+
+
+@pytest.mark.parametrize("options", [dict(scale_x=0.5, shift_x=3.0, scale_y=1.5, shift_y=-2.0, scale_t=2.0,
+                                          shift_t=1.0), dict(scale_t=0.7)])
+def test_scale_rope_on_wan_equals_comfys_model(wan, options):
+    import comfy.model_patcher
+    if not hasattr(comfy.model_patcher.ModelPatcher, "set_model_rope_options"):
+        pytest.skip("this ComfyUI has no ScaleROPE")
+    values = {**dict(scale_x=1.0, shift_x=0.0, scale_y=1.0, shift_y=0.0, scale_t=1.0, shift_t=0.0), **options}
+    sp, ref = wan["sp"].clone(), wan["ref"].clone()
+    sp.set_model_rope_options(**values)
+    ref.set_model_rope_options(**values)
+    actual = run(sp)
+    cs.assert_close(actual, run(ref))
+    assert (actual - run(wan["sp"])).abs().max() > 1e-3  # the options changed the picture, as in ComfyUI
+
+
+def test_scale_rope_on_a_family_without_it_is_refused_by_name(wan):
+    proxy_module = cs.import_node_module("proxy")
+    proxy = wan["sp"].get_model_object("diffusion_model")
+    other = proxy_module.SPDiffusionModel(proxy.spec, type(proxy.info)(**{**proxy.info.__dict__, "family": "flux"})) \
+        if hasattr(proxy.info, "__dict__") else None
+    if other is None:
+        pytest.skip("ModelInfo is not a plain dataclass")
+    with pytest.raises(proxy_module.SPPoolError, match="ScaleROPE"):
+        other._rope_input({"rope_options": {"scale_x": 2.0}})
+
+
+def test_lokr_with_a_row_offset_equals_comfys_math_on_the_fused_rows(wan):
+    import torch
+    from comfy.weight_adapter.lokr import LoKrAdapter
+    patches = cs.import_node_module("weight_patches")
+    generator = torch.Generator().manual_seed(3)
+    w1, w2a, w2b = (torch.randn(*shape, generator=generator) for shape in ((3, 2), (96, 4), (4, 48)))
+    adapter = LoKrAdapter(set(), (None, None, 2.0, None, None, None, None, None, None))
+    adapter.weights = (w1, None, 2.0, None, None, w2a, w2b, None, None)
+    adapter.row_offset, adapter.key = 96, "blocks.0.self_attn.qkv"
+    fused = adapter.calculate_weight(torch.zeros(288, 96), "qkv", 0.5, 1.0, None, lambda a: a)
+    patch_set = patches.translate({"diffusion_model.blocks.0.self_attn.k.weight": [(0.5, adapter, 1.0, None, None)]},
+                                  {"blocks.0.self_attn.k.weight": (96, 96)})
+    from sp_runtime.lora.patch_math import patched_weight
+    target = patch_set.targets["blocks.0.self_attn.k.weight"]
+    actual = patched_weight(torch.zeros(96, 96), target.patches, "k")
+    cs.assert_close(actual, fused[96:192], rel=1e-6)
+    assert actual.abs().max() > 0
+
+
+def test_a_node_setting_an_unknown_option_is_named(wan):
+    from comfy_api.latest import io
+    policy = cs.import_node_module("model_options_policy")
+
+    class MadeUpPatchNode(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            return io.Schema(node_id="MadeUpPatchNode", inputs=[io.Model.Input("model")],
+                             outputs=[io.Model.Output()])
+
+        @classmethod
+        def execute(cls, model):
+            m = model.clone()
+            m.model_options["transformer_options"]["made_up_option"] = 1.5
+            return io.NodeOutput(m)
+
+    model = MadeUpPatchNode.execute(wan["sp"]).result[0]
+    with pytest.raises(policy.RefusedOption, match=r"made_up_option' set by MadeUpPatchNode"):
+        run(model)
+    run(wan["sp"])  # the pool stays usable
+
+
+def test_core_nodes_on_the_list_work_and_refused_ones_name_the_node(wan):
+    from comfy_extras.nodes_slg import SkipLayerGuidanceDiT
+    from comfy_extras.nodes_perpneg import PerpNeg
+    policy = cs.import_node_module("model_options_policy")
+    out = PerpNeg.execute(wan["sp"], cs.conditioning("wan", 3), 1.0)
+    model = out.result[0] if hasattr(out, "result") else out[0]
+    model.check_options()  # sampler_cfg_function: host-only
+    slg = SkipLayerGuidanceDiT.execute(wan["sp"], 3.0, 0.01, 0.9, double_layers="0", single_layers="1")
+    model = slg.result[0] if hasattr(slg, "result") else slg[0]
+    model.check_options()  # its post-CFG function is host-only; the block replacement it adds per call is not:
+    proxy_module = cs.import_node_module("proxy")
+    with pytest.raises(proxy_module.SPPoolError, match=r"patches_replace\.dit.*SkipLayerGuidanceDiT"):
+        run(model)
+    run(wan["sp"])
