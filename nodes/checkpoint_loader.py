@@ -36,7 +36,8 @@ def text_encoder_and_vae(path: str):
                          f"diffusion model alone use 'Load Diffusion Model (Ulysses SP)'")
     state = meta_state_dict(header)
     prefix = comfy.model_detection.unet_prefix_from_state_dict(state)
-    if comfy.model_detection.model_config_from_unet(state, prefix, metadata=header.metadata) is None:
+    # a copy: ComfyUI 0.3.64's detection pops the scaled_fp8 marker, which its loading below reads again
+    if comfy.model_detection.model_config_from_unet(dict(state), prefix, metadata=header.metadata) is None:
         raise ValueError(f"{path!r}: this ComfyUI does not recognise the checkpoint's model, so it cannot load its "
                          f"text encoder and VAE; update ComfyUI (the README lists the version each family needs), "
                          f"or load the parts with 'Load Diffusion Model (Ulysses SP)' and the stock CLIP / VAE "
