@@ -20,7 +20,10 @@ from .model_spec import ModelSpec
 from .pool_owner import OWNER
 
 HOST_ONLY_KEYS = ("transformer_options", "control")
-ROPE_OPTION_FAMILIES = ("wan",)  # families whose workers apply ScaleROPE's rope_options (sp_runtime.families.rope)
+# ScaleROPE's rope_options: families whose workers apply them (sp_runtime.families.rope_options), and families whose
+# ComfyUI model ignores them (so do the workers: the same picture); any other family is refused
+ROPE_OPTION_FAMILIES = ("wan", "flux")
+ROPE_IGNORED_BY_COMFY = ("qwen_image", "hunyuan_video", "hunyuan_video15", "ltx2")
 ROPE_OPTION_KEYS = ("scale_x", "shift_x", "scale_y", "shift_y", "scale_t", "shift_t")
 
 
@@ -153,6 +156,8 @@ class SPDiffusionModel(torch.nn.Module):
             raise SPPoolError(f"rope_options keys {unknown} are not known to ulysses-sp (known: "
                               f"{', '.join(ROPE_OPTION_KEYS)}); remove the node that sets them")
         if all(values[key] == (1.0 if key.startswith("scale") else 0.0) for key in ROPE_OPTION_KEYS):
+            return {}
+        if self.info.family in ROPE_IGNORED_BY_COMFY:
             return {}
         if self.info.family not in ROPE_OPTION_FAMILIES:
             raise SPPoolError(f"ScaleROPE (transformer option rope_options) is not implemented in the Ulysses SP "

@@ -52,7 +52,8 @@ def translate(patches: dict, shapes: dict[str, tuple[int, ...]], labels=()) -> P
         if not key.startswith(PREFIX) or key[len(PREFIX):] not in shapes:
             raise UnsupportedPatch(f"a weight patch for {key!r}, which is not a weight of the Ulysses SP model")
         name = key[len(PREFIX):]
-        targets[name] = TargetPatches(tuple(shapes[name]), tuple(_entry(name, entry, shapes[name]) for entry in entries))
+        entries = tuple(_entry(name, entry, shapes[name]) for entry in entries)
+        targets[name] = TargetPatches(tuple(shapes[name]), entries)
     return PatchSet(targets, tuple(labels))
 
 

@@ -206,6 +206,10 @@ class ComfyServer:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         os.makedirs(os.path.join(base, "custom_nodes"), exist_ok=True)
+        settings = os.path.join(base, "user", "default")
+        os.makedirs(settings, exist_ok=True)
+        with open(os.path.join(settings, "comfy.settings.json"), "w") as handle:
+            handle.write('{"Comfy.TutorialCompleted": true}')  # no first-run templates dialog over the page
         os.symlink(ROOT, os.path.join(base, "custom_nodes", "ulysses-sp"))
         self.checkpoints = {family: write_tiny(family, os.path.join(base, "models", "diffusion_models"))
                             for family in families}

@@ -37,7 +37,11 @@ def write_all_in_one(folder: str) -> str:
     g = torch.Generator().manual_seed(4)
     parts = {"text_encoders." + TEXT_ENCODER_KEY: torch.randn(4096, generator=g).half(),
              "text_encoders.spiece_model": torch.frombuffer(bytearray(tiny_tokenizer()), dtype=torch.uint8),
-             "vae." + VAE_KEY: torch.randn(384, 1, 1, 1, generator=g)}
+             "vae." + VAE_KEY: torch.randn(384, 1, 1, 1, generator=g),
+             # newer ComfyUI reads the Wan VAE's width and image channels from these (real Wan 2.1 VAE shapes)
+             "vae.decoder.head.0.gamma": torch.ones(96, 1, 1, 1),
+             "vae.encoder.conv1.weight": torch.zeros(96, 3, 3, 3, 3),
+             "vae.decoder.head.2.weight": torch.zeros(3, 96, 3, 3, 3)}
     return pack_all_in_one(diffusion, os.path.join(folder, "checkpoints", "tiny_wan_aio.safetensors"), parts)
 
 

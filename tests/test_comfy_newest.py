@@ -81,30 +81,56 @@ def test_bypass_lora_equals_comfys_bypass_lora(wan):
     assert (actual - run(wan["sp"])).abs().max() > 1e-3  # the LoRA was applied, not dropped
 
 
-@pytest.mark.parametrize("options", [dict(scale_x=0.5, shift_x=3.0, scale_y=1.5, shift_y=-2.0, scale_t=2.0,
-                                          shift_t=1.0), dict(scale_t=0.7)])
+ROPE_OPTIONS = [dict(scale_x=0.5, shift_x=3.0, scale_y=1.5, shift_y=-2.0, scale_t=2.0, shift_t=1.0), dict(scale_t=0.7)]
+
+
+def scaled_rope(model, options):
+    values = {**dict(scale_x=1.0, shift_x=0.0, scale_y=1.0, shift_y=0.0, scale_t=1.0, shift_t=0.0), **options}
+    model = model.clone()
+    model.set_model_rope_options(**values)
+    return model
+
+
+@pytest.mark.parametrize("options", ROPE_OPTIONS)
 def test_scale_rope_on_wan_equals_comfys_model(wan, options):
     import comfy.model_patcher
     if not hasattr(comfy.model_patcher.ModelPatcher, "set_model_rope_options"):
         pytest.skip("this ComfyUI has no ScaleROPE")
-    values = {**dict(scale_x=1.0, shift_x=0.0, scale_y=1.0, shift_y=0.0, scale_t=1.0, shift_t=0.0), **options}
-    sp, ref = wan["sp"].clone(), wan["ref"].clone()
-    sp.set_model_rope_options(**values)
-    ref.set_model_rope_options(**values)
-    actual = run(sp)
-    cs.assert_close(actual, run(ref))
+    actual = run(scaled_rope(wan["sp"], options))
+    cs.assert_close(actual, run(scaled_rope(wan["ref"], options)))
     assert (actual - run(wan["sp"])).abs().max() > 1e-3  # the options changed the picture, as in ComfyUI
 
 
+def test_scale_rope_on_flux_with_a_reference_equals_comfys_model(wan, tmp_path):
+    import comfy.model_patcher
+    import torch
+    if not hasattr(comfy.model_patcher.ModelPatcher, "set_model_rope_options"):
+        pytest.skip("this ComfyUI has no ScaleROPE")
+    loader = cs.import_node_module("loader")
+    import folder_paths
+    path = cs.write_tiny("flux", folder_paths.get_folder_paths("diffusion_models")[0])
+    sp = loader.SPModelLoader.execute(unet_name=os.path.basename(path), weight_dtype="fp32", devices="cpu:2",
+                                      ulysses_degree=0, ring_degree=1, cfg_parallel=False).result[0]
+    ref = cs.comfy_reference_model("flux", path)
+    reference = torch.randn(1, 16, 6, 8, generator=torch.Generator().manual_seed(5))
+    positive = [[cs.conditioning("flux", 1)[0][0], {**cs.conditioning("flux", 1)[0][1],
+                                                     "reference_latents": [reference]}]]
+    negative = cs.conditioning("flux", 2)
+    options = dict(scale_x=1.5, shift_x=2.0, scale_y=0.5, shift_y=-1.0, shift_t=0.5)
+    actual = cs.sample(scaled_rope(sp, options), positive, negative, steps=STEPS)
+    cs.assert_close(actual, cs.sample(scaled_rope(ref, options), positive, negative, steps=STEPS))
+    assert (actual - cs.sample(sp, positive, negative, steps=STEPS)).abs().max() > 1e-3
+
+
 def test_scale_rope_on_a_family_without_it_is_refused_by_name(wan):
+    import dataclasses
     proxy_module = cs.import_node_module("proxy")
     proxy = wan["sp"].get_model_object("diffusion_model")
-    other = proxy_module.SPDiffusionModel(proxy.spec, type(proxy.info)(**{**proxy.info.__dict__, "family": "flux"})) \
-        if hasattr(proxy.info, "__dict__") else None
-    if other is None:
-        pytest.skip("ModelInfo is not a plain dataclass")
+    other = proxy_module.SPDiffusionModel(proxy.spec, dataclasses.replace(proxy.info, family="z_image"))
     with pytest.raises(proxy_module.SPPoolError, match="ScaleROPE"):
         other._rope_input({"rope_options": {"scale_x": 2.0}})
+    qwen = proxy_module.SPDiffusionModel(proxy.spec, dataclasses.replace(proxy.info, family="qwen_image"))
+    assert qwen._rope_input({"rope_options": {"scale_x": 2.0}}) == {}  # ComfyUI's Qwen-Image ignores them too
 
 
 def test_lokr_with_a_row_offset_equals_comfys_math_on_the_fused_rows(wan):

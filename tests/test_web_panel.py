@@ -61,8 +61,8 @@ def run_prompt(server, seed):
 
 def close_dialogs(page):
     """A fresh ComfyUI user gets a templates dialog first; close it as a person would (Escape)."""
-    for _ in range(10):
-        if not page.query_selector(".p-dialog-mask"):
+    for _ in range(10):  # the dialog's overlay: PrimeVue's mask (frontend 1.27) or the newer frontends' overlay
+        if not page.query_selector(".p-dialog-mask, [data-testid='dialog-overlay'][data-state='open']"):
             return
         page.keyboard.press("Escape")
         page.wait_for_timeout(300)

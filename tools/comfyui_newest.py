@@ -21,7 +21,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 WANTED = os.path.join(HERE, "comfyui_newest_files.json")
 RECORD = "ULYSSES_SP_NEWEST.json"
-_TORCHAUDIO = re.compile(r"^(?P<indent>[ \t]*)(?P<line>import torchaudio(?P<sub>(\.\w+)*)(?: as (?P<alias>\w+))?)[ \t]*$",
+_TORCHAUDIO = re.compile(r"^(?P<indent>[ \t]*)(?P<line>import torchaudio(\.\w+)*(?: as (?P<alias>\w+))?)[ \t]*$",
                          re.MULTILINE)
 
 

@@ -416,22 +416,33 @@ function mountFloating() {
   render(box);
 }
 
+const SIDEBAR_TAB = {
+  id: TAB_ID,
+  icon: "pi pi-server",
+  title: "Ulysses SP",
+  tooltip: "Ulysses SP worker pools",
+  type: "custom",
+  render: (container) => { state.containers.add(container); render(container); refresh(); },
+};
+
+function registeredByFrontend(manager) {
+  // Frontends that read an extension's declared `sidebarTabs` have registered the tab by setup() time.
+  const tabs = typeof manager.getSidebarTabs === "function" ? manager.getSidebarTabs() : [];
+  return Array.isArray(tabs) && tabs.some((tab) => tab.id === TAB_ID);
+}
+
 app.registerExtension({
   name: "ulysses_sp.panel",
+  sidebarTabs: [SIDEBAR_TAB],  // the declarative form, for frontends that take it
   async setup() {
     document.head.append(el("style", {}, STYLE));
     for (const name of OUR_EVENTS) api.addEventListener(name, onOurEvent);
     for (const name of ["execution_start", "progress", "executing"]) api.addEventListener(name, onComfyEvent);
     const manager = app.extensionManager;
-    if (manager && typeof manager.registerSidebarTab === "function") {
-      manager.registerSidebarTab({
-        id: TAB_ID,
-        icon: "pi pi-server",
-        title: "Ulysses SP",
-        tooltip: "Ulysses SP worker pools",
-        type: "custom",
-        render: (container) => { state.containers.add(container); render(container); refresh(); },
-      });
+    if (manager && registeredByFrontend(manager)) {
+      // the frontend took the declared tab
+    } else if (manager && typeof manager.registerSidebarTab === "function") {
+      manager.registerSidebarTab(SIDEBAR_TAB);  // frontends 1.2 - 1.49 (ComfyUI 0.3.64 - 0.33)
     } else {
       mountFloating();
     }

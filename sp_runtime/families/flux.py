@@ -323,7 +323,7 @@ def _prepare_call(worker: FluxWorker, x, timestep, inputs, ctx) -> _Call:
     latents = [ctx.to_device("x", x, dtype)] + [ctx.to_device(f"ref_latents.{n}", ref, dtype)
                                                  for n, ref in enumerate(refs)]
     image = image_sequence(latents, [(0, 0, 0), *placements], ctx.groups.seq, worker.axes, PATCH, centred=False,
-                           id_dtype=x.dtype)
+                           id_dtype=x.dtype, rope_options=inputs.get("rope_options"))
     text = ctx.to_device("context", inputs["context"], dtype)
     text_rope = rotary(torch.zeros(text.shape[1], 3, device=ctx.device), worker.axes)  # ComfyUI: text ids 0
     joint = JointAttention(ctx.groups.seq, image.split.shards, image.rope, text_rope, None, text.shape[1])

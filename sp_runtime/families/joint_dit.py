@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..attention import SeqShards, sp_attention
 from ..groups import SeqParallel
+from .rope_options import is_identity, scaled_positions
 
 ROPE_THETA = 10000
 
@@ -105,8 +106,9 @@ class TokenGrid:
 # Position ids (ComfyUI's conventions, which the outputs must reproduce)
 
 def grid_ids(grid: TokenGrid, index: float, row_offset: int, col_offset: int, centred: bool,
-             dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[rows*cols, 3] (index, row, col) ids of one latent's tokens; offsets in latent pixels, as ComfyUI gives.
+             dtype: torch.dtype, device: torch.device, rope_options: Optional[dict] = None) -> torch.Tensor:
+    """[rows*cols, 3] (index, row, col) ids of one latent's tokens; offsets in latent pixels, as ComfyUI gives;
+    ScaleROPE's rope_options scale the rows and columns from their start and shift all three (Flux's process_img).
 
     ComfyUI builds the row / column ranges in the latent's dtype (exact below 256 in bf16), so do we.
     """
@@ -121,7 +123,9 @@ def grid_ids(grid: TokenGrid, index: float, row_offset: int, col_offset: int, ce
     ids[..., 0] = index
     ids[..., 1] = rows[:, None]
     ids[..., 2] = cols[None, :]
-    return ids.reshape(-1, 3)
+    if is_identity(rope_options):
+        return ids.reshape(-1, 3)
+    return scaled_positions(ids.reshape(-1, 3), rope_options, starts=(index, row_start, col_start)).float()
 
 
 def reference_placements(method: str, shape_hw: tuple[int, int], refs_hw: Sequence[tuple[int, int]],
@@ -228,7 +232,8 @@ class ImageSequence:
 
 def image_sequence(latents: Sequence[torch.Tensor], placements: Sequence[tuple[int, int, int]], seq: SeqParallel,
                    axes: Sequence[int], patch: int, centred: bool, id_dtype: torch.dtype,
-                   theta: int = ROPE_THETA, output_frames: int = 1) -> ImageSequence:
+                   theta: int = ROPE_THETA, output_frames: int = 1, rope_options: Optional[dict] = None
+                   ) -> ImageSequence:
     """Patch tokens and rotary of this rank's share of [output frames, *reference latents].
 
     latents: [B or 1, C, H, W] on the device, the output latent's `output_frames` frames first (a batch-1 reference
@@ -242,7 +247,8 @@ def image_sequence(latents: Sequence[torch.Tensor], placements: Sequence[tuple[i
         latent = latent.expand(batch, *latent.shape[1:]) if latent.shape[0] == 1 else latent
         token_parts.append(patchify(pad_to_patch(latent, patch), patch))
         grid = TokenGrid.of(latent.shape[-2], latent.shape[-1], patch)
-        id_parts.append(grid_ids(grid, index, row_offset, col_offset, centred, id_dtype, latent.device))
+        id_parts.append(grid_ids(grid, index, row_offset, col_offset, centred, id_dtype, latent.device,
+                                 rope_options))
     ids = F.pad(torch.cat(id_parts), (0, len(axes) - 3))
     output_grid = TokenGrid.of(latents[0].shape[-2], latents[0].shape[-1], patch)
     split = TokenSplit.of(ids.shape[0], output_grid.count * output_frames, seq)

@@ -333,8 +333,9 @@ def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx, variant: 
     else:
         block_modulation, out_modulation = projection[:, entries], temb[:, entries]
     rope_options = inputs.get("rope_options")
-    if s2v is not None and not is_identity(rope_options):
-        raise ValueError("ScaleROPE's rope_options are not applied to Wan S2V models by ulysses-sp")
+    if variant in ("s2v", "animate", "animate2") and not is_identity(rope_options):
+        raise ValueError(f"ScaleROPE's rope_options are not applied to Wan {variant} models by ulysses-sp (their "
+                         f"extra token streams have positions of their own): remove the ScaleROPE node")
     cos, sin = rotary_factors(model.rope, sequence, sequence.positions(lo, hi, ctx.device), rope_options) \
         if s2v is None else s2v.rotary(model.rope, lo, hi)
     vace = prepare_hints(model, inputs, x, grid, lo, hi, hidden, block_modulation, ctx, dtype) \
