@@ -188,3 +188,16 @@ def test_core_nodes_on_the_list_work_and_refused_ones_name_the_node(wan):
     with pytest.raises(proxy_module.SPPoolError, match=r"patches_replace\.dit.*SkipLayerGuidanceDiT"):
         run(model)
     run(wan["sp"])
+
+
+def test_an_interrupt_from_the_progress_bar_never_breaks_a_load():
+    """Newer ComfyUI's InterruptProcessingException is a BaseException: `except Exception` lets it through, so the
+    load progress reporter names it (the load finishes on every rank, the cancel is raised after)."""
+    cs.import_comfy()
+    import comfy.model_management
+
+    class InterruptingBar:
+        def update_absolute(self, value):
+            raise comfy.model_management.InterruptProcessingException()
+
+    cs.import_node_module("loader").progress_reporter(InterruptingBar())(0.5, "loading")
