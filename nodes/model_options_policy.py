@@ -60,8 +60,9 @@ RULES: dict[str, Rule] = {
         "cond_or_uncond", "uuids", "sigmas", "sample_sigmas", "multigpu_thread_device", "prefetch_dynamic_vbars",
         "patches", "patches_replace", "wrappers", "callbacks", "transformer_index", "hooks")},
     "transformer_options.rope_options": Rule(WORKERS, "ScaleROPE: the workers scale and shift the rotary "
-                                                      "positions (Wan, Flux; ignored as ComfyUI ignores it for "
-                                                      "Qwen-Image, HunyuanVideo, LTX-2; refused for the others)"),
+                                                      "positions (Wan, Flux, Flux.2; ignored as ComfyUI ignores it "
+                                                      "for Qwen-Image, HunyuanVideo, LTX-2; refused for the "
+                                                      "others)"),
     "transformer_options.easycache": Rule(HOST, "EasyCache / LazyCache state (caches the SP model's outputs)"),
     "transformer_options.lazycache": Rule(HOST, "LazyCache state (caches the SP model's outputs)"),
     "transformer_options.optimized_attention_override": Rule(

@@ -208,6 +208,38 @@ def flux2_comfy(tmp_path_factory):
     return out
 
 
+FLUX2_ROPE = dict(scale_x=1.5, shift_x=2.0, scale_y=0.5, shift_y=-1.0, scale_t=1.0, shift_t=0.5)  # ScaleROPE's
+
+
+@pytest.fixture(scope="module")
+def flux2_comfy_rope(flux2_comfy):
+    """{variant: (file, ComfyUI's outputs with ScaleROPE's rope_options)}."""
+    import comfy.ldm.flux.model
+    out = {}
+    for variant, (path, detected, _) in flux2_comfy.items():
+        config = {**detected, "out_channels": detected["in_channels"]}
+        network = load_comfy_weights(comfy.ldm.flux.model.Flux(**config, **comfy_settings()), path)
+
+        def call(net, x, t, inputs):
+            return net(x, t, inputs["context"], transformer_options={"rope_options": dict(FLUX2_ROPE)},
+                       **{key: value for key, value in inputs.items() if key != "context"})
+        out[variant] = path, comfy_outputs(network, flux2_comfy_cases(variant), call)
+    return out
+
+
+@needs("flux2")
+def test_flux2_scale_rope_equals_comfys_flux(family_pool, flux2_comfy_rope, flux2_comfy):
+    import comfy.ldm.flux.model
+    if "rope_options" not in inspect.getsource(comfy.ldm.flux.model.Flux.process_img):
+        pytest.skip("this ComfyUI's Flux has no ScaleROPE")
+    for variant, (path, expected) in flux2_comfy_rope.items():
+        cases = {name: (x, t, {**inputs, "rope_options": dict(FLUX2_ROPE)})
+                 for name, (x, t, inputs) in flux2_comfy_cases(variant).items()}
+        check_pool(family_pool, path, cases, expected, f"comfyui_flux2_rope_{variant}")
+        plain = flux2_comfy[variant][2]
+        assert any((expected[name] - plain[name]).abs().max() > 1e-3 for name in expected)  # the options matter
+
+
 def flux2_comfy_cases(variant: str) -> dict:
     """test_flux2's cases: those with guidance for dev, the one without for klein."""
     cases = flux2_cases()

@@ -270,7 +270,7 @@ def _prepare_call(worker: Flux2Worker, x, timestep, inputs, ctx) -> _Call:
                                                  for n, ref in enumerate(refs)]
     image = image_sequence(latents, [(0, 0, 0), *placements(method, x.shape[-2:], [r.shape[-2:] for r in refs])],
                            ctx.groups.seq, worker.axes, PATCH, centred=False, id_dtype=torch.float32,
-                           theta=config.rope_theta)
+                           theta=config.rope_theta, rope_options=inputs.get("rope_options"))
     text = ctx.to_device("context", inputs["context"], dtype)
     text_rope = rotary(text_ids(text.shape[1], ctx.device), worker.axes, config.rope_theta)
     joint = JointAttention(ctx.groups.seq, image.split.shards, image.rope, text_rope, None, text.shape[1])
