@@ -92,6 +92,7 @@ RULES: dict[str, Rule] = {
            "forward_timestep_embed_patch": "timestep-embedding patches",
            "double_block": "model-patch ControlNets (QwenImageDiffsynthControlnet, USO, ...)",
            "post_input": "Flux / model-patch nodes", "noise_refiner": "Z-Image model patches",
+           "mlp_patch": "Anima LLLite model patches",
            "post_cfg_function": "model patches"}.items()},
     **{f"patches_replace.{name}": Rule(REFUSED, f"block / attention replacements ('{name}', e.g. from {nodes}) "
                                                 f"{_IN_NETWORK}: {_REMOVE}")

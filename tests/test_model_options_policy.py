@@ -101,7 +101,10 @@ def test_every_option_the_core_nodes_of_this_comfyui_set_is_classified(policy):
             continue
         text = open(os.path.join(folder, name), encoding="utf-8").read()
         for setter in re.findall(r"\.(set_model_\w+|set_model_options_\w+|set_torch_compile_wrapper)\(", text):
-            found.setdefault(SETTER_KEYS.get(setter, f"setter {setter}"), set()).add(name)
+            if setter != "set_model_patch":  # the generic one: its patch name is read below
+                found.setdefault(SETTER_KEYS.get(setter, f"setter {setter}"), set()).add(name)
+        for patch in re.findall(r"\.set_model_patch\(.*,\s*\"(\w+)\"\)", text):
+            found.setdefault(f"patches.{patch}", set()).add(name)
         for kind, key in re.findall(r"add_(?:wrapper|callback)_with_key\(\s*[\w.]*(?:WrappersMP|CallbacksMP)\.(\w+)"
                                     r",\s*\"([^\"]+)\"", text):
             found.setdefault(f"wrappers.{kind.lower()}.{key}" if "wrapper" in text else key, set()).add(name)
