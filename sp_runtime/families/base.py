@@ -134,6 +134,7 @@ class ModelInfo:
     compute_dtype: str = "float32"
     quant: str = ""          # a quantized file's format summary (sp_runtime.formats), "" for float files
     weight_bytes: int = 0    # bytes of weights held on each rank (quantized layers as stored)
+    quant_kernels: dict = field(default_factory=dict)  # layer format -> matmul path taken (formats.choose_kernels)
 
     def output_shape(self, x_shape: tuple[int, ...]) -> tuple[int, ...]:
         """ComfyUI's diffusion_model returns x's shape with out_channels in dim 1."""

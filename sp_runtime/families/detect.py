@@ -113,7 +113,7 @@ def load_worker_model(request, device, groups, progress):
     """Worker side: detect the family from the header the host sent (or read here) and run its loader."""
     import torch
 
-    from ..formats import weight_bytes
+    from ..formats import choose_kernels, weight_bytes
     from ..model_options import with_runtime_options
     from ..sharding import ShardSpec, shard_option, shard_worker, sharded_loading
     header = request.header or read_checkpoint_header(request.path)
@@ -127,4 +127,5 @@ def load_worker_model(request, device, groups, progress):
     if isinstance(getattr(worker, "model", None), torch.nn.Module):
         worker.info.quant = detection.quant
         worker.info.weight_bytes = weight_bytes(worker.model) + (worker.shards.resident_bytes if shard else 0)
+        worker.info.quant_kernels = choose_kernels(worker.model, torch.device(device))
     return with_runtime_options(worker, request.options)

@@ -11,12 +11,14 @@ layer `L` (keys carry the file's prefix, e.g. `model.diffusion_model.`):
   Hadamard matrix per group of "convrot_groupsize" input features); mxfp8 (e4m3 codes, e8m0 scales per 32 inputs in
   cuBLAS's swizzled 128x4 layout); nvfp4 (e2m1 codes, two per byte with the even element in the HIGH nibble, e4m3
   scales per 16 inputs swizzled, `L.weight_scale_2` per tensor). mxfp8 / nvfp4 storage is padded to 32 / 16.
-Input scales only matter to fp8 activation kernels; we compute activations in the compute dtype, so they are read
-past. Layers without an entry are plain tensors in the file's float dtype.
+Input scales (legacy `L.scale_input`, else `L.input_scale`) are kept for the fp8 / nvfp4 activation kernels
+(formats.kernels); a legacy marker of two values, or an entry's "full_precision_matrix_mult", asks for matmuls in the
+compute dtype, as ComfyUI reads them. Layers without an entry are plain tensors in the file's float dtype.
 """
 from __future__ import annotations
 
 import json
+import math
 from typing import Optional
 
 import torch
@@ -30,7 +32,10 @@ SUPPORTED = ("float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "mxfp8", "nvfp4"
 # per format: (suffix -> part name) of the tensors that make a layer's weight, besides `.weight`
 SCALE_KEYS = {"legacy": {".scale_weight": "scale"}, "nvfp4": {".weight_scale": "scale", ".weight_scale_2": "scale_2"}}
 DEFAULT_SCALE_KEYS = {".weight_scale": "scale"}
-IGNORED_SUFFIXES = (".scale_input", ".input_scale", LAYER_SUFFIX)
+IGNORED_SUFFIXES = (".scale_input", ".input_scale", LAYER_SUFFIX)  # read for the kernels only (INPUT_SCALE_KEYS)
+# per format: where a layer's activation scale is (one value), for the fp8 / nvfp4 kernels
+INPUT_SCALE_KEYS = {"legacy": (".scale_input",), "float8_e4m3fn": (".input_scale",), "float8_e5m2": (".input_scale",),
+                    "nvfp4": (".input_scale",)}
 AUXILIARY_SUFFIXES = (".scale_weight", ".weight_scale", ".weight_scale_2", *IGNORED_SUFFIXES, LEGACY_MARKER)
 FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -52,7 +57,9 @@ def layer_entries(path: str, tensors: dict, metadata: dict, prefix: str, read_sm
     the layer. A `scaled_fp8` marker without any `.scale_weight` layer quantizes nothing, as in ComfyUI's
     comfy/utils.py convert_old_quants: the file is a plain one (None)."""
     if prefix + LEGACY_MARKER in tensors:
-        layers = {key[len(prefix):-len(".scale_weight")]: {"format": "legacy"}
+        full = math.prod(tensors[prefix + LEGACY_MARKER][1]) == 2  # ComfyUI: full_precision_matrix_mult
+        entry = {"format": "legacy", **({"full_precision_matrix_mult": True} if full else {})}
+        layers = {key[len(prefix):-len(".scale_weight")]: dict(entry)
                   for key in tensors if key.startswith(prefix) and key.endswith(".scale_weight")}
         return layers or None
     if METADATA_KEY in metadata:
@@ -126,12 +133,22 @@ def read_weight(handle, full_prefix: str, entry: dict, available: set) -> QuantW
              if full_prefix + suffix in available}
     kind = entry["format"]
     if kind == "nvfp4":
-        return _nvfp4(data, parts)
-    if kind == "mxfp8":
-        return _mxfp8(data, parts)
-    scale = parts.get("scale", torch.ones((), device=data.device)).float()
-    group = int(entry.get("convrot_groupsize", DEFAULT_CONVROT_GROUP)) if entry.get("convrot") else 0
-    return scaled_weight(data, scale, group)
+        weight = _nvfp4(data, parts)
+    elif kind == "mxfp8":
+        weight = _mxfp8(data, parts)
+    else:
+        scale = parts.get("scale", torch.ones((), device=data.device)).float()
+        group = int(entry.get("convrot_groupsize", DEFAULT_CONVROT_GROUP)) if entry.get("convrot") else 0
+        weight = scaled_weight(data, scale, group)
+    input_scale = next((full_prefix + suffix for suffix in INPUT_SCALE_KEYS.get(kind, ())
+                        if full_prefix + suffix in available), None)
+    if input_scale is not None and math.prod(handle.get_slice(input_scale).get_shape()) == 1:  # else read past
+        value = handle.get_tensor(input_scale).float().reshape(())
+        if value.item() != 1.0:  # 1 is the kernels' default (ComfyUI drops it too)
+            weight.consts["input_scale"] = value
+    if entry.get("full_precision_matrix_mult"):
+        weight.params["full_precision"] = True
+    return weight
 
 
 def scaled_weight(codes: torch.Tensor, scale: torch.Tensor, rotation_group: int = 0) -> QuantWeight:

@@ -79,7 +79,8 @@ class QuantWeight:
 
 
 class QuantLinear(torch.nn.Module):
-    """nn.Linear over a QuantWeight: the weight is dequantized into the input's dtype for each call and dropped.
+    """nn.Linear over a QuantWeight: a low-precision kernel when choose_kernels found one for its format on its
+    device (`kernel`, formats.kernels), else the weight dequantized into the input's dtype for each call and dropped.
 
     LoRA deltas stay unmerged (`deltas`: (down [r, in], up [out, r], factor) low-rank pairs or (diff, None, factor)
     full differences), so the quantized base is never rewritten and removing a LoRA is exact.
@@ -90,6 +91,7 @@ class QuantLinear(torch.nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.deltas: list[tuple[torch.Tensor, Optional[torch.Tensor], float]] = []
+        self.kernel = None  # a formats.kernels.Choice; None: dequantize-then-matmul
         self._layout = (weight.format, weight.shape, weight.params, tuple(weight.rows), tuple(weight.consts))
         for name, part in {**weight.rows, **weight.consts}.items():  # buffers: moved and counted with the model
             self.register_buffer(f"quant_{name}", part, persistent=False)
@@ -103,7 +105,8 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        out = F.linear(x, self.quant.dequantize(x.dtype), bias)
+        run = self.kernel.run if self.kernel is not None else None
+        out = run(self, x, bias) if run is not None else F.linear(x, self.quant.dequantize(x.dtype), bias)
         for first, up, factor in self.deltas:
             if up is None:
                 out = out + factor * F.linear(x, first.to(x.dtype))
@@ -128,6 +131,32 @@ def install_quant_linears(model: torch.nn.Module, weights: dict[str, QuantWeight
             raise ValueError(f"quantized weight {key!r} has shape {list(weight.shape)} but the model's layer is "
                              f"[{old.out_features}, {old.in_features}]")
         setattr(parent, child, QuantLinear(weight, state.get(f"{module_name}.bias")))
+
+
+def choose_kernels(model: torch.nn.Module, device: torch.device) -> dict[str, str]:
+    """Give every QuantLinear of the model its matmul on `device` (formats.kernels.choose); returns per layer
+    format the paths taken, e.g. {"int8_tensorwise convrot": "int8 (comfy-kitchen) x 12"} (the load status)."""
+    from . import kernels
+    chosen_mode = kernels.mode()
+    taken: dict[str, dict[str, int]] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.kernel = kernels.choose(module.quant, torch.device(device), chosen_mode)
+            labels = taken.setdefault(describe_weight(module.quant), {})
+            labels[module.kernel.label()] = labels.get(module.kernel.label(), 0) + 1
+    return {name: "; ".join(f"{label} x {count}" for label, count in labels.items())
+            for name, labels in sorted(taken.items())}
+
+
+def describe_weight(weight: QuantWeight) -> str:
+    """A layer format as ComfyUI names it: float8_e4m3fn, int8_tensorwise convrot, mxfp8, nvfp4, gguf Q4_K, ..."""
+    if weight.format != "scaled":
+        return f"gguf {weight.params.get('type', '')}".strip() if weight.format == "gguf" else weight.format
+    codes = weight.rows["codes"]
+    name = "int8_tensorwise" if codes.dtype == torch.int8 else str(codes.dtype).replace("torch.", "")
+    if "scale" in weight.rows and codes.dtype != torch.int8:
+        name += " per-row"
+    return name + (" convrot" if weight.params.get("group") else "")
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
