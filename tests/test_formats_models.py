@@ -110,9 +110,17 @@ def test_default_keeps_weights_quantized(family_pool, quant_files, references, f
         assert (info.weight_dtype, info.compute_dtype) == ("scaled_fp8" if fmt == "scaled_fp8" else
                                                            "gguf" if fmt == "gguf" else "comfy_quant", "bfloat16")
         assert info.weight_bytes <= 1.05 * _stored_bytes(path), (info.weight_bytes, _stored_bytes(path))
+        assert set(info.quant_kernels) == _layer_formats(fmt, kinds), info.quant_kernels  # the load status
         x, t, inputs = make_case(family, bf16_timesteps=True)
         assert_parity(handle(x, t, **inputs), references[family, fmt, "bf16"], "bfloat16", f"quant_{fmt}/{family}")
         family_pool.unload(handle)
+
+
+def _layer_formats(fmt: str, kinds: dict) -> set:
+    """The layer formats the load status names for a file quant_files wrote."""
+    if fmt == "scaled_fp8":
+        return {"float8_e4m3fn", "float8_e4m3fn per-row"}
+    return {f"gguf {kind}" for kind in kinds.values()} if fmt == "gguf" else set(kinds.values())
 
 
 @pytest.mark.parametrize("only", ["int8_tensorwise convrot", "nvfp4", "mxfp8"])

@@ -127,5 +127,6 @@ def load_worker_model(request, device, groups, progress):
     if isinstance(getattr(worker, "model", None), torch.nn.Module):
         worker.info.quant = detection.quant
         worker.info.weight_bytes = weight_bytes(worker.model) + (worker.shards.resident_bytes if shard else 0)
-        worker.info.quant_kernels = choose_kernels(worker.model, torch.device(device))
+        worker.info.quant_kernels = choose_kernels(worker.model, torch.device(device),
+                                                   request.options.get("quant_kernels"))
     return with_runtime_options(worker, request.options)

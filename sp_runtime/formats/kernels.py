@@ -4,9 +4,9 @@ dequantize-then-matmul. Activations are handled as ComfyUI's own mixed-precision
 (comfy/ops.py, comfy/quant_ops.py): fp8 inputs quantized per tensor with the file's input scale (1 without one),
 int8 inputs per row (rotated first for convrot), mxfp8 / nvfp4 inputs in blocks of 32 / 16.
 
-ULYSSES_SP_QUANT_KERNELS: "auto" (default: the kernels ComfyUI itself would use on the device), "dequantize" (none),
-"all" (every kernel whose ops run on the device, CPU included: what ComfyUI does with --supports-fp8-compute; for
-parity tests).
+The load option `quant_kernels` (default: the environment's ULYSSES_SP_QUANT_KERNELS, else "auto"): "auto" (the
+kernels ComfyUI itself uses on the device), "dequantize" (none), "all" (every kernel whose ops run on the device, CPU
+included: what ComfyUI does with --supports-fp8-compute; for parity tests).
 """
 from __future__ import annotations
 
@@ -40,10 +40,15 @@ class Choice:
         return f"{self.path} ({self.why})" if self.why else self.path
 
 
-def mode() -> str:
+def mode(option=None) -> str:
+    """The kernel mode of a load: its `quant_kernels` option, else the environment's, else "auto"."""
+    if option is not None:
+        if option not in MODES:
+            raise ValueError(f"load option quant_kernels must be one of {', '.join(MODES)}, got {str(option)[:40]!r}")
+        return option
     value = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
     if value not in MODES:
-        raise ValueError(f"{MODE_ENV}={value!r}: expected one of {', '.join(MODES)}")
+        raise ValueError(f"{MODE_ENV}={value[:40]!r}: expected one of {', '.join(MODES)}")
     return value
 
 
@@ -66,11 +71,10 @@ def capability(device: torch.device) -> Optional[tuple[int, int]]:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
-def choose(weight, device: torch.device, chosen_mode: Optional[str] = None) -> Choice:
-    """The matmul for one QuantWeight on `device`."""
-    chosen_mode = chosen_mode or mode()
+def choose(weight, device: torch.device, chosen_mode: str = "auto") -> Choice:
+    """The matmul for one QuantWeight on `device` in mode `chosen_mode` (one of MODES)."""
     if chosen_mode == "dequantize":
-        return Choice(DEQUANTIZE, f"{MODE_ENV}=dequantize")
+        return Choice(DEQUANTIZE, "quant_kernels=dequantize")
     if weight.params.get("full_precision"):
         return Choice(DEQUANTIZE, "the file asks for full-precision matmuls")
     every = chosen_mode == "all"

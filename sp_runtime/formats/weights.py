@@ -133,11 +133,12 @@ def install_quant_linears(model: torch.nn.Module, weights: dict[str, QuantWeight
         setattr(parent, child, QuantLinear(weight, state.get(f"{module_name}.bias")))
 
 
-def choose_kernels(model: torch.nn.Module, device: torch.device) -> dict[str, str]:
-    """Give every QuantLinear of the model its matmul on `device` (formats.kernels.choose); returns per layer
-    format the paths taken, e.g. {"int8_tensorwise convrot": "int8 (comfy-kitchen) x 12"} (the load status)."""
+def choose_kernels(model: torch.nn.Module, device: torch.device, option: Optional[str] = None) -> dict[str, str]:
+    """Give every QuantLinear of the model its matmul on `device` (formats.kernels.choose; option: the load option
+    quant_kernels); returns per layer format the paths taken, e.g. {"int8_tensorwise convrot": "int8 (comfy-kitchen)
+    x 12"} (the load status)."""
     from . import kernels
-    chosen_mode = kernels.mode()
+    chosen_mode = kernels.mode(option)
     taken: dict[str, dict[str, int]] = {}
     for module in model.modules():
         if isinstance(module, QuantLinear):

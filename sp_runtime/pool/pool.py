@@ -621,9 +621,11 @@ def _request_for(path: str, dtype, options: dict, header, stamp: list) -> LoadRe
     model)."""
     from ..families.checkpoint import resolved_dtype_name
     from ..families.detect import detect
+    from ..formats.kernels import mode
     from ..sharding import shard_option
     detection = detect(header)
     shard_option(options)  # a bad value fails here, before any worker loads
+    mode(options.get("quant_kernels"))
     try:
         json.dumps(options)
     except TypeError as error:
