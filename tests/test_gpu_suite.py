@@ -63,3 +63,11 @@ def test_budget_skips_and_failures_are_recorded_without_losing_other_sections(tm
     assert sections["attention"]["status"] == "skipped"
     assert sections["attention"]["reason"].startswith("estimated 60 s but ")
 
+
+
+def test_quant_vs_comfyui_is_skipped_with_the_reason_without_comfyui(tmp_path, monkeypatch):
+    monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    assert main(["gpu-suite", "--allow-cpu", "--out", str(tmp_path), "--sections", "quant_vs_comfyui"]) == 0
+    assert _report(tmp_path)["sections"]["quant_vs_comfyui"] == {
+        "estimated_s": None, "status": "skipped", "reason": gpu_suite.NOT_APPLICABLE["quant_vs_comfyui"]}
+    assert "COMFYUI_PATH" in gpu_suite.NOT_APPLICABLE["quant_vs_comfyui"]

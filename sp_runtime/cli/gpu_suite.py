@@ -8,7 +8,8 @@ diffusers, fp32 and bf16); attention parity of Ulysses / ring / hybrid against p
 gloo ranks sharing one GPU), with FP8 exchange and overlap variants; FP8 exchange error and bytes; all-to-all
 bandwidth per message size, plain and FP8; with 2+ GPUs the layouts' parity through the pool (bench); full-size
 random-weight Flux.1-dev and Qwen-Image step times through the pool vs diffusers in one process (and diffusers'
-context parallel with 2+ GPUs); compiled vs eager model calls. Without CUDA it refuses, unless --allow-cpu (tests).
+context parallel with 2+ GPUs); compiled vs eager model calls; stock ComfyUI vs the pool at world 1 on the same
+bf16 / fp8 / int8 files (with COMFYUI_PATH). Without CUDA it refuses, unless --allow-cpu (tests).
 """
 from __future__ import annotations
 
@@ -482,6 +483,43 @@ def _compile(suite: Suite) -> dict:
     return result
 
 
+QUANT_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "benchmarks", "bench_quant_vs_comfyui.py")
+QUANT_FORMATS = "bf16,float8_e4m3fn,int8_convrot"  # the templates' commonest: fp8 (scaled) and int8 convrot
+
+
+def _comfyui_for_quant() -> Optional[str]:
+    """The ComfyUI checkout the quantized-files comparison runs (COMFYUI_PATH), None when it cannot run here."""
+    path = os.environ.get("COMFYUI_PATH")
+    if not path or not os.path.isfile(os.path.join(path, "comfy", "ops.py")) or not os.path.isfile(QUANT_BENCH):
+        return None
+    return path
+
+
+def _quant_vs_comfyui(suite: Suite) -> dict:
+    """Stock ComfyUI vs the pool at world 1 on the same bf16 / fp8 / int8 convrot files (a separate process:
+    sp_runtime never imports ComfyUI): full-width Wan 2.1 14B blocks on the first GPU, tiny on CPU."""
+    import json
+    import subprocess
+    out = os.path.join(suite.out, "quant_vs_comfyui.json")
+    command = [sys.executable, QUANT_BENCH, "--comfyui", _comfyui_for_quant(), "--formats", QUANT_FORMATS,
+               "--out", out, "--rounds", "5"]
+    command += ["--device", suite.devices[0], "--size", "full", "--layers", "4"] if suite.cuda else []
+    done = subprocess.run(command, timeout=max(60.0, suite.left()), capture_output=True, text=True)
+    if done.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"{os.path.basename(QUANT_BENCH)} exited with code {done.returncode}: "
+                           f"{(done.stderr or done.stdout)[-1500:]}")
+    with open(out, encoding="utf-8") as handle:
+        report = json.load(handle)
+    rows = report["formats"]
+    quantized = [name for name in rows if name != "bf16"]
+    return {"what": report["what"], "json": os.path.basename(out), "formats": rows,
+            "target": "pool within 2% of stock ComfyUI's step time on the fp8 / int8 files (issue 34)",
+            "target_met": all(rows[name]["pool_vs_comfyui_time"] <= 1.02 for name in quantized),
+            "summary": "; ".join(f"{name} pool/ComfyUI x{row['pool_vs_comfyui_time']:.3f} ({row['pool_ms']:.1f} "
+                                 f"vs {row['comfyui_ms']:.1f} ms)" for name, row in rows.items())}
+
+
 # name -> (estimate(suite) -> seconds or None when not applicable here, section(suite) -> dict)
 STEP_ESTIMATES_S = {"flux-12b": (60, 30), "qwen-image-20b": (75, 35)}
 
@@ -506,6 +544,9 @@ SECTIONS = {
     "step_flux": (_step_estimate("flux-12b"), lambda s: _step_time(s, "flux-12b", "flux")),
     "step_qwen_image": (_step_estimate("qwen-image-20b"), lambda s: _step_time(s, "qwen-image-20b", "qwen_image")),
     "compile": (lambda s: 90 if s.cuda else 150, _compile),
+    "quant_vs_comfyui": (lambda s: (240 if s.cuda else 180) if _comfyui_for_quant() else None, _quant_vs_comfyui),
 }
 SECTION_NAMES = tuple(SECTIONS)
-NOT_APPLICABLE = {"multi_gpu_parity": "needs 2 or more GPUs (NCCL between distinct GPUs)"}
+NOT_APPLICABLE = {"multi_gpu_parity": "needs 2 or more GPUs (NCCL between distinct GPUs)",
+                  "quant_vs_comfyui": "needs COMFYUI_PATH: a ComfyUI checkout whose requirements (comfy-kitchen) "
+                                      "this Python has, and the repository's benchmarks/ folder"}
