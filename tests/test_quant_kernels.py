@@ -185,3 +185,19 @@ def test_load_status_names_each_formats_path(layers, monkeypatch):
         expected = torch.nn.functional.linear(x, layer.quant.dequantize(torch.float32), layer.bias)
         if layer.kernel.run is None:
             assert torch.equal(layer(x), expected)
+
+
+def test_a_kernel_that_refuses_its_operands_falls_back_to_dequantize(layers, monkeypatch):
+    layer = layers["fp8"]
+    def refuse(module, x, bias):
+        raise RuntimeError("mat2 shape must be divisible by 16")
+    layer.kernel = kernels.Choice(K.FP8_TORCH, run=refuse)
+    x = torch.randn(3, COLS)
+    expected = torch.nn.functional.linear(x, layer.quant.dequantize(torch.float32), layer.bias)
+    assert torch.equal(layer(x), expected)
+    assert layer.kernel.path == K.DEQUANTIZE and "failed: RuntimeError" in layer.kernel.why
+    def out_of_memory(module, x, bias):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    layer.kernel = kernels.Choice(K.FP8_TORCH, run=out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        layer(x)

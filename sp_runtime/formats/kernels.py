@@ -10,6 +10,7 @@ included: what ComfyUI does with --supports-fp8-compute; for parity tests).
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -17,6 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
+log = logging.getLogger(__name__)
 MODE_ENV = "ULYSSES_SP_QUANT_KERNELS"
 MODES = ("auto", "dequantize", "all")
 DEQUANTIZE = "dequantize"
@@ -123,6 +125,18 @@ def _block_choice(name: str, device, every: bool) -> Choice:
     if cap < (10, 0) or (name == "mxfp8" and _torch_version() < (2, 10)):
         return Choice(DEQUANTIZE, f"no {name} tensor cores on sm {cap[0]}{cap[1]} (ComfyUI emulates it too)")
     return Choice(MXFP8_KITCHEN, run=_mxfp8_linear) if name == "mxfp8" else Choice(NVFP4_KITCHEN, run=_nvfp4_linear)
+
+
+def fall_back(choice: Choice, error: Exception) -> Choice:
+    """The dequantize path for a layer whose kernel raised on its operands (warned once per kernel)."""
+    if choice.path not in _WARNED:
+        _WARNED.add(choice.path)
+        log.warning("%s failed (%s: %s); those layers dequantize instead", choice.path, type(error).__name__,
+                    str(error)[:300])
+    return Choice(DEQUANTIZE, f"{choice.path} failed: {type(error).__name__}")
+
+
+_WARNED: set[str] = set()
 
 
 def _torch_version() -> tuple[int, int]:

@@ -105,14 +105,27 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        run = self.kernel.run if self.kernel is not None else None
-        out = run(self, x, bias) if run is not None else F.linear(x, self.quant.dequantize(x.dtype), bias)
+        out = self._kernel_output(x, bias) if self.kernel is not None and self.kernel.run is not None else None
+        if out is None:
+            out = F.linear(x, self.quant.dequantize(x.dtype), bias)
         for first, up, factor in self.deltas:
             if up is None:
                 out = out + factor * F.linear(x, first.to(x.dtype))
             else:
                 out = out + factor * F.linear(F.linear(x, first.to(x.dtype)), up.to(x.dtype))
         return out
+
+    def _kernel_output(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The kernel's output; None after a kernel refused this layer's operands (logged once; the layer then
+        dequantizes, as ComfyUI's layers fall back)."""
+        try:
+            return self.kernel.run(self, x, bias)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, ValueError) as error:
+            from .kernels import fall_back
+            self.kernel = fall_back(self.kernel, error)
+            return None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.quant.format}"
