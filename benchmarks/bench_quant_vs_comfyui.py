@@ -5,7 +5,8 @@ mixed-precision ops with comfy-kitchen, bf16 compute) and called in this process
 file (default dtype: quantized layers kept quantized, formats.kernels choosing the matmul). Files: a bf16 file and
 ComfyUI mixed-precision files of the same random weights, one format for every block Linear. The two sides are timed
 in alternating rounds in one run, so machine load hits both alike; the load average and other processes' CPU share
-are recorded. Tiny on CPU; full-width Wan 2.1 14B blocks on a GPU (--size full, --layers of them).
+are recorded. Tiny or small (512 wide, 1280 tokens) on CPU; full-width Wan 2.1 14B blocks on a GPU (--size full, --layers
+of them).
 
 Needs ComfyUI (COMFYUI_PATH or --comfyui) and its requirements (comfy-kitchen) in this Python.
 
@@ -30,8 +31,10 @@ from sp_runtime.cli.machine import LoadMonitor, describe_machine, write_json  # 
 
 # diffusers sizes of the tiny writers (sp_runtime.tiny_models) and the latent / text shapes of one call
 SIZES = {"tiny": dict(num_attention_heads=6, attention_head_dim=16, ffn_dim=128, text_dim=32, num_layers=2),
+         "small": dict(num_attention_heads=4, attention_head_dim=128, ffn_dim=2048, text_dim=512, num_layers=2),
          "full": dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, text_dim=4096, num_layers=2)}
 CALLS = {"tiny": dict(frames=5, height=16, width=16, text_tokens=7),
+         "small": dict(frames=5, height=32, width=32, text_tokens=64),  # 1280 tokens: matmuls dominate on a CPU
          "full": dict(frames=21, height=60, width=104, text_tokens=512)}  # 480p, 81 frames: 32760 tokens
 # name -> ComfyUI mixed-precision format of every block Linear (None: the bf16 file)
 FORMATS = {"bf16": None, "float8_e4m3fn": "float8_e4m3fn", "int8_tensorwise": "int8_tensorwise",
@@ -161,6 +164,7 @@ def measure(name: str, path: str, args, size: dict, call: dict, device: torch.de
         rank = pool.status()["ranks"][0]
         result = {"file_mib": round(os.path.getsize(path) / MIB, 2),
                   "comfyui_ms": round(statistics.median(comfy_ms), 2), "pool_ms": round(statistics.median(pool_ms), 2),
+                  "comfyui_rounds_ms": [round(v, 1) for v in comfy_ms], "pool_rounds_ms": [round(v, 1) for v in pool_ms],
                   "comfyui_weights_mib": round(held_bytes(theirs) / MIB, 2),
                   "pool_weights_mib": round(handle.info.weight_bytes / MIB, 2),
                   "pool_kernels": handle.info.quant_kernels,

@@ -201,3 +201,23 @@ def test_a_kernel_that_refuses_its_operands_falls_back_to_dequantize(layers, mon
     layer.kernel = kernels.Choice(K.FP8_TORCH, run=out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         layer(x)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("rows", [ROWS, 40])
+def test_block_kernels_get_their_operands_in_cublas_layout(layers, name, rows):
+    """The mxfp8 / nvfp4 kernels need a GPU of compute capability 10+; what can be checked on a CPU is their
+    weight operands (rows padded, block scales swizzled back, also after a row slice such as a fused qkv's): they
+    dequantize, by comfy-kitchen's own dequantizer, to our weight."""
+    ck = kernels.kitchen()[0]
+    if ck is None:
+        pytest.skip(kernels.kitchen()[1])
+    layer = QuantLinear(layers[name].quant.map_rows(lambda part: part[:rows]), None)
+    codes, scales = kernels.block_operands(layer)
+    assert codes.shape[0] % (32 if name == "mxfp8" else 16) == 0
+    if name == "mxfp8":
+        values = ck.dequantize_mxfp8(codes, scales, torch.float32)
+    else:
+        values = ck.dequantize_nvfp4(codes, layer.quant_scale_2, scales, torch.float32)
+    assert torch.equal(values[:rows], layer.quant.dequantize(torch.float32))
+    assert kernels.block_operands(layer)[1] is scales  # made once per buffers
