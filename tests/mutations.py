@@ -21,4 +21,22 @@ MUTATIONS = [
          original="        slot.version = next(self._versions)\n",
          replacement="        slot.version = slot.version or next(self._versions)\n",
          tests=["tests/test_pool_inputs.py", "-k", "new_version"]),
+
+    # ---- sharded weights ------------------------------------------------------------------------------------------
+    dict(id="shard-model-reversed", bug="shard_model (a model loaded whole) keeps its shards in reversed rank order",
+         file="sp_runtime/sharding/runtime.py",
+         original="        lo, hi = layout.shard_range(rank)\n",
+         replacement="        lo, hi = layout.shard_range(world - 1 - rank)\n",
+         tests=["tests/test_shard_weights.py", "-k", "loaded_whole_shards"]),
+    # ---- ring attention ---------------------------------------------------------------------------------------
+    dict(id="ring-stale-lse", bug="the running log-sum-exp is not updated after a merge (right at ring degree 2 only)",
+         file="sp_runtime/attention/lse.py",
+         original="        self.lse = merged\n",
+         replacement="",
+         tests=["tests/test_family_layouts.py", "-k", "u1r3"]),
+    dict(id="ring-bf16-merge", bug="bf16 partial outputs are merged in bf16, not float32",
+         file="sp_runtime/attention/lse.py",
+         original="            self.out, self.lse = out.float(), lse.float()\n",
+         replacement="            self.out, self.lse = out, lse.float()\n",
+         tests=["tests/test_ring_attention.py", "-k", "accumulates_in_float32"]),
 ]
