@@ -78,7 +78,7 @@ def main(argv: list[str], python: str = sys.executable) -> int:
     chosen = [known[name] for name in args.ids] if args.ids else MUTATIONS
     if args.list:
         for mutation in chosen:
-            print(f"{mutation['id']:<24} {mutation['file']}: {mutation['bug']}")
+            print(f"{mutation['id']:<28} {mutation['file']}: {mutation['bug']}")
         return 0
     started, scratch, failures = time.monotonic(), scratch_copy(), 0
     try:
@@ -92,7 +92,7 @@ def main(argv: list[str], python: str = sys.executable) -> int:
                 outcome = {"survived": "passed", "killed": "failed"}[outcome]
             good = outcome == ("passed" if args.baseline else "killed")
             failures += not good
-            print(f"{mutation['id']:<24} {outcome:<10} {seconds:6.1f} s", flush=True)
+            print(f"{mutation['id']:<28} {outcome:<10} {seconds:6.1f} s", flush=True)
             if (args.show or not good) and tail:
                 print("    " + tail.strip().replace("\n", "\n    "))
     finally:

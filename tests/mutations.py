@@ -59,7 +59,7 @@ MUTATIONS = [
          file="sp_runtime/families/joint_dit.py",
          original="rotary(ids[split.lo:split.hi], axes, theta)",
          replacement="rotary(ids[:split.hi - split.lo], axes, theta)",
-         tests=["tests/test_flux.py::test_fp32_parity_every_layout[degree2]"]),
+         tests=["tests/test_family_layouts.py", "-k", "u1r3"]),
     dict(id="cfg-halves-swapped", bug="a CFG group's inputs are cut from the other half of the batch",
          file="sp_runtime/cfg_parallel.py",
          original="        return self._ctx.to_device(name, whole, dtype)[self._half.rows]\n",
