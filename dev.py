@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Developer entry point: `python3 dev.py demo` and `python3 dev.py test` set up .venv as needed, then run.
+"""Developer entry point: `python3 dev.py demo` and `python3 dev.py test` set up .venv as needed, then run;
+`python3 dev.py mutate [ids...]` plants the bugs of tests/mutations.py one at a time (docs/DEVELOPMENT.md).
 
 The virtual environment sees system site-packages so an existing torch (for example ComfyUI's) is reused; only
 when no torch is importable does it install torch==2.13.0 (never listed in requirements.txt: ComfyUI owns torch).
@@ -51,8 +52,8 @@ def setup() -> None:
 
 def main(argv: list[str]) -> int:
     command, rest = (argv[0], argv[1:]) if argv else ("help", [])
-    if command not in ("setup", "test", "demo", "bench", "doctor"):
-        print(__doc__.strip() + "\n\nusage: python3 dev.py {setup,test,demo,bench,doctor} [args...]")
+    if command not in ("setup", "test", "demo", "bench", "doctor", "mutate"):
+        print(__doc__.strip() + "\n\nusage: python3 dev.py {setup,test,demo,bench,doctor,mutate} [args...]")
         return 0 if command in ("help", "-h", "--help") else 2
     setup()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -60,6 +61,8 @@ def main(argv: list[str]) -> int:
         return 0
     if command == "test":
         return subprocess.run([PYTHON, "-m", "pytest", "tests", *rest], cwd=ROOT, env=env).returncode
+    if command == "mutate":
+        return subprocess.run([PYTHON, os.path.join(ROOT, "tests", "mutate.py"), *rest], cwd=ROOT).returncode
     return subprocess.run([PYTHON, "-m", "sp_runtime", command, *rest], cwd=ROOT, env=env).returncode
 
 

@@ -8,7 +8,7 @@ from sp_runtime.config import SPConfig
 from sp_runtime.pool import WorkerPool
 
 DEGREES = (1, 2, 3, 4)
-LAYOUTS = {"u1r2": (2, dict(ulysses_degree=1, ring_degree=2)),
+LAYOUTS = {"u1r3": (3, dict(ulysses_degree=1, ring_degree=3)),
            "u2r2": (4, dict(ulysses_degree=2, ring_degree=2)),
            "u2cfg2": (4, dict(ulysses_degree=2, cfg_degree=2))}
 

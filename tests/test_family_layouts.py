@@ -1,5 +1,5 @@
 """Full model forwards of Qwen-Image, Flux and Wan through the pool under Ring, the Ulysses x Ring hybrid and
-CFG-parallel (u1r2, u2r2, u2cfg2) equal diffusers' single-process forward: batch 2 (split by CFG) and batch 1 (all
+CFG-parallel (u1r3, u2r2, u2cfg2) equal diffusers' single-process forward: batch 2 (split by CFG) and batch 1 (all
 ranks), odd latents and token counts, a masked prompt, 6 heads."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from family_support import assert_parity
 from sp_runtime.families import flux, qwen_image, wan
 from sp_runtime.tiny_models import build_tiny_model, write_tiny_checkpoint
 
-pytest_plugins = ["family_pools"]  # the shared layout pools (u1r2, u2r2, u2cfg2)
+pytest_plugins = ["family_pools"]  # the shared layout pools (u1r3, u2r2, u2cfg2)
 
 SEED = 5
 FAMILIES = {"qwen_image": qwen_image, "flux": flux, "wan": wan}

@@ -217,9 +217,9 @@ def test_lora_on_quantized_layers_is_exact_and_comes_off_bitwise(quant_files, tm
         for dtype, reference_dtype, tolerance in (("fp32", "fp32", "float32"), ("default", "bf16", "bfloat16")):
             x, t, inputs = make_case("flux", bf16_timesteps=reference_dtype == "bf16")
             handle = workers.load_model(path, dtype)
-            plain = handle(x, t, **inputs)
+            plain = handle(x, t, **inputs).clone()  # kept across later calls: a private copy
             handle.set_loras([[str(tmp_path / "lora.safetensors"), strength]])
-            patched = handle(x, t, **inputs)
+            patched = handle(x, t, **inputs).clone()
             assert relative_error(patched, plain) > 1e-2  # the LoRA matters
             expected = flux.reference_forward(references["merged", reference_dtype], x, t, **inputs)
             assert_parity(patched, expected, tolerance, f"quant_lora/{dtype}")

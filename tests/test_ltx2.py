@@ -1,4 +1,4 @@
-"""LTX-2 (audio + video) under sequence parallelism: the pool's video and audio outputs equal, at Ulysses 1-4, Ring 2,
+"""LTX-2 (audio + video) under sequence parallelism: the pool's video and audio outputs equal, at Ulysses 1-4, Ring 3,
 Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2, on a tiny ComfyUI-layout file (real head sizes 128 / 64, 3 heads each, odd
 token counts, batch 2, audio shorter than the degree, per-token timesteps, I2V, two
 guide frames at ComfyUI's keyframe_idxs positions): diffusers' stock

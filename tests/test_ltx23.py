@@ -2,7 +2,7 @@
 LTX2VideoTransformer3DModel forward on one process for tiny ComfyUI-layout files of each release (gated attention,
 prompt cross-attention AdaLN with the timestep in 2.3 and without it in 2.5, no caption projection, connectors fed
 by the text encoder's video and audio features, split rotary; real head sizes 128 / 64, 3 heads each, 45 and 30
-video tokens, 7 and 2 audio tokens, batch 2) at Ulysses 1-4, Ring 2 and Ulysses 2 x Ring 2; and their all-in-one
+video tokens, 7 and 2 audio tokens, batch 2) at Ulysses 1-4, Ring 3 and Ulysses 2 x Ring 2; and their all-in-one
 checkpoint's diffusion part."""
 from __future__ import annotations
 
@@ -72,10 +72,10 @@ def check(handle, release, names, references, layout):
         assert_parity(audio, expected_audio, "float32", f"ltx{release}_audio/{layout}/{name}")
 
 
-# 2.3 at Ulysses 1-4 (2 from its all-in-one file, below) and Ring 2; 2.5 (the same blocks without the prompt AdaLN)
+# 2.3 at Ulysses 1-4 (2 from its all-in-one file, below) and Ring 3; 2.5 (the same blocks without the prompt AdaLN)
 # at Ulysses 2 x Ring 2 and from its int8 file at Ulysses 2 (below): suite time
 RUNS_AT_DEGREE = {1: {"2.3": ("t2av",)}, 3: {"2.3": ("i2v",)}, 4: {"2.3": ("two_audio_tokens",)}}
-RUNS_AT_LAYOUT = {"u1r2": {"2.3": ("t2av",)}, "u2r2": {"2.5": ("i2v", "two_audio_tokens")}}
+RUNS_AT_LAYOUT = {"u1r3": {"2.3": ("t2av",)}, "u2r2": {"2.5": ("i2v", "two_audio_tokens")}}
 
 
 def test_fp32_parity_ulysses(family_pool, release_files, references):

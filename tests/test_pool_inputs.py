@@ -152,6 +152,36 @@ def test_bfloat16_latents_come_back_in_bfloat16(pool, model, expected):
     assert (out.float() - reference_out).abs().max() <= 2e-2 * max(1.0, reference_out.abs().max())
 
 
+def test_results_of_different_inputs_stay_distinct_after_later_calls(pool, model, expected):
+    """Each result is the caller's own tensor: later calls (which reuse the output arena) leave it as it was."""
+    cases = [toy_inputs(seed=seed) for seed in (20, 21, 22)]
+    outs = [call(model, inputs) for inputs in cases]
+    for out, inputs in zip(outs, cases):
+        assert_matches(out, expected(**inputs))
+    assert (outs[0] - outs[1]).abs().max() > 1e-2
+
+
+def test_a_model_that_casts_its_inputs_sees_each_call_s_inputs(pool, checkpoint):
+    """bf16 compute casts the float32 inputs, so the workers keep cast copies in their device cache (on CPU too):
+    every call with new x and new conditioning of the same shapes must use those, not a cached copy of earlier
+    ones (more calls than the arena keeps copies of one input, so its slots are recycled)."""
+    handle = pool.load_model(checkpoint, "bfloat16")
+    expected = reference(checkpoint, "bfloat16")
+    try:
+        previous = None
+        for seed in range(30, 35):
+            inputs = toy_inputs(seed=seed)
+            out = call(handle, inputs)
+            wanted = expected(**inputs)
+            scale = max(1.0, wanted.abs().max().item())
+            assert (out - wanted).abs().max().item() <= 2e-2 * scale, f"call {seed - 30}"
+            if previous is not None:  # the inputs really differ: a stale copy would miss by far more than that
+                assert (expected(**previous) - wanted).abs().max().item() > 0.2 * scale
+            previous = inputs
+    finally:
+        pool.unload(handle)
+
+
 # ---- the input arena on its own (no workers) -------------------------------------------------------------------
 def test_arena_reuses_equal_content_and_keeps_versions_when_it_grows():
     from sp_runtime.pool.arena import InputArena
@@ -187,5 +217,21 @@ def test_arena_copies_in_place_changes_of_the_same_object():
         specs, copied = arena.stage({"context": context})
         assert copied == {"context": context.nbytes}
         assert torch.equal(arena.segment.view(specs[0]["offset"], torch.float32, (4, 4)), context)
+    finally:
+        arena.release()
+
+
+def test_every_new_content_gets_a_new_version():
+    """Workers cache device copies by version: a slot recycled for new content (x every call, the third distinct
+    context when two are kept) must carry a version never used before."""
+    from sp_runtime.pool.arena import InputArena
+    arena = InputArena("tarena3")
+    try:
+        seen = set()
+        for step in range(5):
+            specs, _ = arena.stage({"x": torch.randn(2, 4), "context": torch.randn(3, 8)}, frozenset({"x"}))
+            versions = {spec["name"]: spec["version"] for spec in specs}
+            assert not set(versions.values()) & seen, (step, versions)
+            seen |= set(versions.values())
     finally:
         arena.release()

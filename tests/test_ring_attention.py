@@ -156,6 +156,26 @@ def test_lse_merge_of_key_blocks_equals_whole():
     assert torch.allclose(merger.lse, torch.logsumexp(q @ k.transpose(-1, -2) / math.sqrt(8), -1), atol=1e-5)
 
 
+def test_lse_merge_accumulates_in_float32():
+    """bf16 partial outputs (what the kernels return for bf16 inputs) merge in float32: the merge adds no rounding
+    of its own, so it equals a float64 merge of the same partials to float32 precision (a bf16 accumulator would
+    be off by about 2^-9 of the output scale)."""
+    q, k, v = (_bhsd(2, 3, 11, 16, dtype=torch.bfloat16, seed=seed) for seed in (7, 8, 9))
+    k = torch.cat([k, k * 3, k - 1], dim=2)  # key blocks of different score ranges
+    v = torch.cat([v, -v, 2 * v], dim=2)
+    partials = [attention_with_lse(q, k[:, :, lo:hi], v[:, :, lo:hi]) for lo, hi in ((0, 7), (7, 8), (8, 15),
+                                                                                       (15, 33))]
+    merger = LseMerger()
+    for out, lse in partials:
+        assert out.dtype == torch.bfloat16
+        merger.add(out, lse)
+    lse_all = torch.logsumexp(torch.stack([lse.double() for _, lse in partials]), 0)
+    exact = sum(out.double() * torch.exp(lse.double() - lse_all).unsqueeze(-1) for out, lse in partials)
+    assert merger.out.dtype == torch.float32 and merger.lse.dtype == torch.float32
+    assert (merger.out.double() - exact).abs().max().item() < 1e-6 * max(1.0, exact.abs().max().item())
+    assert (merger.lse.double() - lse_all).abs().max().item() < 1e-5
+
+
 def test_empty_inputs_are_refused():
     q = _bhsd(1, 1, 3, 8)
     with pytest.raises(ValueError, match="needs queries and keys"):

@@ -28,7 +28,7 @@ def setup(tmp_path_factory):
 
         def call(handle):
             return handle(workload.noise, t, **inputs)
-        yield pool, path, call, call(plain)
+        yield pool, path, call, call(plain).clone()  # kept across later calls of the pool: a private copy
 
 
 def _relative(a, b):

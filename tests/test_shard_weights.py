@@ -16,9 +16,10 @@ from safetensors.torch import save_file
 from sp_runtime.config import SPConfig
 from sp_runtime.families import family_module
 from sp_runtime.pool import WorkerPool
-from sp_runtime.sharding import ShardSpec, model_shards, sharded_loading
+from sp_runtime.sharding import ShardSpec, model_shards, shard_model, sharded_loading
 from sp_runtime.sharding.layout import ALIGN, block_slots, find_blocks, pack
-from sp_runtime.tiny_models import write_tiny_checkpoint
+from sp_runtime.families.synthetic import build_model, write_spec
+from sp_runtime.tiny_models import tiny_config, write_tiny_checkpoint
 from sp_runtime.tiny_models.quant_files import write_quantized
 from test_formats_models import make_case
 
@@ -75,6 +76,21 @@ def test_each_rank_loads_exactly_its_bytes_of_every_block(tmp_path, family, layo
         assert torch.equal(joined, pack(layout_of, [t for *_, t in entries], "cpu"))
 
 
+def test_a_model_loaded_whole_shards_into_each_rank_s_bytes(tmp_path):
+    """shard_model, the fallback for models no checkpoint streams (the synthetic benchmark family): three ranks of a
+    whole model each keep their bytes of every block; side by side, in rank order, they are the whole blocks."""
+    def build():
+        return build_model("flux", tiny_config("flux"), "float32", torch.device("cpu"), seed=3)[0]
+    named = find_blocks(build())
+    ranks = [shard_model(build(), rank, 3) for rank in range(3)]
+    assert len(named) == len(ranks[0].blocks) >= 2
+    for index, (_, block) in enumerate(named):
+        entries = block_slots(block)
+        layout = ranks[0].blocks[index].layout
+        joined = torch.cat([shards.blocks[index].shard for shards in ranks])
+        assert torch.equal(joined, pack(layout, [t for *_, t in entries], "cpu"))
+
+
 def weights(pool) -> list[dict]:
     return [rank["weights"] for rank in pool.status()["ranks"]]
 
@@ -84,7 +100,7 @@ def sharded_and_whole(pool, path: str, family: str, dtype: str = "float32") -> t
     x, t, inputs = make_case(family)
     pool.unload_all()
     sharded = pool.load_model(path, dtype, shard_weights=True, **OPTIONS[family])
-    got = sharded(x, t, **inputs)
+    got = sharded(x, t, **inputs).clone()  # a private copy, whatever the pool returns: the next call follows
     alone = weights(pool)
     ranks = pool.status()["ranks"]
     assert [rank["memory"]["weights"] for rank in ranks] == [rank["weights"]["resident"] for rank in ranks]
@@ -113,6 +129,15 @@ def assert_one_share_per_rank(alone: list[dict], reference: list[dict]) -> None:
 @pytest.mark.parametrize("family", OPTIONS)
 def test_sharded_equals_whole_at_ulysses_2_and_4(family_pool, checkpoints, family):
     got, want, alone, reference = sharded_and_whole(family_pool, checkpoints[family], family)
+    assert torch.equal(got, want)
+    assert_one_share_per_rank(alone, reference)
+
+
+@pytest.mark.parametrize("family_pool", [3], indirect=True, ids=["u3"])
+def test_a_model_loaded_whole_then_sharded_equals_whole(family_pool, tmp_path):
+    """The synthetic family builds its model whole; shard_weights then shards it (shard_model) on each rank."""
+    path = write_spec(str(tmp_path / "spec.safetensors"), "flux", tiny_config("flux"), seed=3, dtype="float32")
+    got, want, alone, reference = sharded_and_whole(family_pool, path, "flux")
     assert torch.equal(got, want)
     assert_one_share_per_rank(alone, reference)
 
@@ -156,9 +181,9 @@ def test_lora_on_sharded_blocks_equals_lora_on_whole_blocks_and_comes_off_bitwis
     outputs = {}
     for shard in (True, False):
         handle = family_pool.load_model(path, "float32", shard_weights=shard)
-        base = handle(x, t, **inputs)
+        base = handle(x, t, **inputs).clone()
         family_pool.set_loras(handle, [[lora, 0.8]])
-        outputs[shard] = handle(x, t, **inputs)
+        outputs[shard] = handle(x, t, **inputs).clone()
         family_pool.set_loras(handle, [])
         assert torch.equal(handle(x, t, **inputs), base)
         assert (outputs[shard] - base).abs().max() > 1e-3  # the LoRA really acts on the blocks
@@ -170,7 +195,7 @@ def test_lora_on_sharded_blocks_equals_lora_on_whole_blocks_and_comes_off_bitwis
 def test_two_sharded_models_unload_reload_and_a_restart_stay_exact(family_pool, checkpoints):
     cases = {family: make_case(family) for family in ("qwen_image", "wan")}
     wanted = {family: family_pool.load_model(checkpoints[family], "float32", **OPTIONS[family])(x, t, **inputs)
-              for family, (x, t, inputs) in cases.items()}
+              .clone() for family, (x, t, inputs) in cases.items()}
     family_pool.unload_all()
     handles = {family: family_pool.load_model(checkpoints[family], "float32", shard_weights=True,
                                               **OPTIONS[family]) for family in cases}

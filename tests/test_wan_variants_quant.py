@@ -134,10 +134,10 @@ def test_lora_on_the_extra_modules_of_a_quantized_model(family_pool, quant_files
     save_file(merged, str(tmp_path / "merged.safetensors"), metadata=HEAD)
     handle = family_pool.load_model(path, "fp32")
     x, t, inputs = call(variant)
-    plain = handle(x, t, **inputs)
+    plain = handle(x, t, **inputs).clone()  # kept across later calls: a private copy
     summary = handle.set_loras([[lora, LORA_STRENGTH]])
     assert not summary.get("skipped"), summary
-    patched = handle(x, t, **inputs)
+    patched = handle(x, t, **inputs).clone()
     assert relative_error(patched, plain) > 1e-3  # the LoRA matters
     expected = wan.reference_forward(wan.load_model(str(tmp_path / "merged.safetensors"), "fp32")[0], x, t, **inputs)
     assert_parity(patched, expected, "float32", f"quant_lora/{variant}")
