@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from sp_runtime.families import checkpoint
 from sp_runtime.families.detect import detect
 from sp_runtime.families.header import read_checkpoint_header
-from sp_runtime.families.joint_dit import TokenGrid, grid_ids, reference_placements, rope_axes
+from sp_runtime.sp.tokens import TokenGrid, grid_ids, reference_placements, rope_axes
 from sp_runtime.tiny_models import COMFY_PREFIX, tiny_config, write_tiny_checkpoint
 
 QWEN = {key: value for key, value in tiny_config("qwen_image").items()}

@@ -16,6 +16,7 @@ LAYERS = [
     ("groups",),
     ("attention", "compile", "formats"),
     ("model_options", "sharding"),
+    ("sp",),
     ("families",),
     ("cfg_parallel", "lora", "tiny_models"),
     ("pool",),

@@ -147,7 +147,7 @@ def test_option_keys_name_patches_wrappers_and_callbacks(policy):
 def test_rope_positions_are_placed_as_comfy_places_them_and_integer_ones_match_the_tables():
     import torch
     from diffusers.models.embeddings import get_1d_rotary_pos_embed
-    from sp_runtime.families.rope_options import is_identity, rotary_axis, scaled_positions
+    from sp_runtime.sp.rope_options import is_identity, rotary_axis, scaled_positions
     positions = torch.tensor([[0, 0, 0], [1, 2, 3], [2, 4, 5]])
     placed = scaled_positions(positions, {"scale_t": 2.0, "shift_t": 1.0, "scale_y": 0.5, "shift_x": -3.0})
     assert placed.tolist() == [[1.0, 0.0, -3.0], [3.0, 1.0, 0.0], [5.0, 2.0, 2.0]]

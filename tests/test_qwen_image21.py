@@ -2,7 +2,7 @@
 call translated to diffusers' convention) at degrees 1-4, for ComfyUI files with and without prefix, diffusers files
 and folders; head size 128 with 5 heads (no degree divides them), odd joint lengths, batch 2, references spliced
 into the text at image slots (block-causal mask), text padding masks; the fused-MLP key plan equals diffusers'
-converter at full width; LoRAs on the fused MLP; Ring is refused."""
+converter at full width; LoRAs on the fused MLP; Ring and Ulysses x Ring apply the mask exactly per block pair."""
 from __future__ import annotations
 
 import pytest
@@ -152,11 +152,10 @@ def test_lora_on_the_fused_mlp_splits_like_the_weight(q21_files, tmp_path):
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
 
 
-def test_ring_is_refused_with_the_reason(q21_files):
-    from sp_runtime.families.base import LoadRequest
-    from sp_runtime.groups import SeqParallel
-    ring = type("Groups", (), {"seq": SeqParallel(None, 0, 1, ring_degree=2, ring_global_ranks=(0, 1))})()
-    path = q21_files["comfy_prefix"]
-    detection = qwen_image21.detect(read_checkpoint_header(path))
-    with pytest.raises(ValueError, match="block-causal mask.*Ulysses"):
-        qwen_image21.load(LoadRequest(path), detection, torch.device("cpu"), ring, lambda *_: None)
+def test_fp32_parity_ring_and_hybrid(layout_pool, q21_files, q21_references):
+    """The block-causal mask through sp_attention's mask extension, per query block x key block (old: refused)."""
+    name, pool = layout_pool
+    handle = pool.load_model(q21_files["comfy_prefix"])
+    for case, (x, t, inputs) in make_cases().items():
+        assert_parity(handle(x, t, **inputs), q21_references[case], "float32", f"qwen21_{name}/{case}")
+    handle.unload()

@@ -85,7 +85,7 @@ def test_the_condition_the_flag_and_the_frames_matter(layered_model, layered_ref
 def test_comfy_positions_equal_diffusers_layer3d_rope(layered_model, layered_references):
     """With even grids, at least as many rows / 2 as layers and the condition at -1 (negative_index), ComfyUI's ids
     are diffusers' own QwenEmbedLayer3DRope: the stock forward, its own positions, gives the same output."""
-    from sp_runtime.families.joint_dit import reference_pack
+    from sp_runtime.sp.tokens import reference_pack
     x, t, inputs = make_cases()["condition_negative_index"]
     frames = [*x.unbind(2), inputs["ref_latents"][0][:, :, 0]]
     tokens = torch.cat([reference_pack(frame, 2)[0] for frame in frames], dim=1)

@@ -105,7 +105,7 @@ def _joint_split_at_30_heads(rank, world_size):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from sp_runtime.attention import sp_attention
+    from sp_runtime.attention import SeqShards, sp_attention
     from sp_runtime.groups import SeqParallel
     errors = {}
     for degree in (3, 5, 6, 8):
@@ -113,14 +113,14 @@ def _joint_split_at_30_heads(rank, world_size):
         if rank >= degree:
             continue
         seq = SeqParallel(group, rank, degree)
-        streams = z_image.Streams.of((10, 6), 9, seq)  # 9 caption tokens (32 padded), 15 image tokens (32)
+        caption_shards = image_shards = SeqShards.balanced(32, degree)  # 9 caption, 15 image tokens, 32 padded
         g = torch.Generator().manual_seed(degree)
         caption, image = ([torch.randn(2, 32, 30, 128, generator=g) for _ in range(3)] for _ in range(2))
         whole = [torch.cat(pair, dim=1).transpose(1, 2) for pair in zip(caption, image)]
         want = F.scaled_dot_product_attention(*whole).transpose(1, 2)
-        (c_lo, c_hi), (i_lo, i_hi) = streams.caption.range(rank), streams.image.range(rank)
+        (c_lo, c_hi), (i_lo, i_hi) = caption_shards.range(rank), image_shards.range(rank)
         mine = [torch.cat([c[:, c_lo:c_hi], i[:, i_lo:i_hi]], dim=1) for c, i in zip(caption, image)]
-        got = sp_attention(*mine, seq, streams.joint)[0]
+        got = sp_attention(*mine, seq, SeqShards.union(caption_shards, image_shards))[0]
         expected = torch.cat([want[:, c_lo:c_hi], want[:, 32 + i_lo:32 + i_hi]], dim=1)
         errors[degree] = (got - expected).abs().max().item() / max(1.0, expected.abs().max().item())
     return errors

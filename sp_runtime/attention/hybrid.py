@@ -20,7 +20,7 @@ from .ulysses import exchange_to_heads, exchange_to_tokens, gather_sequence, tex
 def hybrid_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq: SeqParallel,
                      shards: SeqShards, text: Optional[Sequence[torch.Tensor]] = None,
                      text_mask: Optional[torch.Tensor] = None, text_first: bool = True,
-                     scale: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     scale: Optional[float] = None, mask=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """sp_attention for ulysses_degree > 1 and ring_degree > 1; [B, n, H, D] in, [B, n, H, D] out.
 
     text_first does not change the result (see ring_attention).
@@ -31,5 +31,5 @@ def hybrid_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     received = exchange_to_heads(query, key, value, seq.ulysses_group, block)
     q, k, v = gather_sequence(received, block.sizes)
     text_local = None if text is None else tuple(text_heads(text, seq.ulysses_rank, degree))
-    image, text_out = ring_attention_heads(q, k, v, seq, block_sizes, text_local, text_mask, scale)
+    image, text_out = ring_attention_heads(q, k, v, seq, block_sizes, text_local, text_mask, scale, mask)
     return exchange_to_tokens(image, text_out, seq.ulysses_group, block, query.shape[1], query.shape[2])

@@ -55,6 +55,21 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return math_attention_with_lse(query, key, value, bias, scale)
 
 
+def masked_attention_with_lse(query, key, value, keep: Optional[torch.Tensor], scale=None):
+    """attention_with_lse under a bool mask [B or 1, 1, Lq, Lk] (True = attend; None = all): a query row that sees
+    no key of this block gets out 0 and lse -inf, which LseMerger adds as nothing."""
+    if keep is None:
+        return attention_with_lse(query, key, value, None, scale)
+    dead = ~keep.any(dim=-1, keepdim=True)  # rows without a visible key: attended unmasked, then dropped
+    bias = torch.zeros(keep.shape, dtype=query.dtype, device=query.device)
+    bias.masked_fill_(~(keep | dead), float("-inf"))
+    out, lse = attention_with_lse(query, key, value, bias, scale)
+    if bool(dead.any()):
+        out = out.masked_fill(dead, 0.0)
+        lse = lse.masked_fill(dead[..., 0], float("-inf"))
+    return out, lse
+
+
 def _cuda_with_lse(query, key, value, bias, scale):
     """Flash (no bias, fp16/bf16, head size <= 256 and a multiple of 8) or memory-efficient; None if neither runs."""
     head_dim = query.shape[-1]
@@ -122,6 +137,6 @@ class LseMerger:
             self.out, self.lse = out.float(), lse.float()
             return
         merged = torch.logaddexp(self.lse, lse)
-        self.out.mul_(torch.exp(self.lse - merged).unsqueeze(-1))
-        self.out.addcmul_(out, torch.exp(lse - merged).unsqueeze(-1))
+        self.out.mul_(torch.exp(self.lse - merged).nan_to_num_(0.0).unsqueeze(-1))  # rows without keys so far
+        self.out.addcmul_(out, torch.exp(lse - merged).nan_to_num_(0.0).unsqueeze(-1))
         self.lse = merged

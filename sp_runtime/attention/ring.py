@@ -16,14 +16,14 @@ import torch.distributed as dist
 
 from ..groups import SeqParallel
 from .gather import all_gather_into
-from .lse import LseMerger, attention_with_lse, key_padding_bias
+from .lse import LseMerger, attention_with_lse, key_padding_bias, masked_attention_with_lse
 from .shards import SeqShards
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq: SeqParallel,
                    shards: SeqShards, text: Optional[Sequence[torch.Tensor]] = None,
                    text_mask: Optional[torch.Tensor] = None, text_first: bool = True,
-                   scale: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   scale: Optional[float] = None, mask=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """sp_attention for a pure ring layout (ulysses_degree 1), in [B, n, H, D] like the other cores.
 
     text_first does not change the result: the order of the keys does not matter to softmax, and the text output
@@ -31,7 +31,7 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """
     heads_first = tuple(x.transpose(1, 2) for x in (query, key, value))
     text_heads_first = None if text is None else tuple(t.transpose(1, 2) for t in text)
-    image, text_out = ring_attention_heads(*heads_first, seq, shards.sizes, text_heads_first, text_mask, scale)
+    image, text_out = ring_attention_heads(*heads_first, seq, shards.sizes, text_heads_first, text_mask, scale, mask)
     text_out = None if text_out is None else text_out.transpose(1, 2).contiguous()
     return image.transpose(1, 2).contiguous(), text_out
 
@@ -39,11 +39,12 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 def ring_attention_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq: SeqParallel,
                          block_sizes: Sequence[int], text: Optional[Sequence[torch.Tensor]] = None,
                          text_mask: Optional[torch.Tensor] = None,
-                         scale: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         scale: Optional[float] = None, mask=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Ring attention over seq.ring_group in [B, h, n, D] layout (the hybrid calls it on its Ulysses heads).
 
     query/key/value: this ring rank's block, n = block_sizes[seq.ring_rank]; text: optional replicated (q, k, v)
-    each [B, h, L, D]; text_mask: optional bool [B, L], True = attend. Returns (output [B, h, n, D],
+    each [B, h, L, D]; text_mask: optional bool [B, L], True = attend; mask: a SequenceMask over the blocks in
+    ring order (instead of text), applied per query block x key block. Returns (output [B, h, n, D],
     text output [B, h, L, D] or None), in the query dtype.
     """
     degree, rank = seq.ring_degree, seq.ring_rank
@@ -53,9 +54,10 @@ def ring_attention_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     text_rows = SeqShards.balanced(0 if text is None else text[0].shape[2], degree)
     rows_lo, rows_hi = text_rows.range(rank)
     queries = query if text is None else torch.cat([text[0][:, :, rows_lo:rows_hi], query], dim=2)
-    merger = _attend_ring(queries, _pack(key, value, max(block_sizes)), seq, block_sizes, text, text_mask, scale)
+    merger = _attend_ring(queries, _pack(key, value, max(block_sizes)), seq, block_sizes, text, text_mask, scale,
+                          mask)
 
-    if merger.out is None:  # no query rows here: this rank only forwarded blocks
+    if merger.out is None:  # no query rows (or, masked, no visible key block) here
         merged = queries.new_empty(queries.shape)
     else:
         merged = merger.out.to(query.dtype)
@@ -64,9 +66,11 @@ def ring_attention_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return merged[:, :, rows:], text_out
 
 
-def _attend_ring(queries, blocks, seq, block_sizes, text, text_mask, scale) -> LseMerger:
+def _attend_ring(queries, blocks, seq, block_sizes, text, text_mask, scale, mask=None) -> LseMerger:
     """Attend `queries` to every block as it passes (and to the text keys once); return the merged partials."""
     degree, rank = seq.ring_degree, seq.ring_rank
+    starts = [sum(block_sizes[:source]) for source in range(degree)]
+    rows = (starts[rank], starts[rank] + block_sizes[rank])
     text_step = _first_nonempty_step(block_sizes, rank) if text is not None else None
     merger = LseMerger()
     shift = _RingShift(seq)
@@ -77,10 +81,16 @@ def _attend_ring(queries, blocks, seq, block_sizes, text, text_mask, scale) -> L
         if queries.shape[2] and (size or step == text_step):
             keys, values = current[0, :, :, :size], current[1, :, :, :size]
             bias = None
-            if step == text_step:
+            if mask is not None:
+                source = (rank - step) % degree
+                keep = mask.block(rows, (starts[source], starts[source] + size), queries.device)
+                if keep is None or bool(keep.any()):
+                    merger.add(*masked_attention_with_lse(queries, keys, values, keep, scale))
+            elif step == text_step:
                 keys, values = torch.cat([text[1], keys], dim=2), torch.cat([text[2], values], dim=2)
                 bias = None if text_mask is None else _text_bias(text_mask, size, queries.dtype)
-            merger.add(*attention_with_lse(queries, keys, values, bias, scale))
+            if mask is None:
+                merger.add(*attention_with_lse(queries, keys, values, bias, scale))
         for request in pending:
             request.wait()
         current, incoming = incoming, current  # the sent buffer is free again: it receives the next block

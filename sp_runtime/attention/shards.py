@@ -16,6 +16,13 @@ class SeqShards:
         base, extra = divmod(total, degree)
         return cls(total, tuple(base + (rank < extra) for rank in range(degree)))
 
+    @classmethod
+    def union(cls, *parts: "SeqShards") -> "SeqShards":
+        """Several split sequences as one: rank r holds its shard of each part, in part order (Z-Image's joint
+        caption + image sequence)."""
+        sizes = tuple(sum(sizes) for sizes in zip(*(part.sizes for part in parts)))
+        return cls(sum(sizes), sizes)
+
     @property
     def degree(self) -> int:
         return len(self.sizes)

@@ -67,18 +67,19 @@ def text_heads(text: Sequence[torch.Tensor], rank: int, degree: int) -> torch.Te
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int,
                       shards: SeqShards, text: Optional[Sequence[torch.Tensor]] = None,
                       text_mask: Optional[torch.Tensor] = None, text_first: bool = True,
-                      scale: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      scale: Optional[float] = None, mask=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Attention over a sequence split across `group` (shards.sizes[r] tokens on rank r).
 
     query/key/value: [B, n_local, H, D] local tokens with all heads; text: optional replicated (q, k, v) each
-    [B, L, H, D]; text_mask: optional bool [B, L], True = attend. Returns (local output [B, n_local, H, D],
+    [B, L, H, D]; text_mask: optional bool [B, L], True = attend; mask: a SequenceMask (attention.masks) over the
+    whole sequence instead of text. Returns (local output [B, n_local, H, D],
     text output [B, L, H, D] or None).
     """
     heads = query.shape[2]
     recv = exchange_to_heads(query, key, value, group, shards)
     text_local = None if text is None else text_heads(text, rank, shards.degree)
     q, k, v = _gather_sequence(recv, shards.sizes, text_local, text_first)
-    mask = None
+    sequence_mask, mask = mask, None
     if text_mask is not None:
         mask = _joint_mask(text_mask, shards.total, text_first)[:, None, None, :]
     text_len = 0 if text is None else text[0].shape[1]
@@ -86,7 +87,10 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     text_start = 0 if text_first else shards.total
     exchanges = []
     for part in _head_parts(q.shape[1]):
-        out = attend(q[:, part], k[:, part], v[:, part], mask, scale)  # [B, h, L + N, D]
+        if sequence_mask is not None:
+            out = sequence_mask.attend(q[:, part], k[:, part], v[:, part], scale)
+        else:
+            out = attend(q[:, part], k[:, part], v[:, part], mask, scale)  # [B, h, L + N, D]
         image = out[:, :, image_start:image_start + shards.total]
         text_out = out[:, :, text_start:text_start + text_len] if text is not None else None
         exchanges.append(_all_to_all(_scatter_sequence(image, text_out, shards), group, OUTPUT_CODEC,

@@ -87,7 +87,7 @@ def _load(path: str, dtype: str, device: torch.device):
 
 def native_inputs(family: str, model, noise: torch.Tensor, conditioning: dict, device: torch.device) -> dict:
     """diffusers' forward arguments for ComfyUI-shaped latents and conditioning (timing only: ids simplified)."""
-    from ..families.joint_dit import reference_pack
+    from ..sp.tokens import reference_pack
     dtype = model.proj_out.weight.dtype
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         dtype = torch.bfloat16  # layerwise casting: fp8 storage, bf16 compute

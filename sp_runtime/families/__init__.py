@@ -1,4 +1,5 @@
-"""Model families, found by name through FAMILIES: adding a family is adding its module and one line below.
+"""Model families, found by name through FAMILIES: adding a family is adding its module and one line below (or
+register_family at run time); docs/ADDING_A_FAMILY.md is the checklist.
 
 A family module (or sub-package) provides, at module level:
     FAMILY = "name"                  its key in FAMILIES (and ModelInfo.family)
@@ -9,7 +10,10 @@ A family module (or sub-package) provides, at module level:
     load(request, detection, device, groups, progress) -> WorkerModel
         Worker side: build the model on `device` (diffusers imported here), read the weights (checkpoint.py:
         choose_dtypes, build_empty_model, load_weights with the family's key plan) and return a WorkerModel whose
-        forward(x, timestep, inputs, out, ctx) is the family's sequence-parallel forward (base.py).
+        forward(x, timestep, inputs, out, ctx) is the family's sequence-parallel forward (base.py). The image
+        families return sp.PlanWorker(model, info, PLAN, ...): their forward is PLAN, a sp.Plan (the call's token
+        streams, conditioning, stages of blocks, head) that the executor runs; the video families (wan*,
+        hunyuan*, ltx2) still define their own workers.
     COMFY = ComfyHost(...)           ComfyUI's model classes and the attributes its host side reads from
                                      `diffusion_model` (base.ComfyHost); leave it out when ComfyUI cannot use it.
 Optional, each used where present: weight_plan(detection, keys) and original_plan(keys, model_config) (LoRAs by
@@ -19,6 +23,7 @@ the CLI demo and the tests). The detectors are tried in the order of FAMILIES.
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 from typing import Optional
 
@@ -37,6 +42,30 @@ FAMILIES = {
     "toy": "sp_runtime.families.toy",              # the pool's test model
     "synthetic": "sp_runtime.families.synthetic",  # random weights drawn on the workers (benchmark presets)
 }
+
+
+EXTRA_FAMILIES_ENV = "ULYSSES_SP_EXTRA_FAMILIES"  # "name=module,...": families registered at run time
+
+
+def register_family(family: str, module: str) -> None:
+    """Add a family module (importable by name) to FAMILIES, here and in every worker a pool starts afterwards
+    (they read EXTRA_FAMILIES_ENV). Detectors are tried in registration order, after the built-in ones."""
+    FAMILIES[family] = module
+    extra = dict(item.split("=", 1) for item in os.environ.get(EXTRA_FAMILIES_ENV, "").split(",") if item)
+    extra[family] = module
+    os.environ[EXTRA_FAMILIES_ENV] = ",".join(f"{name}={path}" for name, path in extra.items())
+
+
+def unregister_family(family: str) -> None:
+    """Undo register_family (tests)."""
+    FAMILIES.pop(family, None)
+    extra = [item for item in os.environ.get(EXTRA_FAMILIES_ENV, "").split(",")
+             if item and item.split("=", 1)[0] != family]
+    os.environ[EXTRA_FAMILIES_ENV] = ",".join(extra)
+
+
+for _item in filter(None, os.environ.get(EXTRA_FAMILIES_ENV, "").split(",")):
+    FAMILIES.setdefault(*_item.split("=", 1))
 
 
 def family_module(family: str) -> ModuleType:

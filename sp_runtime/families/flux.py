@@ -9,17 +9,17 @@ checks that both produce the same tensors on a full-size checkpoint.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
+from ..sp import AttentionSpec, Plan, PlanWorker, Stage, Stream, image_parts, text_stream
+from ..sp.tokens import (ROPE_THETA, TokenGrid, as_list, grid_ids, reference_pack, reference_placements,
+                         reference_unpack, rope_axes)
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, Transform, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
                          load_checkpoint_model, row_split, shape_of, strip_prefix, swap_halves)
 from .header import Header, header_config
-from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
-                        reference_placements, rope_axes, rotary)
 
 FAMILY = "flux"
 DESCRIPTION = "Flux.1 (dev, schnell, Kontext, Fill, Depth/Canny)"
@@ -225,7 +225,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> "FluxWorker":
+         ) -> PlanWorker:
     """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
     model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
                                           request.header)
@@ -233,10 +233,9 @@ def load(request: LoadRequest, detection: Detection, device: torch.device, group
 
 
 def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
-                      ) -> "FluxWorker":
-    """The worker around a built model (load(), synthetic models), its attention switched to sequence parallel."""
-    model.set_attn_processor(FluxSPAttnProcessor())
-    return FluxWorker(model, detection, dtypes, options)
+                      ) -> PlanWorker:
+    """The worker around a built model (load(), synthetic models): the executor running PLAN."""
+    return PlanWorker(model, model_info(model, detection, dtypes), PLAN, dtypes, options)
 
 
 def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
@@ -248,102 +247,16 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sequence-parallel forward
+# Sequence-parallel plan: the image latents (output, then references) split, the text replicated and joined in every
+# block's attention (double blocks through the added projections, single blocks as the first tokens)
 
-class FluxSPAttnProcessor:
-    """Joint attention of diffusers' Flux blocks through sp_attention (replaces FluxAttnProcessor).
-
-    Double blocks hand us this rank's image tokens and all text tokens; single blocks one sequence [text, image]
-    whose first `text_len` tokens are the (replicated) text. `image_rotary_emb` is a JointAttention.
-    """
-
-    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
-                 attention_mask: Optional[torch.Tensor] = None,
-                 image_rotary_emb: Optional[JointAttention] = None):
-        joint = image_rotary_emb
-        if not isinstance(joint, JointAttention):
-            raise TypeError("FluxSPAttnProcessor runs inside the sequence-parallel forward only")
-
-        def split_heads(tensor):
-            return tensor.unflatten(-1, (-1, attn.head_dim))
-
-        qkv = [split_heads(proj(hidden_states)) for proj in (attn.to_q, attn.to_k, attn.to_v)]
-        qkv[0], qkv[1] = attn.norm_q(qkv[0]), attn.norm_k(qkv[1])
-        if encoder_hidden_states is None:  # single block
-            length = joint.text_len
-            text, image = [t[:, :length] for t in qkv], [t[:, length:] for t in qkv]
-        else:
-            image = qkv
-            text = [split_heads(proj(encoder_hidden_states)) for proj in (attn.add_q_proj, attn.add_k_proj,
-                                                                          attn.add_v_proj)]
-            text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
-        image_out, text_out = joint(image, text)
-        dtype = qkv[0].dtype
-        image_out, text_out = image_out.flatten(2, 3).to(dtype), text_out.flatten(2, 3).to(dtype)
-        if encoder_hidden_states is None:
-            return torch.cat([text_out, image_out], dim=1)
-        return attn.to_out[1](attn.to_out[0](image_out.contiguous())), attn.to_add_out(text_out.contiguous())
-
-
-class FluxWorker:
-    """A loaded Flux in one worker; forward() is ComfyUI's diffusion_model call, split over the Ulysses group."""
-
-    def __init__(self, model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None):
-        self.model = model
-        self.dtypes = dtypes
-        self.info = model_info(model, detection, dtypes)
-        self.default_ref_method = (options or {}).get("ref_latents_method") or "offset"
-        self.axes = tuple(model.config.axes_dims_rope)
-
-    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
-                ctx) -> None:
-        call = _prepare_call(self, x, timestep, inputs, ctx)
-        call.image.write(out, _run_blocks(self.model, call, ctx))
-
-
-@dataclass
-class _Call:
-    """One call's inputs on this rank, ready for the blocks."""
-
-    image: ImageSequence
-    text: torch.Tensor                 # [b, L, joint_attention_dim]
-    sigma: torch.Tensor                # [b] float32
-    guidance: Optional[torch.Tensor]   # [b] in the compute dtype, or None (no guidance term)
-    pooled: torch.Tensor               # [b, pooled_projection_dim]
-    joint: JointAttention
-
-
-def _prepare_call(worker: FluxWorker, x, timestep, inputs, ctx) -> _Call:
-    config, dtype = worker.model.config, worker.dtypes.compute
-    _check_inputs(config, x, inputs)
-    refs = as_list(inputs.get("ref_latents"))
-    method = inputs.get("ref_latents_method") or worker.default_ref_method
-    placements = reference_placements(method, tuple(x.shape[-2:]), [r.shape[-2:] for r in refs], PATCH,
-                                      REF_METHODS)
-    latents = [ctx.to_device("x", x, dtype)] + [ctx.to_device(f"ref_latents.{n}", ref, dtype)
-                                                 for n, ref in enumerate(refs)]
-    image = image_sequence(latents, [(0, 0, 0), *placements], ctx.groups.seq, worker.axes, PATCH, centred=False,
-                           id_dtype=x.dtype, rope_options=inputs.get("rope_options"))
-    text = ctx.to_device("context", inputs["context"], dtype)
-    text_rope = rotary(torch.zeros(text.shape[1], 3, device=ctx.device), worker.axes)  # ComfyUI: text ids 0
-    joint = JointAttention(ctx.groups.seq, image.split.shards, image.rope, text_rope, None, text.shape[1])
-    # ComfyUI embeds the timestep from float32 sigma; the guidance arrives in the model's dtype
-    sigma = _per_item(ctx.to_device("timestep", timestep.reshape(-1), torch.float32), x.shape[0])
-    guidance = inputs.get("guidance")
-    if config.guidance_embeds and guidance is not None:
-        guidance = _per_item(ctx.to_device("guidance", guidance.reshape(-1), dtype), x.shape[0])
-    else:
-        guidance = None  # schnell has no guidance embedding; ComfyUI ignores it there
-    pooled = _pooled(inputs.get("y"), config.pooled_projection_dim, x.shape[0], dtype, ctx)
-    return _Call(image, text, sigma, guidance, pooled, joint)
-
-
-def _check_inputs(config, x: torch.Tensor, inputs: dict) -> None:
+def check(call) -> None:
+    inputs, x = call.inputs, call.x
     if inputs.get("attention_mask") is not None:
         raise ValueError("attention_mask (regional prompting) is not supported by the sequence-parallel Flux")
     if inputs.get("control") is not None:
         raise ValueError("ControlNet inputs are not supported by the sequence-parallel Flux")
-    channels = config.in_channels // (PATCH * PATCH)
+    channels = call.config.in_channels // (PATCH * PATCH)
     if x.dim() != 4 or x.shape[1] != channels:
         raise ValueError(f"x has shape {tuple(x.shape)}; this Flux takes [B, {channels}, H, W]")
     for number, ref in enumerate(as_list(inputs.get("ref_latents"))):
@@ -354,34 +267,68 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict) -> None:
         raise ValueError("Flux needs context [batch, text tokens, features] (the T5 output)")
 
 
-def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
-    """x_embedder .. proj_out on this rank's tokens; returns its output tokens [b, hi - lo, C*p*p]."""
-    hidden = model.x_embedder(call.image.tokens)
-    embed, sigma, pooled = model.time_text_embed, call.sigma * 1000, call.pooled
-    if call.guidance is not None:
-        temb = embed(sigma, call.guidance * 1000, pooled)
-    elif model.config.guidance_embeds:  # ComfyUI leaves the guidance term out when no guidance is given
-        temb = embed.timestep_embedder(embed.time_proj(sigma).to(pooled.dtype)) + embed.text_embedder(pooled)
+def image_and_text(call, patch: int, placements, default_method: str, text_ids, id_dtype) -> list[Stream]:
+    """The output latent and its references (split), then the text (replicated); placements(method, x_hw, refs_hw)
+    places the references (the call's method, else the load option's, else default_method), text_ids(length,
+    device) gives the text's position ids."""
+    refs = as_list(call.inputs.get("ref_latents"))
+    method = (call.inputs.get("ref_latents_method") or call.options.get("ref_latents_method")
+              or default_method)
+    found = placements(method, tuple(call.x.shape[-2:]), [r.shape[-2:] for r in refs])
+    latents = [call.input("x")] + [call.ctx.to_device(f"ref_latents.{n}", ref, call.dtype)
+                                   for n, ref in enumerate(refs)]
+    axes = len(call.config.axes_dims_rope)
+    image = image_parts(latents, [(0, 0, 0), *found], patch, False, id_dtype, axes, "x_embedder",
+                        rope_options=call.inputs.get("rope_options"))
+    text = call.input("context")
+    return [Stream("image", image), text_stream(text, text_ids(text.shape[1], call.device), "context_embedder")]
+
+
+def layout(call) -> list[Stream]:
+    """ComfyUI's Flux ids: images in the latent's dtype, text at 0."""
+    return image_and_text(call, PATCH, placements, "offset", lambda length, device: torch.zeros(length, 3,
+                                                                                                device=device),
+                          call.x.dtype)
+
+
+def placements(method: str, x_hw, refs_hw) -> list[tuple[int, int, int]]:
+    return reference_placements(method, tuple(x_hw), list(refs_hw), PATCH, REF_METHODS)
+
+
+def condition(call) -> None:
+    """The time / guidance / pooled-text embedding; ComfyUI leaves the guidance term out when none is given."""
+    config, embed = call.config, call.model.time_text_embed
+    sigma, guidance = call.sigma() * 1000, call.inputs.get("guidance")
+    pooled = _pooled(call.inputs.get("y"), config.pooled_projection_dim, call)
+    if config.guidance_embeds and guidance is not None:  # the guidance arrives in the model's dtype
+        guidance = _per_item(call.ctx.to_device("guidance", guidance.reshape(-1), call.dtype), call.batch)
+        call.temb = embed(sigma, guidance * 1000, pooled)
+    elif config.guidance_embeds:
+        call.temb = embed.timestep_embedder(embed.time_proj(sigma).to(pooled.dtype)) + embed.text_embedder(pooled)
     else:
-        temb = embed(sigma, pooled)
-    text = model.context_embedder(call.text)
-    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
-        ctx.check_cancel()
-        text, hidden = block(hidden_states=hidden, encoder_hidden_states=text, temb=temb,
-                             image_rotary_emb=call.joint)
-    return model.proj_out(model.norm_out(hidden, temb))
+        call.temb = embed(sigma, pooled)
+
+
+def joint_block(block, call) -> None:
+    call.text, call.image = block(hidden_states=call.image, encoder_hidden_states=call.text, temb=call.temb)
+
+
+PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims_rope, ROPE_THETA), condition=condition,
+            stages=(Stage("transformer_blocks", joint_block),
+                    Stage("single_transformer_blocks", joint_block, attention=AttentionSpec(text_prefix=True))),
+            head=lambda call: call.model.proj_out(call.model.norm_out(call.image, call.temb)))
 
 
 def _per_item(values: torch.Tensor, batch: int) -> torch.Tensor:
     return values.expand(batch) if values.numel() == 1 else values
 
 
-def _pooled(y, width: int, batch: int, dtype, ctx) -> torch.Tensor:
+def _pooled(y, width: int, call) -> torch.Tensor:
     """ComfyUI's y (CLIP pooled output), cut to the model's width; zeros when absent, as ComfyUI does."""
     if y is None:
-        return torch.zeros(batch, width, device=ctx.device, dtype=dtype)
-    y = ctx.to_device("y", y, dtype)[:, :width]
-    return y.expand(batch, -1) if y.shape[0] == 1 else y
+        return torch.zeros(call.batch, width, device=call.device, dtype=call.dtype)
+    y = call.ctx.to_device("y", y, call.dtype)[:, :width]
+    return y.expand(call.batch, -1) if y.shape[0] == 1 else y
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -391,7 +338,6 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
                       y: Optional[torch.Tensor] = None, guidance: Optional[torch.Tensor] = None, ref_latents=None,
                       ref_latents_method: Optional[str] = None, dtype: str = "default", **_ignored) -> torch.Tensor:
     """ComfyUI's Flux diffusion_model(...) computed by diffusers' own forward on one process."""
-    from .joint_dit import reference_pack, reference_unpack
     model = model_or_path
     if not isinstance(model, torch.nn.Module):
         model = load_model(model_or_path, dtype)[0]

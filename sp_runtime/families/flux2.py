@@ -3,24 +3,26 @@ and ComfyUI's `diffusion_model(x, timestep, context, guidance, ref_latents)` (Co
 params: unpatched 128-channel latents, 4-axis rotary with theta 2000, text positions on the fourth axis, references
 at index 10, 20, ...).
 
-The SP plan is Flux.1's: image tokens (target, then references) are split over the ranks, text is replicated and
-each rank attends with its heads of it; double blocks then fused single blocks. Original (BFL / ComfyUI) key names
-go through diffusers' own converter one tensor at a time (every rule of convert_flux2_transformer_checkpoint_to_
-diffusers looks at one key and splits by thirds, so it is width-independent and streams).
+PLAN is flux.PLAN with its differences (dataclasses.replace): image tokens (target, then references) are split
+over the ranks, text is replicated and each rank attends with its heads of it; double blocks then fused single
+blocks. Original (BFL / ComfyUI) key names go through diffusers' own converter one tensor at a time (every rule
+of convert_flux2_transformer_checkpoint_to_diffusers looks at one key and splits by thirds, so it is
+width-independent and streams).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from dataclasses import replace
+from typing import Iterable, Optional
 
 import torch
 
+from ..sp import AttentionSpec, PlanWorker, Stage
+from ..sp.tokens import TokenGrid, as_list, grid_ids, reference_placements
+from . import flux
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
                          load_checkpoint_model, shape_of, strip_prefix)
 from .header import Header, header_config
-from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
-                        reference_placements, rotary)
 
 FAMILY = "flux2"
 DESCRIPTION = "Flux.2 (dev, klein)"
@@ -160,7 +162,7 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> "Flux2Worker":
+         ) -> PlanWorker:
     """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
     model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
                                           request.header)
@@ -168,85 +170,18 @@ def load(request: LoadRequest, detection: Detection, device: torch.device, group
 
 
 def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
-                      ) -> "Flux2Worker":
-    for block in model.transformer_blocks:
-        block.attn.set_processor(Flux2DoubleSPProcessor())
-    for block in model.single_transformer_blocks:
-        block.attn.set_processor(Flux2SingleSPProcessor())
-    return Flux2Worker(model, detection, dtypes, options)
+                      ) -> PlanWorker:
+    config = model.config
+    info = ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
+                     out_channels=model.out_channels, x_ndim=4, config=config_entries(config, CONFIG_KEYS),
+                     weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+    return PlanWorker(model, info, PLAN, dtypes, options)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sequence-parallel forward
-
-def _heads(attn, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.unflatten(-1, (-1, attn.head_dim))
-
-
-def _joint_of(image_rotary_emb) -> JointAttention:
-    if not isinstance(image_rotary_emb, JointAttention):
-        raise TypeError("the Flux.2 SP processors run inside the sequence-parallel forward only")
-    return image_rotary_emb
-
-
-class Flux2DoubleSPProcessor:
-    """Joint attention of a Flux.2 double block: this rank's image tokens with all (replicated) text tokens."""
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        joint = _joint_of(image_rotary_emb)
-        image = [_heads(attn, proj(hidden_states)) for proj in (attn.to_q, attn.to_k, attn.to_v)]
-        text = [_heads(attn, proj(encoder_hidden_states)) for proj in (attn.add_q_proj, attn.add_k_proj,
-                                                                         attn.add_v_proj)]
-        image[0], image[1] = attn.norm_q(image[0]), attn.norm_k(image[1])
-        text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
-        image_out, text_out = joint(image, text)
-        dtype = image[0].dtype
-        image_out = attn.to_out[1](attn.to_out[0](image_out.flatten(2, 3).to(dtype).contiguous()))
-        return image_out, attn.to_add_out(text_out.flatten(2, 3).to(dtype).contiguous())
-
-
-class Flux2SingleSPProcessor:
-    """A Flux.2 single block's fused attention + MLP on [all text, this rank's image tokens]."""
-
-    def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
-        joint = _joint_of(image_rotary_emb)
-        fused = attn.to_qkv_mlp_proj(hidden_states)
-        qkv, mlp = fused.split([3 * attn.inner_dim, fused.shape[-1] - 3 * attn.inner_dim], dim=-1)
-        qkv = [_heads(attn, part) for part in qkv.chunk(3, dim=-1)]
-        qkv[0], qkv[1] = attn.norm_q(qkv[0]), attn.norm_k(qkv[1])
-        length = joint.text_len
-        image_out, text_out = joint([t[:, length:] for t in qkv], [t[:, :length] for t in qkv])
-        attended = torch.cat([text_out, image_out], dim=1).flatten(2, 3).to(qkv[0].dtype)
-        return attn.to_out(torch.cat([attended, attn.mlp_act_fn(mlp)], dim=-1))
-
-
-class Flux2Worker:
-    """A loaded Flux.2 in one worker; forward() is ComfyUI's diffusion_model call, split over the Ulysses group."""
-
-    def __init__(self, model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None):
-        self.model = model
-        self.dtypes = dtypes
-        config = model.config
-        self.info = ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
-                              out_channels=model.out_channels, x_ndim=4, config=config_entries(config, CONFIG_KEYS),
-                              weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
-        self.default_ref_method = (options or {}).get("ref_latents_method") or DEFAULT_REF_METHOD
-        self.axes = tuple(config.axes_dims_rope)
-
-    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
-                ctx) -> None:
-        call = _prepare_call(self, x, timestep, inputs, ctx)
-        call.image.write(out, _run_blocks(self.model, call, ctx))
-
-
-@dataclass
-class _Call:
-    image: ImageSequence
-    text: torch.Tensor                 # [b, L, joint_attention_dim]
-    sigma: torch.Tensor                # [b] float32
-    guidance: Optional[torch.Tensor]   # [b] in the compute dtype, or None (no guidance term)
-    joint: JointAttention
-
+# Sequence-parallel plan: Flux.1's, with these differences: unpatched latents, a fourth rotary axis (the text
+# position), shared modulations, and single blocks that take [text, image] as one sequence with a fused
+# attention + MLP projection
 
 def placements(method: str, x_hw, refs_hw) -> list[tuple[int, int, int]]:
     """ComfyUI's Flux.2 reference placement: "index" steps the index by 10 per reference."""
@@ -261,29 +196,8 @@ def text_ids(length: int, device) -> torch.Tensor:
     return ids
 
 
-def _prepare_call(worker: Flux2Worker, x, timestep, inputs, ctx) -> _Call:
-    config, dtype = worker.model.config, worker.dtypes.compute
-    _check_inputs(config, x, inputs)
-    refs = as_list(inputs.get("ref_latents"))
-    method = inputs.get("ref_latents_method") or worker.default_ref_method
-    latents = [ctx.to_device("x", x, dtype)] + [ctx.to_device(f"ref_latents.{n}", ref, dtype)
-                                                 for n, ref in enumerate(refs)]
-    image = image_sequence(latents, [(0, 0, 0), *placements(method, x.shape[-2:], [r.shape[-2:] for r in refs])],
-                           ctx.groups.seq, worker.axes, PATCH, centred=False, id_dtype=torch.float32,
-                           theta=config.rope_theta, rope_options=inputs.get("rope_options"))
-    text = ctx.to_device("context", inputs["context"], dtype)
-    text_rope = rotary(text_ids(text.shape[1], ctx.device), worker.axes, config.rope_theta)
-    joint = JointAttention(ctx.groups.seq, image.split.shards, image.rope, text_rope, None, text.shape[1])
-    sigma = _per_item(ctx.to_device("timestep", timestep.reshape(-1), torch.float32), x.shape[0])
-    guidance = inputs.get("guidance")
-    if config.guidance_embeds and guidance is not None:
-        guidance = _per_item(ctx.to_device("guidance", guidance.reshape(-1), dtype), x.shape[0])
-    else:
-        guidance = None  # klein has no guidance embedding; ComfyUI ignores it there
-    return _Call(image, text, sigma, guidance, joint)
-
-
-def _check_inputs(config, x: torch.Tensor, inputs: dict) -> None:
+def check(call) -> None:
+    config, x, inputs = call.config, call.x, call.inputs
     if inputs.get("attention_mask") is not None:
         raise ValueError("attention_mask is not supported by the sequence-parallel Flux.2 (ComfyUI's Flux.2 text "
                          "encoders pass none; regional prompting masks would need the joint mask)")
@@ -301,32 +215,50 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict) -> None:
                          f"encoder output)")
 
 
-def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
-    """x_embedder .. proj_out on this rank's tokens; returns its output tokens [b, hi - lo, C]."""
-    hidden = model.x_embedder(call.image.tokens)
-    dtype = hidden.dtype
-    embed = model.time_guidance_embed
-    temb = embed.timestep_embedder(embed.time_proj(call.sigma * 1000).to(dtype))
-    if call.guidance is not None:  # ComfyUI leaves the guidance term out when no guidance is given
-        temb = temb + embed.guidance_embedder(embed.time_proj(call.guidance * 1000).to(dtype))
-    text = model.context_embedder(call.text)
-    mod_img, mod_txt = model.double_stream_modulation_img(temb), model.double_stream_modulation_txt(temb)
-    for block in model.transformer_blocks:
-        ctx.check_cancel()
-        text, hidden = block(hidden_states=hidden, encoder_hidden_states=text, temb_mod_img=mod_img,
-                             temb_mod_txt=mod_txt, image_rotary_emb=call.joint)
-    mod_single = model.single_stream_modulation(temb)
-    length = text.shape[1]
-    hidden = torch.cat([text, hidden], dim=1)
-    for block in model.single_transformer_blocks:
-        ctx.check_cancel()
-        hidden = block(hidden_states=hidden, encoder_hidden_states=None, temb_mod=mod_single,
-                       image_rotary_emb=call.joint)
-    return model.proj_out(model.norm_out(hidden[:, length:], temb))
+def condition(call) -> None:
+    """Time (+ guidance, when the model has it and the call gives it) embedding and the shared modulations."""
+    model, embed, guidance = call.model, call.model.time_guidance_embed, call.inputs.get("guidance")
+    temb = embed.timestep_embedder(embed.time_proj(call.sigma() * 1000).to(call.dtype))
+    if call.config.guidance_embeds and guidance is not None:  # klein has no guidance embedding
+        guidance = flux._per_item(call.ctx.to_device("guidance", guidance.reshape(-1), call.dtype), call.batch)
+        temb = temb + embed.guidance_embedder(embed.time_proj(guidance * 1000).to(call.dtype))
+    call.temb = temb
+    call.mod_img, call.mod_txt = model.double_stream_modulation_img(temb), model.double_stream_modulation_txt(temb)
+    call.mod_single = model.single_stream_modulation(temb)
 
 
-def _per_item(values: torch.Tensor, batch: int) -> torch.Tensor:
-    return values.expand(batch) if values.numel() == 1 else values
+def double_block(block, call) -> None:
+    call.text, call.image = block(hidden_states=call.image, encoder_hidden_states=call.text,
+                                  temb_mod_img=call.mod_img, temb_mod_txt=call.mod_txt)
+
+
+def single_block(block, call) -> None:
+    call.image = block(hidden_states=call.image, encoder_hidden_states=None, temb_mod=call.mod_single)
+
+
+def join_text(call) -> None:
+    call.image = torch.cat([call.text, call.image], dim=1)
+
+
+def project_fused(attn, hidden: torch.Tensor):
+    fused = attn.to_qkv_mlp_proj(hidden)
+    qkv, mlp = fused.split([3 * attn.inner_dim, fused.shape[-1] - 3 * attn.inner_dim], dim=-1)
+    query, key, value = (part.unflatten(-1, (-1, attn.head_dim)) for part in qkv.chunk(3, dim=-1))
+    return [attn.norm_q(query), attn.norm_k(key), value], mlp
+
+
+def finish_fused(attn, attended: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+    return attn.to_out(torch.cat([attended, attn.mlp_act_fn(mlp)], dim=-1))
+
+
+PLAN = replace(
+    flux.PLAN, check=check, condition=condition,
+    layout=lambda call: flux.image_and_text(call, PATCH, placements, DEFAULT_REF_METHOD, text_ids, torch.float32),
+    rope=lambda config: (config.axes_dims_rope, config.rope_theta),
+    stages=(Stage("transformer_blocks", double_block),
+            Stage("single_transformer_blocks", single_block, before=join_text,
+                  attention=AttentionSpec(project_fused, finish_fused, text_prefix=True))),
+    head=lambda call: call.model.proj_out(call.model.norm_out(call.image[:, call.text.shape[1]:], call.temb)))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,12 +29,12 @@ import torch
 
 from ..attention import SeqShards, sp_attention
 from ..groups import SeqParallel
+from ..sp.tokens import rope_axes, rotary, rotate, text_key_mask
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
                          load_checkpoint_model, shape_of, strip_prefix)
 from .header import Header, header_config
 from .hunyuan_keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_name, hunyuan_key_plan
-from .joint_dit import rope_axes, rotary, rotate, text_key_mask
 from .video_tokens import VideoGrid, conv_patch_embed
 
 FAMILY = "hunyuan_video"

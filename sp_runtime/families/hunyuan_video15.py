@@ -27,6 +27,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from ..sp.tokens import rope_axes, text_key_mask
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn
 from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
                          load_checkpoint_model, shape_of, strip_prefix)
@@ -35,7 +36,6 @@ from .hunyuan_keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, hunyuan_key_pl
 from .hunyuan_video import (VideoAttention, check_latent, check_reference, comfy_attributes, comfy_names,
                             embed_patches, model_info, per_item, reference_latent_hooks, refined_text, time_embedding,
                             use_sp_attention, video_tokens)
-from .joint_dit import rope_axes, text_key_mask
 
 FAMILY = "hunyuan_video15"
 DESCRIPTION = "HunyuanVideo 1.5 (480p / 720p, T2V, I2V, 1080p super-resolution)"

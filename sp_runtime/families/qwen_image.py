@@ -13,17 +13,18 @@ the input image (`ref_latents`) goes at index -1 unless the call names a method 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Iterable, Optional
+from dataclasses import replace
+from typing import Iterable, Optional
 
 import torch
 
+from ..sp import Plan, PlanWorker, Stage, Stream, image_parts, text_stream
+from ..sp.tokens import (ROPE_THETA, TokenGrid, as_list, grid_ids, reference_pack, reference_placements,
+                         reference_unpack, rope_axes, text_key_mask)
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, identity_plan,
                          load_checkpoint_model, shape_of, strip_prefix)
 from .header import Header, header_config
-from .joint_dit import (ImageSequence, JointAttention, TokenGrid, as_list, grid_ids, image_sequence,
-                        reference_placements, rope_axes, rotary, text_key_mask)
 
 FAMILY = "qwen_image"
 DESCRIPTION = "Qwen-Image / Qwen-Image-Edit (2509, 2511)"
@@ -146,7 +147,7 @@ def _with_options(detection: Detection, options: dict) -> Detection:
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> "QwenImageWorker":
+         ) -> PlanWorker:
     """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
     model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
                                           request.header)
@@ -154,10 +155,9 @@ def load(request: LoadRequest, detection: Detection, device: torch.device, group
 
 
 def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
-                      ) -> "QwenImageWorker":
-    """The worker around a built model (load(), synthetic models), its attention switched to sequence parallel."""
-    model.set_attn_processor(QwenSPAttnProcessor())
-    return QwenImageWorker(model, detection, dtypes, options)
+                      ) -> PlanWorker:
+    """The worker around a built model (load(), synthetic models): the executor running PLAN."""
+    return PlanWorker(model, model_info(model, detection, dtypes), PLAN, dtypes, options)
 
 
 def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
@@ -169,38 +169,8 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sequence-parallel forward
-
-class QwenSPAttnProcessor:
-    """Joint attention of diffusers' Qwen-Image blocks through sp_attention.
-
-    Replaces QwenDoubleStreamAttnProcessor2_0: the block hands us this rank's image tokens, all text tokens and,
-    as `image_rotary_emb`, a JointAttention carrying the sequence split, the rotary slices and the text mask.
-    """
-
-    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
-                 encoder_hidden_states_mask: Optional[torch.Tensor] = None,
-                 attention_mask: Optional[torch.Tensor] = None,
-                 image_rotary_emb: Optional[JointAttention] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        joint = image_rotary_emb
-        if not isinstance(joint, JointAttention):
-            raise TypeError("QwenSPAttnProcessor runs inside the sequence-parallel forward only")
-        head_dim = attn.inner_dim // attn.heads
-
-        def split_heads(tensor):
-            return tensor.unflatten(-1, (-1, head_dim))
-
-        image = [split_heads(proj(hidden_states)) for proj in (attn.to_q, attn.to_k, attn.to_v)]
-        text = [split_heads(proj(encoder_hidden_states)) for proj in (attn.add_q_proj, attn.add_k_proj,
-                                                                      attn.add_v_proj)]
-        image[0], image[1] = attn.norm_q(image[0]), attn.norm_k(image[1])
-        text[0], text[1] = attn.norm_added_q(text[0]), attn.norm_added_k(text[1])
-        image_out, text_out = joint(image, text)
-        dtype = image[0].dtype
-        image_out = attn.to_out[1](attn.to_out[0](image_out.flatten(2, 3).to(dtype).contiguous()))
-        text_out = attn.to_add_out(text_out.flatten(2, 3).to(dtype).contiguous())
-        return image_out, text_out
-
+# Sequence-parallel plan: the output latent's frames and the references split, the text replicated (with its padding
+# mask) and joined in every block; Edit-2511 modulates the reference tokens at timestep 0 (per-token conditioning)
 
 def default_ref_method(config) -> str:
     """Where reference latents go when the call names no method, as ComfyUI's detection sets it per variant:
@@ -211,66 +181,69 @@ def default_ref_method(config) -> str:
     return "index_timestep_zero" if config.zero_cond_t else "index"
 
 
-class QwenImageWorker:
-    """A loaded Qwen-Image in one worker; forward() is ComfyUI's diffusion_model call, split over the Ulysses group."""
-
-    def __init__(self, model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None):
-        self.model = model
-        self.dtypes = dtypes
-        self.info = model_info(model, detection, dtypes)
-        options = options or {}
-        self.default_ref_method = options.get("ref_latents_method") or default_ref_method(model.config)
-        self.axes = tuple(model.config.axes_dims_rope)
-
-    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
-                ctx) -> None:
-        call = _prepare_call(self, x, timestep, inputs, ctx)
-        call.image.write(out, _run_blocks(self.model, call, ctx))
-
-
-@dataclass
-class _Call:
-    """One call's inputs on this rank, ready for the blocks."""
-
-    image: ImageSequence
-    text: torch.Tensor              # [b, L, joint_attention_dim]
-    sigma: torch.Tensor             # [b] float32
-    joint: JointAttention
-    mask: Optional[torch.Tensor]    # bool [b, L] or None
-    zero_refs: bool                 # Edit-2511: reference tokens modulated at timestep 0
-    t_cond: Optional[torch.Tensor]  # Layered: long [b], the addition_t_embedding row; None for other variants
-
-
-def _prepare_call(worker: QwenImageWorker, x, timestep, inputs, ctx) -> _Call:
-    _check_unsupported(inputs)
-    height, width = _check_latent(worker.model, x)
-    frames = _frames(ctx.to_device("x", x, worker.dtypes.compute))
-    context = inputs.get("context")
+def check(call) -> None:
+    _check_unsupported(call.inputs)
+    _check_latent(call.model, call.x)
+    context = call.inputs.get("context")
     if context is None or context.dim() != 3:
         raise ValueError("Qwen-Image needs context [batch, text tokens, features] (the text encoder output)")
-    refs = [_as_4d(ref, "ref_latents") for ref in as_list(inputs.get("ref_latents"))]
-    method = inputs.get("ref_latents_method") or worker.default_ref_method
-    placements = reference_placements(method, (height, width), [r.shape[-2:] for r in refs], PATCH, REF_METHODS)
-    refs = [_as_4d(ctx.to_device(f"ref_latents.{n}", ref, worker.dtypes.compute), "ref_latents")
-            for n, ref in enumerate(refs)]
-    frame_places = [(frame, 0, 0) for frame in range(len(frames))]  # ComfyUI: frames at index 0 .. T-1
-    image = image_sequence(frames + refs, frame_places + placements, ctx.groups.seq, worker.axes, PATCH,
-                           centred=True, id_dtype=x.dtype, output_frames=len(frames))
+    for ref in as_list(call.inputs.get("ref_latents")):
+        _as_4d(ref, "ref_latents")
 
-    text = ctx.to_device("context", context, worker.dtypes.compute)
-    length = text.shape[1]
-    start = max(image.grid.rows // 2, image.grid.cols // 2)  # ComfyUI: text ids follow the centred image
-    text_ids = torch.arange(start, start + length, device=ctx.device, dtype=torch.float32)[:, None].expand(-1, 3)
-    mask = inputs.get("attention_mask")
-    mask = text_key_mask(mask, x.shape[0], length)  # checked on the host: no device sync
-    mask = None if mask is None else mask.to(ctx.device)
-    # ComfyUI embeds the timestep from float32 sigma; diffusers would round sigma to the compute dtype first
-    sigma = ctx.to_device("timestep", timestep.reshape(-1), torch.float32)
-    sigma = sigma.expand(x.shape[0]) if sigma.numel() == 1 else sigma
-    joint = JointAttention(ctx.groups.seq, image.split.shards, image.rope, rotary(text_ids, worker.axes), mask,
-                           length)
-    return _Call(image, text, sigma, joint, mask, method == "index_timestep_zero" and bool(refs),
-                 _time_condition(worker.model, inputs.get("additional_t_cond"), x.shape[0], ctx))
+
+def layout(call) -> list[Stream]:
+    """Frames at rotary index 0 .. T-1 (ComfyUI), references placed by the method, text ids after the centred
+    image; the text mask is checked on the host (no device sync)."""
+    x, inputs = call.x, call.inputs
+    frames = _frames(call.input("x"))
+    refs = as_list(inputs.get("ref_latents"))
+    call.method = (inputs.get("ref_latents_method") or call.options.get("ref_latents_method")
+                   or default_ref_method(call.config))
+    places = reference_placements(call.method, tuple(x.shape[-2:]), [_as_4d(r, "").shape[-2:] for r in refs], PATCH,
+                                  REF_METHODS)
+    refs = [_as_4d(call.ctx.to_device(f"ref_latents.{n}", ref, call.dtype), "ref_latents")
+            for n, ref in enumerate(refs)]
+    call.zero_refs = call.method == "index_timestep_zero" and bool(refs)
+    image = image_parts(frames + refs, [(frame, 0, 0) for frame in range(len(frames))] + places, PATCH, True,
+                        x.dtype, 3, "img_in", outputs=len(frames))
+    text = call.input("context")
+    grid = image[0].output.grid
+    start = max(grid.rows // 2, grid.cols // 2)  # ComfyUI: text ids follow the centred image
+    ids = torch.arange(start, start + text.shape[1], device=call.device, dtype=torch.float32)[:, None].expand(-1, 3)
+    mask = text_key_mask(inputs.get("attention_mask"), x.shape[0], text.shape[1])
+    call.text_mask = None if mask is None else mask.to(call.device)
+    return [Stream("image", image), text_stream(text, ids, _embed_text, call.text_mask)]
+
+
+def _embed_text(model, text: torch.Tensor) -> torch.Tensor:
+    return model.txt_in(model.txt_norm(text))
+
+
+def condition(call) -> None:
+    """ComfyUI embeds the timestep from float32 sigma (diffusers would round it to the compute dtype first)."""
+    sigma, call.modulate_index = call.sigma(), None
+    t_cond = _time_condition(call.model, call.inputs.get("additional_t_cond"), call.batch, call.ctx)
+    if call.zero_refs:
+        sigma, t_cond = torch.cat([sigma, sigma * 0]), None if t_cond is None else t_cond.repeat(2)
+        references = call.shards["image"].flags(lambda part: part.output is None, call.device)
+        call.modulate_index = references.int()[None].expand(call.batch, -1)
+    call.temb = call.model.time_text_embed(sigma, call.image, t_cond)
+
+
+def block(block, call) -> None:
+    block.zero_cond_t = call.zero_refs  # diffusers' blocks read this flag for the text modulation
+    call.text, call.image = block(hidden_states=call.image, encoder_hidden_states=call.text,
+                                  encoder_hidden_states_mask=call.text_mask, temb=call.temb,
+                                  modulate_index=call.modulate_index)
+
+
+def head(call) -> torch.Tensor:
+    temb = call.temb.chunk(2, dim=0)[0] if call.zero_refs else call.temb
+    return call.model.proj_out(call.model.norm_out(call.image, temb))
+
+
+PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims_rope, ROPE_THETA), condition=condition,
+            stages=(Stage("transformer_blocks", block),), head=head)
 
 
 def _time_condition(model, value, batch: int, ctx) -> Optional[torch.Tensor]:
@@ -296,28 +269,6 @@ def _check_latent(model, x: torch.Tensor) -> tuple[int, int]:
         raise ValueError(f"x has {channels} channels but this Qwen-Image takes "
                          f"{model.config.in_channels // (PATCH * PATCH)}")
     return height, width
-
-
-def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
-    """img_in .. proj_out on this rank's tokens; returns its output tokens [b, hi - lo, C*p*p]."""
-    hidden = model.img_in(call.image.tokens)
-    text = model.txt_in(model.txt_norm(call.text))
-    sigma, modulate_index, t_cond = call.sigma, None, call.t_cond
-    if call.zero_refs:
-        sigma = torch.cat([sigma, sigma * 0])
-        t_cond = None if t_cond is None else t_cond.repeat(2)
-        split = call.image.split
-        positions = torch.arange(split.lo, split.hi, device=hidden.device)
-        modulate_index = (positions >= split.outputs).int()[None].expand(hidden.shape[0], -1)
-    temb = model.time_text_embed(sigma, hidden, t_cond)
-    for block in model.transformer_blocks:
-        ctx.check_cancel()
-        block.zero_cond_t = call.zero_refs  # diffusers' blocks read this flag for the text modulation
-        text, hidden = block(hidden_states=hidden, encoder_hidden_states=text, encoder_hidden_states_mask=call.mask,
-                             temb=temb, image_rotary_emb=call.joint, modulate_index=modulate_index)
-    if call.zero_refs:
-        temb = temb.chunk(2, dim=0)[0]
-    return model.proj_out(model.norm_out(hidden, temb))
 
 
 def _check_unsupported(inputs: dict) -> None:
@@ -356,7 +307,6 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     ComfyUI's position ids (diffusers centres odd grids one step differently and starts the text after the largest
     reference image).
     """
-    from .joint_dit import reference_pack, reference_unpack
     model = model_or_path
     if not isinstance(model, torch.nn.Module):
         model = load_model(model_or_path, dtype)[0]

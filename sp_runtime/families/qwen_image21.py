@@ -4,8 +4,9 @@ and ComfyUI's `diffusion_model(x, timestep, context, ref_latents, image_slots)` 
 2.1 is single-stream: text, reference latents (spliced into the text at their `image_slots`) and the target latent
 form one sequence under a block-causal mask (text causal, each image block bidirectional, every block sees all that
 precedes it). The whole joint sequence is split over the ranks and everything but attention is token-local (text and
-references modulate from t = 0, the target from t); Ulysses gives each rank every token for its heads, where the
-mask is applied exactly, segment by segment. Ring would need the mask per ring block and is refused.
+references modulate from t = 0, the target from t); the mask goes to sp_attention as a SegmentMask, applied exactly
+segment by segment where a rank holds the whole sequence for its heads (Ulysses), per query block x key block under
+Ring and the hybrid.
 """
 from __future__ import annotations
 
@@ -13,15 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 
-from ..attention import SeqShards
-from ..attention.ulysses import exchange_to_heads, exchange_to_tokens, gather_sequence
+from ..attention import Segment, SegmentMask
+from ..sp import Output, Part, Plan, PlanWorker, Stage, Stream
+from ..sp.tokens import ROPE_THETA, TokenGrid, as_list, rope_axes, text_key_mask
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, load_checkpoint_model,
                          row_split, shape_of, strip_prefix)
 from .header import Header, header_config
-from .joint_dit import as_list, rope_axes, rotary, rotate, text_key_mask
 
 FAMILY = "qwen_image21"
 DESCRIPTION = "Qwen-Image 2.1 (t2i, turbo, edit)"
@@ -131,33 +131,25 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> "QwenImage21Worker":
-    """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
-    if groups.seq.ring_degree > 1:
-        raise ValueError("Qwen-Image 2.1 cannot run under Ring attention: its block-causal mask (causal text, "
-                         "bidirectional image blocks) is applied per segment over the whole sequence, which "
-                         "only Ulysses provides; use a Ulysses-only layout (ring_degree=1)")
+         ) -> PlanWorker:
+    """The pool's entry point: load on this worker's device, the executor running PLAN."""
     model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
                                           request.header)
-    return worker_from_model(model, detection, dtypes)
+    return worker_from_model(model, detection, dtypes, request.options)
 
 
-def worker_from_model(model, detection: Detection, dtypes: WeightDtypes) -> "QwenImage21Worker":
-    model.set_attn_processor(BlockCausalSPProcessor())
-    return QwenImage21Worker(model, detection, dtypes)
+def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
+                      ) -> PlanWorker:
+    config = model.config
+    info = ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
+                     out_channels=config.out_channels or config.in_channels, x_ndim=4,
+                     config=config_entries(config, CONFIG_KEYS), weight_dtype=dtypes.storage_name,
+                     compute_dtype=dtypes.compute_name)
+    return PlanWorker(model, info, PLAN, dtypes, options)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The joint sequence (ComfyUI's build_sequence): text split at the image slots, references, then the target
-
-@dataclass(frozen=True)
-class Segment:
-    """Tokens [start, end) of the joint sequence: a text run (causal) or one image block (bidirectional)."""
-
-    start: int
-    end: int
-    is_text: bool
-
 
 @dataclass
 class JointLayout:
@@ -207,107 +199,12 @@ def _image_ids(height: int, width: int, target_hw: tuple[int, int], frame: int) 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sequence-parallel forward
+# Sequence-parallel plan: the whole joint sequence split; everything but attention is token-local (text and
+# references modulate from t = 0, the target from t); the block-causal mask goes to sp_attention (SegmentMask), exact
+# under Ulysses, Ring and their hybrid
 
-@dataclass
-class BlockCausalAttention:
-    """What one attention needs besides q, k, v; passed to the processor as `rotary_emb`."""
-
-    seq: Any                                      # SeqParallel
-    shards: SeqShards
-    rope: tuple[torch.Tensor, torch.Tensor]       # (cos, sin) of this rank's tokens
-    segments: list[Segment]
-    key_valid: Optional[torch.Tensor]             # bool [B, S] over the joint sequence, or None
-
-    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """[B, n, H, D] of this rank's tokens -> attention output [B, n, H, D]."""
-        query, key = rotate(query, self.rope), rotate(key, self.rope)
-        heads = query.shape[2]
-        if self.seq.degree == 1:
-            out = block_causal(*(t.transpose(1, 2) for t in (query, key, value)), self.segments, self.key_valid)
-            return out.transpose(1, 2)
-        received = exchange_to_heads(query, key, value, self.seq.ulysses_group, self.shards)
-        out = block_causal(*gather_sequence(received, self.shards.sizes), self.segments, self.key_valid)
-        return exchange_to_tokens(out, None, self.seq.ulysses_group, self.shards, query.shape[1], heads)[0]
-
-
-def block_causal(query, key, value, segments: list[Segment], key_valid: Optional[torch.Tensor]) -> torch.Tensor:
-    """Block-causal attention over a whole sequence [B, h, S, D], one SDPA per segment (as ComfyUI computes it):
-    a segment's queries see every key before its end; text queries only up to themselves."""
-    outs = []
-    for segment in segments:
-        mask = None
-        if segment.is_text:
-            count = segment.end - segment.start
-            mask = torch.ones(count, segment.end, dtype=torch.bool, device=query.device).tril(segment.start)
-        if key_valid is not None:
-            valid = key_valid[:, None, None, :segment.end]
-            mask = valid if mask is None else mask & valid
-        outs.append(F.scaled_dot_product_attention(query[:, :, segment.start:segment.end], key[:, :, :segment.end],
-                                                   value[:, :, :segment.end], attn_mask=mask))
-    return torch.cat(outs, dim=2)
-
-
-class BlockCausalSPProcessor:
-    """Attention of diffusers' Qwen-Image 2.1 blocks through BlockCausalAttention (replaces QwenImage21AttnProcessor,
-    which needs the whole sequence on one device)."""
-
-    def __call__(self, attn, hidden_states: torch.Tensor, rotary_emb: Optional[BlockCausalAttention] = None,
-                 **_unused) -> torch.Tensor:
-        if not isinstance(rotary_emb, BlockCausalAttention):
-            raise TypeError("BlockCausalSPProcessor runs inside the sequence-parallel forward only")
-        head_dim = attn.inner_dim // attn.heads
-        query, key, value = (proj(hidden_states).unflatten(-1, (-1, head_dim))
-                             for proj in (attn.to_q, attn.to_k, attn.to_v))
-        query, key = attn.norm_q(query).to(value.dtype), attn.norm_k(key).to(value.dtype)
-        out = rotary_emb(query, key, value).flatten(2, 3).to(value.dtype)
-        return attn.to_out[1](attn.to_out[0](out.contiguous()))
-
-
-class QwenImage21Worker:
-    """A loaded Qwen-Image 2.1 in one worker; forward() is ComfyUI's diffusion_model call over the Ulysses group."""
-
-    def __init__(self, model, detection: Detection, dtypes: WeightDtypes):
-        self.model = model
-        self.dtypes = dtypes
-        config = model.config
-        self.info = ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
-                              out_channels=config.out_channels or config.in_channels, x_ndim=4,
-                              config=config_entries(config, CONFIG_KEYS), weight_dtype=dtypes.storage_name,
-                              compute_dtype=dtypes.compute_name)
-
-    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
-                ctx) -> None:
-        model, dtype = self.model, self.dtypes.compute
-        context, refs = _check_inputs(model.config, x, inputs)
-        batch, _, height, width = x.shape
-        layout = joint_layout((height, width), context.shape[1], refs, _slots(inputs.get("image_slots")),
-                              ctx.device)
-        seq = ctx.groups.seq
-        shards = SeqShards.balanced(layout.total, seq.degree)
-        lo, hi = shards.range(seq.rank)
-        hidden = _embed(model, layout, lo, hi, ctx.to_device("context", context, dtype),
-                        ctx.to_device("x", x, dtype),
-                        [ctx.to_device(f"ref_latents.{n}", ref, dtype) for n, ref in enumerate(refs)])
-        attention = BlockCausalAttention(seq, shards, rotary(layout.ids[lo:hi], model.config.axes_dims_rope),
-                                         layout.segments, _key_valid(inputs, batch, context.shape[1], layout, ctx))
-        target = torch.arange(lo, hi, device=ctx.device) >= layout.prefix_len
-        temb = model.time_text_embed(_comfy_sigma(ctx.to_device("timestep", timestep.reshape(-1), torch.float32),
-                                                  batch, dtype), hidden)
-        modulation = model.modulation(temb)
-        for block in model.transformer_blocks:
-            ctx.check_cancel()
-            hidden = block(hidden_states=hidden, modulation=modulation, rotary_emb=attention,
-                           target_token_mask=target)
-        result = model.proj_out(model.norm_out(hidden, temb, target))
-        first = max(lo, layout.prefix_len)
-        if hi > first:  # this rank's target tokens, row-major over the latent
-            tokens = result[:, first - lo:].to(out.dtype).cpu()
-            offset = first - layout.prefix_len
-            out.view(*out.shape[:2], -1)[:, :, offset:offset + tokens.shape[1]].copy_(tokens.transpose(1, 2))
-
-
-def _check_inputs(config, x: torch.Tensor, inputs: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def check(call) -> None:
+    config, x, inputs = call.config, call.x, call.inputs
     for name in ("control", "additional_t_cond"):
         if inputs.get(name) is not None:
             raise ValueError(f"{name} is not supported by the sequence-parallel Qwen-Image 2.1")
@@ -317,47 +214,59 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict) -> tuple[torch.Tensor, 
     if context is None or context.dim() != 3 or context.shape[-1] != config.context_in_dim:
         raise ValueError(f"Qwen-Image 2.1 needs context [batch, text tokens, {config.context_in_dim}] (the text "
                          f"encoder output)")
-    refs = as_list(inputs.get("ref_latents"))
-    for number, ref in enumerate(refs):
+    for number, ref in enumerate(as_list(inputs.get("ref_latents"))):
         if ref.dim() != 4 or ref.shape[1] != config.in_channels or ref.shape[0] not in (1, x.shape[0]):
             raise ValueError(f"ref_latents[{number}] has shape {tuple(ref.shape)}; expected [B or 1, "
                              f"{config.in_channels}, h, w]")
-    return context, refs
+
+
+def layout(call) -> list[Stream]:
+    context, refs = call.input("context"), as_list(call.inputs.get("ref_latents"))
+    joint = joint_layout(tuple(call.x.shape[-2:]), context.shape[1], refs, _slots(call.inputs.get("image_slots")),
+                         call.device)
+    latents = iter([*(call.ctx.to_device(f"ref_latents.{n}", ref, call.dtype) for n, ref in enumerate(refs)),
+                    call.input("x")])
+    parts, start = [], 0
+    for (kind, value), segment in zip(joint.parts, joint.segments):
+        ids = joint.ids[segment.start:segment.end]
+        if kind == "text":
+            parts.append(Part(context[:, value[0]:value[1]], ids, "txt_in"))
+        else:
+            latent = next(latents)
+            output = Output(TokenGrid.of(*latent.shape[-2:], 1)) if segment.end == joint.total else None
+            parts.append(Part(latent.flatten(2).transpose(1, 2), ids, "img_in", output))
+    key_valid = _key_valid(call.inputs, call.batch, context.shape[1], joint, call.device)
+    return [Stream("sequence", parts, mask=SegmentMask(joint.segments, key_valid))]
+
+
+def condition(call) -> None:
+    """The target's tokens modulate from t, text and references from t = 0 (the extra last row)."""
+    call.target = call.shards["sequence"].flags(lambda part: part.output is not None, call.device)
+    call.temb = call.model.time_text_embed(_comfy_sigma(call.sigma(), call.batch, call.dtype), call.sequence)
+    call.modulation = call.model.modulation(call.temb)
+
+
+def block(block, call) -> None:
+    call.sequence = block(hidden_states=call.sequence, modulation=call.modulation, target_token_mask=call.target)
+
+
+PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims_rope, ROPE_THETA), condition=condition,
+            stages=(Stage("transformer_blocks", block, attends="sequence", text=None),),
+            head=lambda call: call.model.proj_out(call.model.norm_out(call.sequence, call.temb, call.target)),
+            output="sequence")
 
 
 def _slots(value) -> list[int]:
     return [int(slot) for slot in (value.tolist() if isinstance(value, torch.Tensor) else as_list(value))]
 
 
-def _embed(model, layout: JointLayout, lo: int, hi: int, context, x, refs) -> torch.Tensor:
-    """The embedded tokens [lo, hi) of the joint sequence: only the parts this rank holds are projected."""
-    batch = x.shape[0]
-    images = iter([*refs, x])
-    pieces, start = [], 0
-    for kind, value in layout.parts:
-        if kind == "text":
-            raw = context[:, value[0]:value[1]]
-        else:
-            latent = next(images)
-            raw = latent.expand(batch, *latent.shape[1:]).flatten(2).transpose(1, 2)
-        end = start + raw.shape[1]
-        if end > lo and start < hi:
-            piece = raw[:, max(lo, start) - start:min(hi, end) - start]
-            pieces.append(model.txt_in(piece) if kind == "text" else model.img_in(piece))
-        start = end
-    if not pieces:  # more ranks than tokens
-        return model.img_in(x.flatten(2).transpose(1, 2)[:, :0])
-    return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
-
-
 def _comfy_sigma(sigma: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
     """ComfyUI rounds t * 1000 and t to the compute dtype; the extra last row is t = 0 (text and references)."""
-    sigma = sigma.expand(batch) if sigma.numel() == 1 else sigma
     sigma = ((sigma * 1000).to(dtype) / 1000).to(dtype)
     return torch.cat([sigma, sigma.new_zeros(1)])
 
 
-def _key_valid(inputs: dict, batch: int, text_len: int, layout: JointLayout, ctx) -> Optional[torch.Tensor]:
+def _key_valid(inputs: dict, batch: int, text_len: int, layout: JointLayout, device) -> Optional[torch.Tensor]:
     """A text padding mask (attention_mask over context tokens) as keys of the joint sequence; None: all valid."""
     keep = text_key_mask(inputs.get("attention_mask"), batch, text_len)
     if keep is None:
@@ -366,7 +275,7 @@ def _key_valid(inputs: dict, batch: int, text_len: int, layout: JointLayout, ctx
     for (kind, value), segment in zip(layout.parts, layout.segments):
         if kind == "text":
             valid[:, segment.start:segment.end] = keep[:, value[0]:value[1]]
-    return valid.to(ctx.device)
+    return valid.to(device)
 
 
 # ---------------------------------------------------------------------------------------------------------------

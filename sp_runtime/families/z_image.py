@@ -13,17 +13,16 @@ and Ulysses x Ring apply as they are (no mask to honour).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
-from ..attention import SeqShards, sp_attention
+from ..sp import Output, Part, Plan, PlanWorker, Stage, Stream
+from ..sp.tokens import TokenGrid, pad_to_patch, patchify
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, load_checkpoint_model,
                          row_split, shape_of, strip_prefix)
 from .header import Header, header_config
-from .joint_dit import TokenGrid, pad_to_patch, patchify, rotary, rotate
 
 FAMILY = "z_image"
 DESCRIPTION = "Z-Image (base, turbo)"
@@ -170,142 +169,24 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> "ZImageWorker":
-    """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
-    from diffusers.models.attention_processor import Attention
+         ) -> PlanWorker:
+    """The pool's entry point: load on this worker's device, the executor running PLAN."""
     model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
                                           request.header)
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.set_processor(StreamSPProcessor())
-    return ZImageWorker(model, detection, dtypes)
+    config = model.config
+    info = ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
+                     out_channels=config.in_channels, x_ndim=4, config=config_entries(config, CONFIG_KEYS),
+                     weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+    return PlanWorker(model, info, PLAN, dtypes)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sequence-parallel forward
+# Sequence-parallel plan: caption and image are two split streams, each padded to PAD_MULTIPLE with learned pad
+# tokens; the refiners attend within one stream, the main layers over their union (each rank's caption shard, then
+# its image shard)
 
-@dataclass
-class StreamAttention:
-    """Attention over one split sequence (a refiner stream or the joint one); passed to the processor as
-    `freqs_cis`: the split and the rotary (cos, sin) of this rank's tokens."""
-
-    seq: Any                                      # SeqParallel
-    shards: SeqShards
-    rope: tuple[torch.Tensor, torch.Tensor]
-
-    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """[B, n, H, D] of this rank's tokens -> attention output [B, n, H, D] (unmasked)."""
-        query, key = rotate(query, self.rope), rotate(key, self.rope)
-        return sp_attention(query, key, value, self.seq, self.shards)[0]
-
-
-class StreamSPProcessor:
-    """Attention of diffusers' Z-Image blocks through StreamAttention (replaces ZSingleStreamAttnProcessor, which
-    needs the whole sequence on one device)."""
-
-    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states=None, attention_mask=None,
-                 freqs_cis: Optional[StreamAttention] = None) -> torch.Tensor:
-        if not isinstance(freqs_cis, StreamAttention):
-            raise TypeError("StreamSPProcessor runs inside the sequence-parallel forward only")
-        query, key, value = (proj(hidden_states).unflatten(-1, (attn.heads, -1))
-                             for proj in (attn.to_q, attn.to_k, attn.to_v))
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        out = freqs_cis(query, key, value).flatten(2, 3).to(value.dtype)
-        return attn.to_out[0](out.contiguous())
-
-
-@dataclass(frozen=True)
-class Streams:
-    """One call's caption and image sequences (each padded to PAD_MULTIPLE), their splits and this rank's share."""
-
-    caption_len: int     # real caption tokens
-    caption_total: int   # padded
-    grid: TokenGrid      # the image token grid (latent padded to the patch)
-    image_total: int     # padded
-    caption: SeqShards
-    image: SeqShards
-    rank: int
-
-    @classmethod
-    def of(cls, x_hw: tuple[int, int], caption_len: int, seq) -> "Streams":
-        grid = TokenGrid.of(x_hw[0], x_hw[1], PATCH)
-        caption_total, image_total = _padded(caption_len), _padded(grid.count)
-        return cls(caption_len, caption_total, grid, image_total, SeqShards.balanced(caption_total, seq.degree),
-                   SeqShards.balanced(image_total, seq.degree), seq.rank)
-
-    @property
-    def joint(self) -> SeqShards:
-        """Rank r holds its caption shard then its image shard: the joint sequence in rank order."""
-        sizes = tuple(c + i for c, i in zip(self.caption.sizes, self.image.sizes))
-        return SeqShards(sum(sizes), sizes)
-
-    def caption_ids(self) -> torch.Tensor:
-        """(1 + i, 0, 0) for this rank's caption positions i, pads included (ComfyUI's and diffusers' ids)."""
-        lo, hi = self.caption.range(self.rank)
-        ids = torch.zeros(hi - lo, 3)
-        ids[:, 0] = torch.arange(lo, hi) + 1
-        return ids
-
-    def image_ids(self) -> torch.Tensor:
-        """(caption_total + 1, row, col) for this rank's image tokens; (0, 0, 0) for its pad tokens."""
-        lo, hi = self.image.range(self.rank)
-        position = torch.arange(lo, hi)
-        real = position < self.grid.count
-        ids = torch.zeros(hi - lo, 3)
-        ids[real, 0] = self.caption_total + 1
-        ids[real, 1] = (position[real] // self.grid.cols).float()
-        ids[real, 2] = (position[real] % self.grid.cols).float()
-        return ids
-
-
-def _padded(count: int) -> int:
-    return -(-count // PAD_MULTIPLE) * PAD_MULTIPLE
-
-
-class ZImageWorker:
-    """A loaded Z-Image in one worker; forward() is ComfyUI's diffusion_model call over the sequence group."""
-
-    def __init__(self, model, detection: Detection, dtypes: WeightDtypes):
-        self.model = model
-        self.dtypes = dtypes
-        config = model.config
-        self.info = ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
-                              out_channels=config.in_channels, x_ndim=4, config=config_entries(config, CONFIG_KEYS),
-                              weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
-
-    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
-                ctx) -> None:
-        model, dtype, seq = self.model, self.dtypes.compute, ctx.groups.seq
-        context = _check_inputs(model.config, x, inputs)
-        streams = Streams.of(tuple(x.shape[-2:]), context.shape[1], seq)
-        axes = model.config.axes_dims
-
-        def attention(shards, ids):
-            return StreamAttention(seq, shards, rotary(ids.to(ctx.device), axes, model.config.rope_theta))
-
-        caption_ids, image_ids = streams.caption_ids(), streams.image_ids()
-        adaln = _time_embedding(model, ctx.to_device("timestep", timestep.reshape(-1), torch.float32), x.shape[0],
-                                dtype)
-        caption = _caption_tokens(model, ctx.to_device("context", context, dtype), streams, x.shape[0])
-        image = _image_tokens(model, ctx.to_device("x", x, dtype), streams)
-        caption_attention = attention(streams.caption, caption_ids)
-        for block in model.context_refiner:
-            ctx.check_cancel()
-            caption = block(caption, None, caption_attention)
-        image_attention = attention(streams.image, image_ids)
-        for block in model.noise_refiner:
-            ctx.check_cancel()
-            image = block(image, None, image_attention, adaln)
-        joint = torch.cat([caption, image], dim=1)
-        joint_attention = attention(streams.joint, torch.cat([caption_ids, image_ids]))
-        for block in model.layers:
-            ctx.check_cancel()
-            joint = block(joint, None, joint_attention, adaln)
-        result = model.all_final_layer[f"{PATCH}-1"](joint[:, caption.shape[1]:], c=adaln)
-        _write_image(out, result, streams)
-
-
-def _check_inputs(config, x: torch.Tensor, inputs: dict) -> torch.Tensor:
+def check(call) -> None:
+    config, x, inputs = call.config, call.x, call.inputs
     for name in UNSUPPORTED_INPUTS:
         value = inputs.get(name)
         if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0):  # ComfyUI's default []
@@ -319,50 +200,85 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict) -> torch.Tensor:
         raise ValueError(f"Z-Image needs context [batch, text tokens, {config.cap_feat_dim}] (the text encoder "
                          f"output); got {None if context is None else tuple(context.shape)}")
     # attention_mask and num_tokens are read past, as ComfyUI's NextDiT does: it attends every context token
-    return context
 
 
-def _time_embedding(model, sigma: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
+def layout(call) -> list[Stream]:
+    """Caption ids (1 + i, 0, 0), pads included; image ids (caption_total + 1, row, col), pads (0, 0, 0); image
+    patches in ComfyUI's (row, col, channel) feature order."""
+    context, x = call.input("context"), call.input("x")
+    caption_total = _padded(context.shape[1])
+    caption_ids = torch.zeros(caption_total, 3)
+    caption_ids[:, 0] = torch.arange(caption_total) + 1
+    grid = TokenGrid.of(x.shape[-2], x.shape[-1], PATCH)
+    tokens = patchify(pad_to_patch(x, PATCH), PATCH).unflatten(-1, (x.shape[1], PATCH, PATCH))
+    image_ids = torch.zeros(_padded(grid.count), 3)
+    image_ids[:grid.count, 0] = caption_total + 1
+    image_ids[:grid.count, 1] = (torch.arange(grid.count) // grid.cols).float()
+    image_ids[:grid.count, 2] = (torch.arange(grid.count) % grid.cols).float()
+    caption = [Part(context, caption_ids[:context.shape[1]], "cap_embedder"),
+               _pads(caption_ids[context.shape[1]:], _caption_pad, call.dtype)]
+    image = [Part(tokens.permute(0, 1, 3, 4, 2).flatten(2), image_ids[:grid.count], _embed_image, Output(grid)),
+             _pads(image_ids[grid.count:], _image_pad, call.dtype)]
+    return [Stream("caption", caption), Stream("image", image)]
+
+
+def _padded(count: int) -> int:
+    return -(-count // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def _pads(ids: torch.Tensor, embed, dtype) -> Part:
+    return Part(torch.zeros(1, ids.shape[0], 0, dtype=dtype), ids, embed)
+
+
+def _caption_pad(model, raw: torch.Tensor) -> torch.Tensor:
+    return model.cap_pad_token.to(raw.dtype).expand(raw.shape[0], raw.shape[1], -1)
+
+
+def _image_pad(model, raw: torch.Tensor) -> torch.Tensor:
+    return model.x_pad_token.to(raw.dtype).expand(raw.shape[0], raw.shape[1], -1)
+
+
+def _embed_image(model, raw: torch.Tensor) -> torch.Tensor:
+    return model.all_x_embedder[f"{PATCH}-1"](raw)
+
+
+def condition(call) -> None:
     """ComfyUI's t_embedder((1 - sigma) * 1000): sinusoids in float32, cast to the compute dtype, then the MLP."""
-    sigma = sigma.expand(batch) if sigma.numel() == 1 else sigma
-    embedder = model.t_embedder
-    frequencies = embedder.timestep_embedding((1 - sigma) * model.config.t_scale, embedder.frequency_embedding_size)
-    return embedder.mlp(frequencies.to(dtype))
+    embedder = call.model.t_embedder
+    frequencies = embedder.timestep_embedding((1 - call.sigma()) * call.config.t_scale,
+                                              embedder.frequency_embedding_size)
+    call.adaln = embedder.mlp(frequencies.to(call.dtype))
 
 
-def _caption_tokens(model, context: torch.Tensor, streams: Streams, batch: int) -> torch.Tensor:
-    """This rank's caption tokens, embedded: real tokens through cap_embedder, the padding as cap_pad_token."""
-    lo, hi = streams.caption.range(streams.rank)
-    real = context[:, lo:min(hi, streams.caption_len)].expand(batch, -1, -1)
-    return _with_pad_tokens(model.cap_embedder(real), model.cap_pad_token, hi - lo)
+def join(call) -> None:
+    call.joint = torch.cat([call.caption, call.image], dim=1)
 
 
-def _image_tokens(model, x: torch.Tensor, streams: Streams) -> torch.Tensor:
-    """This rank's image tokens, embedded: patches in ComfyUI's (row, col, channel) feature order through
-    x_embedder, the padding as x_pad_token. Every rank patchifies the (small) latent whole."""
-    lo, hi = streams.image.range(streams.rank)
-    tokens = patchify(pad_to_patch(x, PATCH), PATCH)  # features (c, ph, pw)
-    tokens = tokens.unflatten(-1, (x.shape[1], PATCH, PATCH)).permute(0, 1, 3, 4, 2).flatten(2)
-    embedded = model.all_x_embedder[f"{PATCH}-1"](tokens[:, lo:min(hi, streams.grid.count)])
-    return _with_pad_tokens(embedded, model.x_pad_token, hi - lo)
+def output_tokens(call, tokens: torch.Tensor) -> torch.Tensor:
+    """(ph, pw, c) features -> (c, ph, pw), negated as ComfyUI's NextDiT returns."""
+    return -tokens.unflatten(-1, (PATCH, PATCH, call.x.shape[1])).permute(0, 1, 4, 2, 3).flatten(2)
 
 
-def _with_pad_tokens(tokens: torch.Tensor, pad_token: torch.Tensor, count: int) -> torch.Tensor:
-    extra = count - tokens.shape[1]
-    if extra <= 0:
-        return tokens
-    pad = pad_token.to(tokens.dtype).expand(tokens.shape[0], extra, -1)
-    return torch.cat([tokens, pad], dim=1)
+def _caption_block(block, call) -> None:
+    call.caption = block(call.caption, None, None)
 
 
-def _write_image(out: torch.Tensor, result: torch.Tensor, streams: Streams) -> None:
-    """This rank's real image tokens [B, n, (ph, pw, c)] -> out [B, C, H, W], negated as ComfyUI's NextDiT returns."""
-    lo, hi = streams.image.range(streams.rank)
-    stop = min(hi, streams.grid.count)
-    if stop <= lo:
-        return
-    tokens = result[:, :stop - lo].unflatten(-1, (PATCH, PATCH, out.shape[1])).permute(0, 1, 4, 2, 3).flatten(2)
-    streams.grid.write(out, (-tokens).to(out.dtype).cpu(), lo)
+def _image_block(block, call) -> None:
+    call.image = block(call.image, None, None, call.adaln)
+
+
+def _joint_block(block, call) -> None:
+    call.joint = block(call.joint, None, None, call.adaln)
+
+
+PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims, config.rope_theta),
+            condition=condition,
+            stages=(Stage("context_refiner", _caption_block, attends="caption", text=None),
+                    Stage("noise_refiner", _image_block, attends="image", text=None),
+                    Stage("layers", _joint_block, attends=("caption", "image"), text=None, before=join)),
+            head=lambda call: call.model.all_final_layer[f"{PATCH}-1"](call.joint[:, call.caption.shape[1]:],
+                                                                       c=call.adaln),
+            output_tokens=output_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------

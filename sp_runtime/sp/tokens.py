@@ -1,8 +1,6 @@
-"""Pieces shared by the joint-attention image DiTs (Flux, Qwen-Image) under Ulysses sequence parallelism.
-
-ComfyUI's latent packing (circular padding to the patch size, 2x2 patches as (c, ph, pw) features), its position ids
-for the image and reference latents, this rank's token range and rotary slice, the joint attention call that
-replaces diffusers' attention, and writing this rank's output tokens back into the latent.
+"""Token layouts shared by the families: ComfyUI's latent packing (circular padding to the patch size, patches as
+(c, ph, pw) features), the token grid of a latent and writing tokens back into it, ComfyUI's position ids for image
+and reference latents, rotary tables and their application, text key masks, and the single-process reference packing.
 """
 from __future__ import annotations
 
@@ -12,8 +10,6 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..attention import SeqShards, sp_attention
-from ..groups import SeqParallel
 from .rope_options import is_identity, scaled_positions
 
 ROPE_THETA = 10000
@@ -160,101 +156,7 @@ def reference_placements(method: str, shape_hw: tuple[int, int], refs_hw: Sequen
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sequence split and joint attention
-
-@dataclass(frozen=True)
-class TokenSplit:
-    """This rank's share [lo, hi) of a sequence of `total` image tokens whose first `outputs` produce output."""
-
-    shards: SeqShards
-    lo: int
-    hi: int
-    outputs: int
-
-    @classmethod
-    def of(cls, total: int, outputs: int, seq: SeqParallel) -> "TokenSplit":
-        shards = SeqShards.balanced(total, seq.degree)
-        lo, hi = shards.range(seq.rank)
-        return cls(shards, lo, hi, outputs)
-
-    @property
-    def output_range(self) -> tuple[int, int]:
-        """The output tokens this rank holds, [lo, hi) clipped to the output latent's tokens."""
-        return min(self.lo, self.outputs), min(self.hi, self.outputs)
-
-
-@dataclass
-class JointAttention:
-    """Everything one joint attention needs besides q, k, v; passed to our processors as `image_rotary_emb`.
-
-    image_rope / text_rope: (cos, sin) [tokens, head_dim] for this rank's image tokens and for all text tokens.
-    text_mask: bool [B, L] (True = attend) or None. text_len: text tokens in front of the image in single blocks.
-    """
-
-    seq: SeqParallel
-    shards: SeqShards
-    image_rope: tuple[torch.Tensor, torch.Tensor]
-    text_rope: tuple[torch.Tensor, torch.Tensor]
-    text_mask: Optional[torch.Tensor]
-    text_len: int
-
-    def __call__(self, image_qkv: Sequence[torch.Tensor], text_qkv: Sequence[torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate, attend jointly over [text, all image tokens]; returns (image out, text out), each [B, S, H, D]."""
-        image_q, image_k, image_v = image_qkv
-        text_q, text_k, text_v = text_qkv
-        image_q, image_k = rotate(image_q, self.image_rope), rotate(image_k, self.image_rope)
-        text_q, text_k = rotate(text_q, self.text_rope), rotate(text_k, self.text_rope)
-        return sp_attention(image_q, image_k, image_v, self.seq, self.shards, text=(text_q, text_k, text_v),
-                            text_mask=self.text_mask, text_first=True)
-
-
-@dataclass
-class ImageSequence:
-    """This rank's part of the image sequence: the output latent's tokens (frame after frame), then every reference
-    latent's."""
-
-    tokens: torch.Tensor                            # [B, hi - lo, C*p*p] patch tokens of this rank
-    rope: tuple[torch.Tensor, torch.Tensor]         # their rotary (cos, sin)
-    split: TokenSplit
-    grid: TokenGrid                                 # the token grid of one output frame
-
-    def write(self, out: torch.Tensor, result: torch.Tensor) -> None:
-        """Unpatchify this rank's output tokens (result [B, hi - lo, C*p*p]) into out [B, C, H, W] or, frame by
-        frame, [B, C, T, H, W]."""
-        first, stop = self.split.output_range
-        count = self.grid.count
-        for frame in range(first // count, -(-stop // count)):
-            lo, hi = max(first, frame * count), min(stop, (frame + 1) * count)
-            target = out[:, :, frame] if out.dim() == 5 else out
-            self.grid.write(target, result[:, lo - first:hi - first].to(out.dtype).cpu(), lo - frame * count)
-
-
-def image_sequence(latents: Sequence[torch.Tensor], placements: Sequence[tuple[int, int, int]], seq: SeqParallel,
-                   axes: Sequence[int], patch: int, centred: bool, id_dtype: torch.dtype,
-                   theta: int = ROPE_THETA, output_frames: int = 1, rope_options: Optional[dict] = None
-                   ) -> ImageSequence:
-    """Patch tokens and rotary of this rank's share of [output frames, *reference latents].
-
-    latents: [B or 1, C, H, W] on the device, the output latent's `output_frames` frames first (a batch-1 reference
-    serves every item); placements: the (index, row offset, col offset) of each latent; rotary axes past these three
-    (Flux.2's fourth, the text position) are 0 for images. Every rank patchifies the (small) latents whole and embeds
-    only its own tokens.
-    """
-    batch = latents[0].shape[0]
-    token_parts, id_parts = [], []
-    for latent, (index, row_offset, col_offset) in zip(latents, placements):
-        latent = latent.expand(batch, *latent.shape[1:]) if latent.shape[0] == 1 else latent
-        token_parts.append(patchify(pad_to_patch(latent, patch), patch))
-        grid = TokenGrid.of(latent.shape[-2], latent.shape[-1], patch)
-        id_parts.append(grid_ids(grid, index, row_offset, col_offset, centred, id_dtype, latent.device,
-                                 rope_options))
-    ids = F.pad(torch.cat(id_parts), (0, len(axes) - 3))
-    output_grid = TokenGrid.of(latents[0].shape[-2], latents[0].shape[-1], patch)
-    split = TokenSplit.of(ids.shape[0], output_grid.count * output_frames, seq)
-    return ImageSequence(slice_tokens(token_parts, split.lo, split.hi), rotary(ids[split.lo:split.hi], axes, theta),
-                         split, output_grid)
-
+# Rotary and text masks
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """diffusers' rotary on [B, S, H, D]; a rank with no tokens (more ranks than tokens) has nothing to rotate."""
@@ -290,19 +192,6 @@ def text_key_mask(mask: Optional[torch.Tensor], batch: int, length: int) -> Opti
         keep = mask != 0
     keep = keep.expand(batch, length)
     return None if bool(keep.all()) else keep
-
-
-def slice_tokens(parts: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-    """Tokens [lo, hi) of the concatenation of parts along dim 1, copying only what this rank needs."""
-    pieces, start = [], 0
-    for part in parts:
-        end = start + part.shape[1]
-        if end > lo and start < hi:
-            pieces.append(part[:, max(lo, start) - start:min(hi, end) - start])
-        start = end
-    if not pieces:  # more ranks than tokens: this rank holds none
-        return parts[0][:, :0]
-    return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
 
 
 def as_list(value) -> list:

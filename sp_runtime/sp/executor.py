@@ -1,0 +1,166 @@
+"""The one sequence-parallel worker: runs any family's Plan (sp.plan) for ComfyUI's diffusion_model call.
+
+check inputs -> layout (streams) -> balanced shards of the split streams -> embed this rank's tokens -> slice the
+rotary -> conditioning -> every stage's blocks (cancellation checked before each block, the stage's attention
+geometry current) -> head -> write this rank's output tokens into the output buffer. The pool wraps the worker for
+weight sharding and runtime options (sharding/, model_options), which hook every block the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..attention import SeqShards
+from .plan import Part, Plan, Stream
+from .processor import Geometry, SPAttnProcessor, current_geometry
+from .tokens import rotary
+
+
+@dataclass
+class Shard:
+    """A stream on this rank: its shards and this rank's tokens [lo, hi) (replicated: all of them)."""
+
+    stream: Stream
+    shards: Optional[SeqShards]
+    lo: int
+    hi: int
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]]
+
+    def flags(self, test, device) -> torch.Tensor:
+        """bool [hi - lo]: which of this rank's tokens belong to parts for which test(part) holds."""
+        values, start = [], 0
+        for part in self.stream.parts:
+            end = start + part.count
+            overlap = max(0, min(self.hi, end) - max(self.lo, start))
+            values.append(torch.full((overlap,), bool(test(part)), dtype=torch.bool))
+            start = end
+        return torch.cat(values).to(device) if values else torch.zeros(0, dtype=torch.bool, device=device)
+
+
+class Call:
+    """One call on this rank: the inputs, the streams' shards and states (attributes named after the streams), and
+    whatever the plan's condition() sets (time embeddings, ...)."""
+
+    def __init__(self, worker: "PlanWorker", x, timestep, inputs: dict, ctx):
+        self.worker, self.model, self.config = worker, worker.model, worker.model.config
+        self.dtype, self.options = worker.dtypes.compute, worker.options
+        self.x, self.timestep, self.inputs, self.ctx = x, timestep, inputs, ctx
+        self.device, self.seq, self.batch = ctx.device, ctx.groups.seq, x.shape[0]
+        self.shards: dict[str, Shard] = {}
+
+    def input(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """An input ("x" or a name in inputs) on the device, cached across calls while unchanged, in the compute
+        dtype unless told."""
+        return self.ctx.to_device(name, self.x if name == "x" else self.inputs[name], dtype or self.dtype)
+
+    def sigma(self) -> torch.Tensor:
+        """The timestep as float32 [B] (ComfyUI embeds it from float32 sigma)."""
+        sigma = self.ctx.to_device("timestep", self.timestep.reshape(-1), torch.float32)
+        return sigma.expand(self.batch) if sigma.numel() == 1 else sigma
+
+
+class PlanWorker:
+    """A loaded model in one worker whose forward() runs its family's Plan (the pool's WorkerModel)."""
+
+    def __init__(self, model, info, plan: Plan, dtypes, options: Optional[dict] = None):
+        self.model, self.info, self.plan, self.dtypes = model, info, plan, dtypes
+        self.options = options or {}
+        for stage in plan.stages:
+            processor = SPAttnProcessor(stage.attention)
+            for block in getattr(model, stage.blocks):
+                for module in block.modules():
+                    if hasattr(module, "set_processor") and hasattr(module, "processor"):
+                        module.set_processor(processor)
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
+                ctx) -> None:
+        plan, call = self.plan, Call(self, x, timestep, inputs, ctx)
+        plan.check(call)
+        rope = None if plan.rope is None else plan.rope(call.config)
+        for stream in plan.layout(call):
+            call.shards[stream.name] = shard = _shard(stream, call.seq, rope, call.device)
+            setattr(call, stream.name, _embed(self.model, stream, shard.lo, shard.hi, call.batch))
+        plan.condition(call)
+        for stage in plan.stages:
+            if stage.before is not None:
+                stage.before(call)
+            with current_geometry(_geometry(call, stage)):
+                for block in getattr(self.model, stage.blocks):
+                    ctx.check_cancel()
+                    stage.run(block, call)
+        tokens = plan.head(call)
+        if plan.output_tokens is not None:
+            tokens = plan.output_tokens(call, tokens)
+        _write(out, tokens, call.shards[plan.output])
+
+
+def _shard(stream: Stream, seq, rope, device) -> Shard:
+    if stream.split:
+        shards = SeqShards.balanced(stream.total, seq.degree)
+        lo, hi = shards.range(seq.rank)
+    else:
+        shards, lo, hi = None, 0, stream.total
+    ids = [part.ids for part in stream.parts if part.ids is not None]
+    if rope is None or not ids:
+        return Shard(stream, shards, lo, hi, None)
+    return Shard(stream, shards, lo, hi, rotary(torch.cat(ids)[lo:hi].to(device), *rope))
+
+
+def _embed(model, stream: Stream, lo: int, hi: int, batch: int) -> torch.Tensor:
+    """States [B, hi - lo, width] of the stream's tokens [lo, hi): only those are embedded, consecutive parts with
+    the same embedder in one call."""
+    runs: list[tuple[Any, list[torch.Tensor]]] = []
+    start = 0
+    for part in stream.parts:
+        end = start + part.count
+        if end > lo and start < hi:
+            raw = part.tokens[:, max(lo, start) - start:min(hi, end) - start]
+            raw = raw.expand(batch, *raw.shape[1:]) if raw.shape[0] == 1 else raw
+            if runs and runs[-1][0] == part.embed:
+                runs[-1][1].append(raw)
+            else:
+                runs.append((part.embed, [raw]))
+        start = end
+    if not runs:  # more ranks than tokens: this rank holds none (embedded to get the width and dtype)
+        part = stream.parts[0]
+        runs = [(part.embed, [part.tokens[:, :0].expand(batch, 0, part.tokens.shape[-1])])]
+    states = [_embedder(model, embed)(torch.cat(raws, dim=1) if len(raws) > 1 else raws[0]) for embed, raws in runs]
+    return torch.cat(states, dim=1) if len(states) > 1 else states[0]
+
+
+def _embedder(model, embed):
+    if isinstance(embed, str):
+        return model.get_submodule(embed)
+    return lambda raw: embed(model, raw)
+
+
+def _geometry(call: Call, stage) -> Geometry:
+    names = (stage.attends,) if isinstance(stage.attends, str) else stage.attends
+    parts = [call.shards[name] for name in names]
+    if len(parts) == 1:
+        shards, mask = parts[0].shards, parts[0].stream.mask
+    else:
+        shards, mask = SeqShards.union(*(part.shards for part in parts)), None
+    ropes = [part.rope for part in parts if part.rope is not None]
+    rope = None if not ropes else tuple(torch.cat(pieces) for pieces in zip(*ropes))
+    geometry = Geometry(call.seq, shards, rope, mask=mask)
+    if stage.text is not None:
+        text = call.shards[stage.text]
+        geometry.text_rope, geometry.text_mask = text.rope, text.stream.key_mask
+        geometry.text_len = text.hi
+    return geometry
+
+
+def _write(out: torch.Tensor, tokens: torch.Tensor, shard: Shard) -> None:
+    """Unpatchify this rank's tokens of the output parts (tokens [B, hi - lo, features]) into out."""
+    start = 0
+    for part in shard.stream.parts:
+        end = start + part.count
+        first, stop = max(shard.lo, start), min(shard.hi, end)
+        if part.output is not None and stop > first:
+            target = out[:, :, part.output.frame] if out.dim() == 5 else out
+            piece = tokens[:, first - shard.lo:stop - shard.lo].to(out.dtype).cpu()
+            part.output.grid.write(target, piece, first - start)
+        start = end
