@@ -1,11 +1,14 @@
-"""Attention masks over the global sequence, the extension point of sp_attention: a mask says which keys each query
-sees by global token positions, so every layout applies it exactly (Ulysses and one device on the whole sequence,
-Ring and the hybrid per query block x key block). SegmentMask is the block-causal mask of Qwen-Image 2.1.
+"""sp_attention's extension point: masks over the global sequence and extra keys / values from another branch.
+
+A mask says which keys each query sees by global token positions, so every layout applies it exactly (one device
+and Ulysses on the whole sequence, Ring and the hybrid per query block x key block). SegmentMask is Qwen-Image 2.1's
+block-causal mask, FunctionMask any rule of positions. KeyValues are keys / values split like a stream of their own
+that every query also attends to (e.g. Wan Animate 2's pose keys), after the sequence's own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,26 @@ class SequenceMask(Protocol):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: Optional[float]) -> torch.Tensor:
         """Masked attention of the whole sequence [B, h, S, D] (where one rank holds it all: one device, Ulysses)."""
+
+
+@dataclass
+class KeyValues:
+    """Extra keys / values from another branch, split over the sequence ranks like a stream of their own
+    (shards.sizes[r] tokens on rank r, each [B, n, H, D]). Every query also attends to them; their global key
+    positions follow the sequence's own (total .. total + shards.total), which is where a mask addresses them."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    shards: Any  # SeqShards
+
+
+def whole_attention(mask: Optional[SequenceMask], query, key, value, scale):
+    """Attention of a whole sequence [B, h, S, D] over its keys, plus any extra keys after them, under `mask`."""
+    if mask is None:
+        return attend(query, key, value, None, scale)
+    if key.shape[2] == query.shape[2]:
+        return mask.attend(query, key, value, scale)
+    return attend(query, key, value, mask.block((0, query.shape[2]), (0, key.shape[2]), query.device), scale)
 
 
 def dense_attend(mask: SequenceMask, query, key, value, scale):

@@ -23,7 +23,8 @@ from .shards import SeqShards
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq: SeqParallel,
                    shards: SeqShards, text: Optional[Sequence[torch.Tensor]] = None,
                    text_mask: Optional[torch.Tensor] = None, text_first: bool = True,
-                   scale: Optional[float] = None, mask=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   scale: Optional[float] = None, mask=None, extra=None
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """sp_attention for a pure ring layout (ulysses_degree 1), in [B, n, H, D] like the other cores.
 
     text_first does not change the result: the order of the keys does not matter to softmax, and the text output
@@ -31,7 +32,12 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """
     heads_first = tuple(x.transpose(1, 2) for x in (query, key, value))
     text_heads_first = None if text is None else tuple(t.transpose(1, 2) for t in text)
-    image, text_out = ring_attention_heads(*heads_first, seq, shards.sizes, text_heads_first, text_mask, scale, mask)
+    extra_kv = None
+    if extra is not None:  # every rank's extra keys / values, all heads (one all-gather each)
+        extra_kv = tuple(gather_shards(t.transpose(1, 2), extra.shards, seq.ring_group)
+                         for t in (extra.key, extra.value))
+    image, text_out = ring_attention_heads(*heads_first, seq, shards.sizes, text_heads_first, text_mask, scale, mask,
+                                           extra_kv)
     text_out = None if text_out is None else text_out.transpose(1, 2).contiguous()
     return image.transpose(1, 2).contiguous(), text_out
 
@@ -39,13 +45,15 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 def ring_attention_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq: SeqParallel,
                          block_sizes: Sequence[int], text: Optional[Sequence[torch.Tensor]] = None,
                          text_mask: Optional[torch.Tensor] = None,
-                         scale: Optional[float] = None, mask=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                         scale: Optional[float] = None, mask=None,
+                         extra_kv=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Ring attention over seq.ring_group in [B, h, n, D] layout (the hybrid calls it on its Ulysses heads).
 
     query/key/value: this ring rank's block, n = block_sizes[seq.ring_rank]; text: optional replicated (q, k, v)
     each [B, h, L, D]; text_mask: optional bool [B, L], True = attend; mask: a SequenceMask over the blocks in
-    ring order (instead of text), applied per query block x key block. Returns (output [B, h, n, D],
-    text output [B, h, L, D] or None), in the query dtype.
+    ring order (instead of text), applied per query block x key block; extra_kv: (key, value) [B, h, E, D] that
+    every query also attends to, after all blocks (global positions from sum(block_sizes)). Returns (output
+    [B, h, n, D], text output [B, h, L, D] or None), in the query dtype.
     """
     degree, rank = seq.ring_degree, seq.ring_rank
     if len(block_sizes) != degree or query.shape[2] != block_sizes[rank]:
@@ -56,6 +64,12 @@ def ring_attention_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     queries = query if text is None else torch.cat([text[0][:, :, rows_lo:rows_hi], query], dim=2)
     merger = _attend_ring(queries, _pack(key, value, max(block_sizes)), seq, block_sizes, text, text_mask, scale,
                           mask)
+    if extra_kv is not None and queries.shape[2] and extra_kv[0].shape[2]:
+        total, rows_lo = sum(block_sizes), sum(block_sizes[:rank])
+        keep = None if mask is None else mask.block((rows_lo, rows_lo + queries.shape[2]),
+                                                    (total, total + extra_kv[0].shape[2]), queries.device)
+        if keep is None or bool(keep.any()):
+            merger.add(*masked_attention_with_lse(queries, *extra_kv, keep, scale))
 
     if merger.out is None:  # no query rows (or, masked, no visible key block) here
         merged = queries.new_empty(queries.shape)

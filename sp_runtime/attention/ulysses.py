@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .backends import attend
 from .fp8_exchange import INPUT_CODEC, OUTPUT_CODEC, AllToAll, Codec
 from .local import _joint_mask
+from .masks import whole_attention
 from .options import current
 from .shards import SeqShards
 
@@ -67,18 +68,22 @@ def text_heads(text: Sequence[torch.Tensor], rank: int, degree: int) -> torch.Te
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int,
                       shards: SeqShards, text: Optional[Sequence[torch.Tensor]] = None,
                       text_mask: Optional[torch.Tensor] = None, text_first: bool = True,
-                      scale: Optional[float] = None, mask=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      scale: Optional[float] = None, mask=None, extra=None
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Attention over a sequence split across `group` (shards.sizes[r] tokens on rank r).
 
     query/key/value: [B, n_local, H, D] local tokens with all heads; text: optional replicated (q, k, v) each
     [B, L, H, D]; text_mask: optional bool [B, L], True = attend; mask: a SequenceMask (attention.masks) over the
-    whole sequence instead of text. Returns (local output [B, n_local, H, D],
-    text output [B, L, H, D] or None).
+    whole sequence instead of text; extra: KeyValues every query also attends to. Returns (local output
+    [B, n_local, H, D], text output [B, L, H, D] or None).
     """
     heads = query.shape[2]
     recv = exchange_to_heads(query, key, value, group, shards)
     text_local = None if text is None else text_heads(text, rank, shards.degree)
     q, k, v = _gather_sequence(recv, shards.sizes, text_local, text_first)
+    if extra is not None:
+        extra_key, extra_value = extra_to_heads(extra, group)
+        k, v = torch.cat([k, extra_key], dim=2), torch.cat([v, extra_value], dim=2)
     sequence_mask, mask = mask, None
     if text_mask is not None:
         mask = _joint_mask(text_mask, shards.total, text_first)[:, None, None, :]
@@ -87,8 +92,8 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     text_start = 0 if text_first else shards.total
     exchanges = []
     for part in _head_parts(q.shape[1]):
-        if sequence_mask is not None:
-            out = sequence_mask.attend(q[:, part], k[:, part], v[:, part], scale)
+        if sequence_mask is not None or extra is not None:
+            out = whole_attention(sequence_mask, q[:, part], k[:, part], v[:, part], scale)
         else:
             out = attend(q[:, part], k[:, part], v[:, part], mask, scale)  # [B, h, L + N, D]
         image = out[:, :, image_start:image_start + shards.total]
@@ -106,15 +111,28 @@ def exchange_to_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     Returns the received buffer [P (source shard), 3, B, h, chunk, D]; shard r's tokens are [r, ..., :sizes[r], :].
     """
+    return _exchange((query, key, value), group, shards)
+
+
+def _exchange(tensors, group, shards: SeqShards) -> torch.Tensor:
+    """[B, n, H, D] tensors of this rank's tokens -> [P (source shard), len(tensors), B, h, chunk, D]."""
     degree = shards.degree
-    batch, _, heads, head_dim = query.shape
+    batch, _, heads, head_dim = tensors[0].shape
     heads_here = _heads_per_rank(heads, degree)
     padded_heads = heads_here * degree
     chunk = shards.chunk
-    # [P (destination's heads), 3, B, h, chunk, D]: one contiguous send buffer for q, k and v together.
+    # [P (destination's heads), T, B, h, chunk, D]: one contiguous send buffer for all tensors together.
     per_destination = [_pad(x, chunk, padded_heads).view(batch, chunk, degree, heads_here, head_dim)
-                       .permute(2, 0, 3, 1, 4) for x in (query, key, value)]
+                       .permute(2, 0, 3, 1, 4) for x in tensors]
     return _all_to_all(torch.stack(per_destination, dim=1), group, INPUT_CODEC).result()
+
+
+def extra_to_heads(extra, group, shards: Optional[SeqShards] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A KeyValues stream (attention.masks) to "all its tokens, my heads": (key, value) [B, h, E, D]; `shards`
+    replaces extra.shards (one Ulysses group's block of them inside the hybrid)."""
+    shards = shards or extra.shards
+    key, value = gather_sequence(_exchange((extra.key, extra.value), group, shards), shards.sizes)
+    return key, value
 
 
 def gather_sequence(recv: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
