@@ -286,13 +286,15 @@ def image_and_text(call, patch: int, placements, default_method: str, text_ids, 
 
 def layout(call) -> list[Stream]:
     """ComfyUI's Flux ids: images in the latent's dtype, text at 0."""
-    return image_and_text(call, PATCH, placements, "offset", lambda length, device: torch.zeros(length, 3,
-                                                                                                device=device),
-                          call.x.dtype)
+    return image_and_text(call, PATCH, placements, "offset", text_ids, call.x.dtype)
 
 
 def placements(method: str, x_hw, refs_hw) -> list[tuple[int, int, int]]:
     return reference_placements(method, tuple(x_hw), list(refs_hw), PATCH, REF_METHODS)
+
+
+def text_ids(length: int, device) -> torch.Tensor:
+    return torch.zeros(length, 3, device=device)
 
 
 def condition(call) -> None:
@@ -301,7 +303,7 @@ def condition(call) -> None:
     sigma, guidance = call.sigma() * 1000, call.inputs.get("guidance")
     pooled = _pooled(call.inputs.get("y"), config.pooled_projection_dim, call)
     if config.guidance_embeds and guidance is not None:  # the guidance arrives in the model's dtype
-        guidance = _per_item(call.ctx.to_device("guidance", guidance.reshape(-1), call.dtype), call.batch)
+        guidance = per_item(call.ctx.to_device("guidance", guidance.reshape(-1), call.dtype), call.batch)
         call.temb = embed(sigma, guidance * 1000, pooled)
     elif config.guidance_embeds:
         call.temb = embed.timestep_embedder(embed.time_proj(sigma).to(pooled.dtype)) + embed.text_embedder(pooled)
@@ -319,7 +321,7 @@ PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims_ro
             head=lambda call: call.model.proj_out(call.model.norm_out(call.image, call.temb)))
 
 
-def _per_item(values: torch.Tensor, batch: int) -> torch.Tensor:
+def per_item(values: torch.Tensor, batch: int) -> torch.Tensor:
     return values.expand(batch) if values.numel() == 1 else values
 
 

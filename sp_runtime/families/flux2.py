@@ -220,7 +220,7 @@ def condition(call) -> None:
     model, embed, guidance = call.model, call.model.time_guidance_embed, call.inputs.get("guidance")
     temb = embed.timestep_embedder(embed.time_proj(call.sigma() * 1000).to(call.dtype))
     if call.config.guidance_embeds and guidance is not None:  # klein has no guidance embedding
-        guidance = flux._per_item(call.ctx.to_device("guidance", guidance.reshape(-1), call.dtype), call.batch)
+        guidance = flux.per_item(call.ctx.to_device("guidance", guidance.reshape(-1), call.dtype), call.batch)
         temb = temb + embed.guidance_embedder(embed.time_proj(guidance * 1000).to(call.dtype))
     call.temb = temb
     call.mod_img, call.mod_txt = model.double_stream_modulation_img(temb), model.double_stream_modulation_txt(temb)
