@@ -20,7 +20,7 @@ from .model_spec import ModelSpec
 from .pool_owner import OWNER
 
 HOST_ONLY_KEYS = ("transformer_options", "control")
-# ScaleROPE's rope_options: families whose workers apply them (sp_runtime.families.rope_options), and families whose
+# ScaleROPE's rope_options: families whose workers apply them (sp_runtime.sp.rope_options), and families whose
 # ComfyUI model ignores them (so do the workers: the same picture); any other family is refused
 ROPE_OPTION_FAMILIES = ("wan", "flux", "flux2")
 ROPE_IGNORED_BY_COMFY = ("qwen_image", "hunyuan_video", "hunyuan_video15", "ltx2")

@@ -1,6 +1,6 @@
 """nodes/model_options_policy.py, the allow-list of model options on an SP MODEL: every option key the core nodes of
 ComfyUI set is classified (a table here; with COMFYUI_PATH also a scan of that ComfyUI's comfy_extras), an unknown
-key is refused naming the node that set it, and sp_runtime.families.rope_options places ScaleROPE positions as
+key is refused naming the node that set it, and sp_runtime.sp.rope_options places ScaleROPE positions as
 ComfyUI does with rotary factors equal to diffusers' tables at integer positions.
 """
 import os
