@@ -10,7 +10,7 @@ import torch
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
 from sp_runtime.families import wan
-from sp_runtime.families.video_tokens import VideoGrid, pad_to_patch_3d
+from sp_runtime.sp.video_tokens import VideoGrid, pad_to_patch_3d
 from sp_runtime.pool import WorkerPool
 from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
 from sp_runtime.tiny_models.wan import original_state_dict

@@ -9,11 +9,10 @@ frame's tokens are modulated with the embedding of this timestep), ref_latent [B
 "custom" guidance: the start image's latent, patch-embedded like x, ahead of the video at frame -1 with its columns
 shifted by x's width, dropped from the output). Returns [B, 16, T, H, W].
 
-SP plan: every rank patch-embeds only its balanced share of the image tokens ([reference, video]) and takes the
-rotary (frame, row, column) factors of those; the text (LLaVA tokens through the token refiner) is computed whole on every rank
-(replicated; sp_attention hands each rank its heads of it); the double-stream blocks attend jointly over all image
-tokens and the text, the single-stream blocks likewise on [image, text]; each rank writes its own output tokens.
-Token replace modulates the first frame's tokens, wherever they fall, through diffusers' token-replace blocks.
+PLAN (run by sp.PlanWorker): the image stream [reference, video] split in balanced shards, each rank patch-embedding
+its own tokens at their (frame, row, column) rotary; the text (LLaVA tokens through the token refiner) replicated and
+joined after the image tokens in the double- and single-stream blocks; token replace modulates the first frame's
+tokens wherever they fall (diffusers' token-replace blocks); each rank writes its own output tokens.
 
 Where ComfyUI and diffusers differ we follow ComfyUI: the refiner's pooled text is the plain mean of all tokens
 (padding included), and the token-replace embedding gets the guidance term and also modulates the final layer.
@@ -21,21 +20,20 @@ Where ComfyUI and diffusers differ we follow ComfyUI: the refiner's pooled text 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import replace
 from types import SimpleNamespace
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
-from ..attention import SeqShards, sp_attention
-from ..groups import SeqParallel
-from ..sp.tokens import rope_axes, rotary, rotate, text_key_mask
+from ..sp import AttentionSpec, Plan, PlanWorker, Stage, Stream, project_qkv, text_stream, video_part
+from ..sp.tokens import rope_axes, text_key_mask
+from ..sp.video_tokens import conv_patch_embed
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
 from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
                          load_checkpoint_model, shape_of, strip_prefix)
 from .header import Header, header_config
 from .hunyuan_keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_name, hunyuan_key_plan
-from .video_tokens import VideoGrid, conv_patch_embed
 
 FAMILY = "hunyuan_video"
 DESCRIPTION = "HunyuanVideo 1.0 (T2V, I2V concat / token replace, SkyReels I2V)"
@@ -171,19 +169,11 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> "HunyuanVideoWorker":
-    """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
+         ) -> PlanWorker:
+    """The pool's entry point: load on this worker's device, the executor running PLAN."""
     model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
                                           request.header)
-    use_sp_attention(model)
-    return HunyuanVideoWorker(model, detection, dtypes)
-
-
-def use_sp_attention(model) -> None:
-    """Sequence-parallel joint attention in the double- and single-stream blocks; the token refiner keeps its stock
-    attention (the text is whole on every rank)."""
-    for block in [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", ())]:
-        block.attn.set_processor(HunyuanSPAttnProcessor())
+    return PlanWorker(model, model_info(model, detection, dtypes), PLAN, dtypes, request.options)
 
 
 def model_info(model, detection: Detection, dtypes: WeightDtypes, config_keys=CONFIG_KEYS) -> ModelInfo:
@@ -195,232 +185,13 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes, config_keys=CO
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sequence-parallel pieces shared with HunyuanVideo 1.5
+# Sequence-parallel plan (HunyuanVideo 1.5's is this one with its differences): the image tokens [reference, video]
+# split, each rank embedding its own share; the refined text replicated, after the image tokens in every block's
+# joint attention (single blocks project it like the image); token replace modulates this rank's first-frame tokens
 
-@dataclass
-class VideoAttention:
-    """Passed to HunyuanSPAttnProcessor as `image_rotary_emb`: the split, this rank's rotary (cos, sin) and the
-    text keep-mask (bool [B, L] or None)."""
-
-    seq: SeqParallel
-    shards: SeqShards
-    rope: tuple[torch.Tensor, torch.Tensor]
-    text_mask: Optional[torch.Tensor]
-
-
-class HunyuanSPAttnProcessor:
-    """Joint attention of diffusers' HunyuanVideo (1.0 and 1.5) blocks through sp_attention: this rank's image
-    tokens (rotated) and all text tokens (not rotated), image first as ComfyUI and diffusers order them.
-
-    Double blocks project the text with add_*_proj; single blocks (no add_q_proj) with the same projections as
-    the image. Returns (image out, text out), projected where the block has output projections.
-    """
-
-    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
-                 attention_mask: Optional[torch.Tensor] = None, image_rotary_emb: Optional[VideoAttention] = None):
-        plan = image_rotary_emb
-        if not isinstance(plan, VideoAttention):
-            raise TypeError("HunyuanSPAttnProcessor runs inside the sequence-parallel HunyuanVideo forward only")
-        image = _qkv(attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
-        if attn.add_q_proj is None:
-            text = _qkv(attn, encoder_hidden_states, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
-        else:
-            text = _qkv(attn, encoder_hidden_states, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
-                        (attn.norm_added_q, attn.norm_added_k))
-        image[0], image[1] = rotate(image[0], plan.rope), rotate(image[1], plan.rope)
-        image_out, text_out = sp_attention(*image, plan.seq, plan.shards, text=text, text_mask=plan.text_mask,
-                                           text_first=False)
-        dtype = image[0].dtype
-        image_out, text_out = image_out.flatten(2, 3).to(dtype), text_out.flatten(2, 3).to(dtype)
-        if getattr(attn, "to_out", None) is not None:
-            image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
-        if getattr(attn, "to_add_out", None) is not None:
-            text_out = attn.to_add_out(text_out.contiguous())
-        return image_out, text_out
-
-
-def _qkv(attn, states: torch.Tensor, projections, norms) -> list[torch.Tensor]:
-    q, k, v = (projection(states).unflatten(2, (attn.heads, -1)) for projection in projections)
-    return [norms[0](q), norms[1](k), v]
-
-
-@dataclass(frozen=True)
-class VideoTokens:
-    """This rank's share [lo, hi) of the image tokens and their rotary factors. The image tokens are the video's,
-    led by those of a reference latent when there is one (ref_latent: ComfyUI puts them ahead of the video and
-    drops them from the output)."""
-
-    grid: VideoGrid
-    shards: SeqShards
-    lo: int
-    hi: int
-    rope: tuple[torch.Tensor, torch.Tensor]
-    reference: Optional[VideoGrid] = None
-
-    @property
-    def lead(self) -> int:
-        """How many reference tokens lead the sequence."""
-        return 0 if self.reference is None else self.reference.count
-
-    def video_range(self) -> tuple[int, int]:
-        """This rank's share of the video's own tokens, counted from the video's first."""
-        return max(self.lo - self.lead, 0), max(self.hi - self.lead, 0)
-
-    def first_frame_tokens(self) -> int:
-        """How many of this rank's tokens lie in the first latent frame (they lead its range)."""
-        return max(0, min(self.hi, self.grid.per_frame) - self.lo)
-
-    def write(self, out: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Unpatchify this rank's video output tokens [B, n, C*pt*ph*pw] (features (c, pt, ph, pw), as HunyuanVideo's
-        final projection orders them; reference tokens dropped) into out [B, C, T, H, W]."""
-        channels = out.shape[1]
-        first, stop = self.video_range()
-        tokens = tokens[:, tokens.shape[1] - (stop - first):]
-        tokens = tokens.unflatten(-1, (channels, -1)).transpose(-1, -2).flatten(-2)  # -> (pt, ph, pw, c)
-        self.grid.write(out, tokens.to(out.dtype).cpu(), first)
-
-
-def video_tokens(x: torch.Tensor, patch: tuple[int, int, int], seq: SeqParallel, axes, device,
-                 reference: Optional[torch.Tensor] = None) -> VideoTokens:
-    """The token split of latent x [B, C, T, H, W] (whole patches), led by reference latent `reference`'s tokens if
-    given, and this rank's rotary (frame, row, column): ComfyUI places reference tokens at frame -1, their columns
-    shifted right by the video's width."""
-    grid = VideoGrid.of(tuple(x.shape[2:]), patch)
-    ahead = None if reference is None else VideoGrid.of(tuple(reference.shape[2:]), patch)
-    lead = 0 if ahead is None else ahead.count
-    shards = SeqShards.balanced(lead + grid.count, seq.degree)
-    lo, hi = shards.range(seq.rank)
-    positions = [grid.positions(max(lo - lead, 0), max(hi - lead, 0), device)]
-    if ahead is not None:
-        ahead_positions = ahead.positions(min(lo, lead), min(hi, lead), device)
-        ahead_positions[:, 0] = -1
-        ahead_positions[:, 2] += grid.cols
-        positions.insert(0, ahead_positions)
-    rope = rotary(torch.cat(positions).float(), axes, ROPE_THETA)
-    return VideoTokens(grid, shards, lo, hi, rope, ahead)
-
-
-def embed_patches(model, latent: torch.Tensor, tokens: VideoTokens, dtype: torch.dtype,
-                  reference: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """This rank's patches of latent [B, C, T, H, W] (after its share of `reference`'s, when tokens has a
-    reference) through x_embedder (in the compute dtype, as ComfyUI)."""
-    first, stop = tokens.video_range()
-    patches = tokens.grid.patches(latent, first, stop)
-    if tokens.reference is not None and tokens.lo < tokens.lead:
-        ahead = tokens.reference.patches(reference, tokens.lo, min(tokens.hi, tokens.lead))
-        patches = torch.cat([ahead.to(patches.dtype), patches], dim=1)
-    return conv_patch_embed(model.x_embedder.proj, patches, dtype)
-
-
-def check_reference(reference: Optional[torch.Tensor], x: torch.Tensor, channels: int, patch, name: str) -> None:
-    """A ref_latent (if any) that x_embedder takes (x's channels, whole patches), one per batch item or one."""
-    if reference is None:
-        return
-    check_latent(reference, channels, patch, f"this {name} (patch-embedding it like x)", "ref_latent")
-    if reference.shape[0] not in (1, x.shape[0]):
-        raise ValueError(f"ref_latent has batch {reference.shape[0]}; x has {x.shape[0]}: give one per item or one")
-
-
-def check_latent(x: torch.Tensor, channels: int, patch: tuple[int, int, int], name: str, label: str = "x") -> None:
-    """A [B, C, T, H, W] latent of whole patches (ComfyUI's HunyuanVideo models need them too); `label` names it."""
-    if x.dim() != 5 or x.shape[1] != channels:
-        raise ValueError(f"{label} has shape {list(x.shape)}; {name} takes [B, {channels}, T, H, W]")
-    if any(size % p for size, p in zip(x.shape[2:], patch)):
-        raise ValueError(f"{label} has frames, height, width {list(x.shape[2:])}, not multiples of {name}'s patch "
-                         f"{list(patch)}: use a latent of whole patches (e.g. an image size divisible by 16)")
-
-
-def refined_text(refiner, context: torch.Tensor, sigma: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
-    """The token refiner on the whole text, as ComfyUI runs it: pooled over every token (padding too) and every
-    token attending to the kept ones. diffusers' refiners pool over kept tokens only and mask padded queries
-    (1.5: into NaN rows), so their blocks run here with a keys-only mask."""
-    embedding = refiner.time_text_embed(sigma, context.mean(dim=1))
-    hidden = refiner.proj_in(context)
-    mask = None if keep is None else keep[:, None, None, :]
-    for block in refiner.token_refiner.refiner_blocks:
-        hidden = block(hidden, embedding, mask)
-    return hidden
-
-
-def time_embedding(embedder, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """diffusers' sinusoidal projection + MLP of timestep-like values [B] (ComfyUI's timestep_embedding, factor 1)."""
-    return embedder.timestep_embedder(embedder.time_proj(values).to(dtype))
-
-
-def per_item(tensor: torch.Tensor, batch: int) -> torch.Tensor:
-    """An input with one row per batch item; a batch-1 (or 0-D) input serves every item."""
-    tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
-    return tensor.expand(batch, *tensor.shape[1:]) if tensor.shape[0] == 1 else tensor
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Sequence-parallel forward
-
-class HunyuanVideoWorker:
-    """A loaded HunyuanVideo 1.0 in one worker; forward() is ComfyUI's diffusion_model call over the Ulysses group."""
-
-    def __init__(self, model, detection: Detection, dtypes: WeightDtypes):
-        self.model = model
-        self.dtypes = dtypes
-        self.info = model_info(model, detection, dtypes)
-
-    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
-                ctx) -> None:
-        call = _prepare_call(self.model, self.dtypes.compute, x, timestep, inputs, ctx)
-        call.tokens.write(out, _run_blocks(self.model, call, ctx))
-
-
-@dataclass
-class _Call:
-    """One call's inputs on this rank, ready for the blocks."""
-
-    tokens: VideoTokens
-    hidden: torch.Tensor           # [b, n, dim] this rank's embedded patches
-    text: torch.Tensor             # [b, L, dim] the refined text, whole
-    temb: torch.Tensor             # [b, dim]
-    replace_temb: torch.Tensor     # [b, dim] the first frame's (token replace), or temb
-    replaced: int                  # this rank's first-frame tokens modulated by replace_temb (0: none)
-    attention: VideoAttention
-
-
-def _prepare_call(model, dtype: torch.dtype, x, timestep, inputs, ctx) -> _Call:
-    config = model.config
-    patch = (config.patch_size_t, config.patch_size, config.patch_size)
-    _check_inputs(config, x, inputs, patch)
-    batch = x.shape[0]
-    reference = inputs.get("ref_latent")
-    reference = None if reference is None else per_item(ctx.to_device("ref_latent", reference), batch)
-    tokens = video_tokens(x, patch, ctx.groups.seq, config.rope_axes_dim, ctx.device, reference)
-    hidden = embed_patches(model, ctx.to_device("x", x), tokens, dtype, reference)
-    sigma = per_item(ctx.to_device("timestep", timestep.reshape(-1), torch.float32), batch)
-    embed = model.time_text_embed
-    y = per_item(ctx.to_device("y", inputs["y"], dtype), batch)
-    pooled = embed.text_embedder(y[:, :config.pooled_projection_dim])  # ComfyUI cuts y to the model's width
-    guidance = _guidance_term(embed, inputs.get("guidance"), batch, dtype, ctx)
-    temb = time_embedding(embed, sigma, dtype) + pooled + guidance
-    replace_temb, replaced = temb, 0
-    if inputs.get("guiding_frame_index") is not None:
-        index = per_item(ctx.to_device("guiding_frame_index", inputs["guiding_frame_index"].reshape(-1),
-                                       torch.float32), batch)
-        replace_temb, replaced = time_embedding(embed, index, dtype) + pooled + guidance, tokens.first_frame_tokens()
-    context = per_item(ctx.to_device("context", inputs["context"], dtype), batch)
-    keep = text_key_mask(inputs.get("attention_mask"), batch, context.shape[1])
-    keep = None if keep is None else keep.to(ctx.device)
-    text = refined_text(model.context_embedder, context, sigma, keep)
-    attention = VideoAttention(ctx.groups.seq, tokens.shards, tokens.rope, keep)
-    return _Call(tokens, hidden, text, temb, replace_temb, replaced, attention)
-
-
-def _guidance_term(embed, guidance, batch: int, dtype: torch.dtype, ctx):
-    """The embedded guidance (x 1000, ComfyUI's timestep_embedding factor), or 0 when the model has no guidance
-    embedding or the call gives none (ComfyUI leaves it out then)."""
-    if embed.guidance_embedder is None or guidance is None:
-        return 0
-    values = per_item(ctx.to_device("guidance", guidance.reshape(-1), torch.float32), batch) * 1000
-    return embed.guidance_embedder(embed.time_proj(values).to(dtype))
-
-
-def _check_inputs(config, x: torch.Tensor, inputs: dict, patch) -> None:
+def check(call) -> None:
+    config, x, inputs = call.config, call.x, call.inputs
+    patch = patch_of(config)
     check_latent(x, config.in_channels, patch, "this HunyuanVideo")
     context = inputs.get("context")
     if context is None or context.dim() != 3 or context.shape[-1] != config.text_embed_dim:
@@ -441,21 +212,147 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict, patch) -> None:
                          "tokens are the first frame's")
 
 
-def _run_blocks(model, call: _Call, ctx) -> torch.Tensor:
-    """The double- and single-stream blocks and the output head on this rank's tokens: [b, n, C*pt*ph*pw]."""
-    hidden, text = call.hidden, call.text
-    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
-        ctx.check_cancel()
-        hidden, text = block(hidden, text, call.temb, None, call.attention, call.replace_temb, call.replaced)
-    return model.proj_out(final_norm(model.norm_out, hidden, call.temb, call.replace_temb, call.replaced))
+def check_reference(reference: Optional[torch.Tensor], x: torch.Tensor, channels: int, patch, name: str) -> None:
+    """A ref_latent (if any) that x_embedder takes (x's channels, whole patches), one per batch item or one."""
+    if reference is None:
+        return
+    check_latent(reference, channels, patch, f"this {name} (patch-embedding it like x)", "ref_latent")
+    if reference.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"ref_latent has batch {reference.shape[0]}; x has {x.shape[0]}: give one per item or one")
 
 
-def final_norm(norm_out, hidden: torch.Tensor, temb: torch.Tensor, replace_temb: torch.Tensor, replaced: int
-               ) -> torch.Tensor:
-    """The output AdaLayerNorm; ComfyUI's final layer modulates token-replace tokens with their own embedding."""
-    if not replaced:
-        return norm_out(hidden, temb)
-    return torch.cat([norm_out(hidden[:, :replaced], replace_temb), norm_out(hidden[:, replaced:], temb)], dim=1)
+def check_latent(x: torch.Tensor, channels: int, patch: tuple[int, int, int], name: str, label: str = "x") -> None:
+    """A [B, C, T, H, W] latent of whole patches (ComfyUI's HunyuanVideo models need them too); `label` names it."""
+    if x.dim() != 5 or x.shape[1] != channels:
+        raise ValueError(f"{label} has shape {list(x.shape)}; {name} takes [B, {channels}, T, H, W]")
+    if any(size % p for size, p in zip(x.shape[2:], patch)):
+        raise ValueError(f"{label} has frames, height, width {list(x.shape[2:])}, not multiples of {name}'s patch "
+                         f"{list(patch)}: use a latent of whole patches (e.g. an image size divisible by 16)")
+
+
+def patch_of(config) -> tuple[int, int, int]:
+    return config.patch_size_t, config.patch_size, config.patch_size
+
+
+def layout(call) -> list[Stream]:
+    context = per_item(call.input("context"), call.batch)
+    keep = text_keep(call, context.shape[1])
+    text = refined_text(call.model.context_embedder, context, call.sigma(), keep)
+    return [image_stream(call), text_stream(text, None, embedded, keep)]
+
+
+def image_stream(call) -> Stream:
+    """The video's tokens, led by ref_latent's when the call gives one: ComfyUI places those at frame -1, their
+    columns shifted right by the video's width, and drops them from the output."""
+    patch = patch_of(call.config)
+    video = video_part(call.input("x"), patch, embed_patches)
+    if call.inputs.get("ref_latent") is None:
+        return Stream("image", [video])
+    ahead = video_part(call.input("ref_latent"), patch, embed_patches, output=False)
+    ahead.ids[:, 0] = -1
+    ahead.ids[:, 2] += video.output.grid.cols
+    return Stream("image", [ahead, video])
+
+
+def embed_patches(model, patches: torch.Tensor) -> torch.Tensor:
+    """x_embedder's Conv3d on this rank's patches, in the compute dtype (as ComfyUI)."""
+    return conv_patch_embed(model.x_embedder.proj, patches, patches.dtype)
+
+
+def embedded(model, states: torch.Tensor) -> torch.Tensor:
+    """The text stream's embedder: its tokens are embedded (refined) whole in the layout already."""
+    return states
+
+
+def text_keep(call, length: int) -> Optional[torch.Tensor]:
+    """The call's attention_mask as a text keep-mask on the device (None: every token kept)."""
+    keep = text_key_mask(call.inputs.get("attention_mask"), call.batch, length)
+    return None if keep is None else keep.to(call.device)
+
+
+def refined_text(refiner, context: torch.Tensor, sigma: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """The token refiner on the whole text, as ComfyUI runs it: pooled over every token (padding too) and every
+    token attending to the kept ones. diffusers' refiners pool over kept tokens only and mask padded queries
+    (1.5: into NaN rows), so their blocks run here with a keys-only mask."""
+    embedding = refiner.time_text_embed(sigma, context.mean(dim=1))
+    hidden = refiner.proj_in(context)
+    mask = None if keep is None else keep[:, None, None, :]
+    for block in refiner.token_refiner.refiner_blocks:
+        hidden = block(hidden, embedding, mask)
+    return hidden
+
+
+def condition(call) -> None:
+    """temb = time + pooled CLIP + guidance; token replace: replace_temb (the guiding frame index's time instead)
+    for the `replaced` first-frame tokens that lead this rank's share."""
+    embed, dtype = call.model.time_text_embed, call.dtype
+    y = per_item(call.input("y"), call.batch)
+    pooled = embed.text_embedder(y[:, :call.config.pooled_projection_dim])  # ComfyUI cuts y to the model's width
+    guidance = _guidance_term(embed, call)
+    call.temb = time_embedding(embed, call.sigma(), dtype) + pooled + guidance
+    call.replace_temb, call.replaced = call.temb, 0
+    index = call.inputs.get("guiding_frame_index")
+    if index is not None:
+        index = per_item(call.ctx.to_device("guiding_frame_index", index.reshape(-1), torch.float32), call.batch)
+        call.replace_temb = time_embedding(embed, index, dtype) + pooled + guidance
+        shard = call.shards["image"]
+        call.replaced = max(0, min(shard.hi, shard.stream.parts[-1].output.grid.per_frame) - shard.lo)
+
+
+def _guidance_term(embed, call):
+    """The embedded guidance (x 1000, ComfyUI's timestep_embedding factor), or 0 when the model has no guidance
+    embedding or the call gives none (ComfyUI leaves it out then)."""
+    guidance = call.inputs.get("guidance")
+    if embed.guidance_embedder is None or guidance is None:
+        return 0
+    values = per_item(call.ctx.to_device("guidance", guidance.reshape(-1), torch.float32), call.batch) * 1000
+    return embed.guidance_embedder(embed.time_proj(values).to(call.dtype))
+
+
+def time_embedding(embedder, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """diffusers' sinusoidal projection + MLP of timestep-like values [B] (ComfyUI's timestep_embedding, factor 1)."""
+    return embedder.timestep_embedder(embedder.time_proj(values).to(dtype))
+
+
+def per_item(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """An input with one row per batch item; a batch-1 (or 0-D) input serves every item."""
+    tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    return tensor.expand(batch, *tensor.shape[1:]) if tensor.shape[0] == 1 else tensor
+
+
+def token_replace_block(block, call) -> None:
+    """diffusers' token-replace blocks (double and single): with no token replaced they compute the plain blocks."""
+    call.image, call.text = block(call.image, call.text, call.temb, None, None, call.replace_temb, call.replaced)
+
+
+def head(call) -> torch.Tensor:
+    """The output AdaLayerNorm and projection; ComfyUI's final layer modulates token-replace tokens with their own
+    embedding."""
+    norm, hidden, replaced = call.model.norm_out, call.image, call.replaced
+    if replaced:
+        hidden = torch.cat([norm(hidden[:, :replaced], call.replace_temb), norm(hidden[:, replaced:], call.temb)],
+                           dim=1)
+    else:
+        hidden = norm(hidden, call.temb)
+    return call.model.proj_out(hidden)
+
+
+def unpatch_order(call, tokens: torch.Tensor) -> torch.Tensor:
+    """proj_out's features (c, pt, ph, pw) -> VideoGrid.write's (pt, ph, pw, c)."""
+    return tokens.unflatten(-1, (call.config.out_channels, -1)).transpose(-1, -2).flatten(-2)
+
+
+def _text_like_image(attn, text: torch.Tensor) -> list[torch.Tensor]:
+    """Single-stream blocks project the text with the image's projections and norms."""
+    return project_qkv(attn, text)[0]
+
+
+IMAGE_FIRST = AttentionSpec(text_first=False)
+PLAN = Plan(check=check, layout=layout, condition=condition, rope=lambda config: (config.rope_axes_dim, ROPE_THETA),
+            stages=(Stage("transformer_blocks", token_replace_block, attention=IMAGE_FIRST),
+                    Stage("single_transformer_blocks", token_replace_block,
+                          attention=replace(IMAGE_FIRST, project_text=_text_like_image))),
+            head=head, output_tokens=unpatch_order)
 
 
 # ---------------------------------------------------------------------------------------------------------------

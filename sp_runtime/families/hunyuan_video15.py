@@ -16,26 +16,28 @@ The SR model is a meanflow model: ComfyUI adds the embedding of the sampler's ne
 finding it in transformer_options (host-only); the host's `sampler_inputs` hands it to the pool as `timestep_r`
 (x 1000, like timestep) and the worker adds time_embed's second embedding of it, as diffusers' `timestep_r` does.
 
-SP plan as HunyuanVideo 1.0's (hunyuan_video): image tokens ([reference, video]) split, each rank embedding its
-own share with its rotary slice; the text stream [SigLIP, ByT5, Qwen tokens], each with its condition-type
-embedding, is computed whole on every rank (replicated; sp_attention gives each rank its heads of it); 54
-double-stream blocks; each rank writes its own video output tokens.
+PLAN is HunyuanVideo 1.0's (hunyuan_video.PLAN) with its differences: the image stream ([reference, video]) split
+as there; the text stream [SigLIP, ByT5, Qwen tokens], each with its condition-type embedding, replicated; 54
+double-stream blocks and no token replace.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from dataclasses import replace
+from typing import Iterable, Optional
 
 import torch
 
-from ..sp.tokens import rope_axes, text_key_mask
+from ..sp import PlanWorker, Stream, text_stream
+from ..sp.tokens import rope_axes
+from . import hunyuan_video
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn
 from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
                          load_checkpoint_model, shape_of, strip_prefix)
 from .header import Header, header_config
 from .hunyuan_keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, hunyuan_key_plan
-from .hunyuan_video import (VideoAttention, check_latent, check_reference, comfy_attributes, comfy_names,
-                            embed_patches, model_info, per_item, reference_latent_hooks, refined_text, time_embedding,
-                            use_sp_attention, video_tokens)
+from .hunyuan_video import (check_latent, check_reference, comfy_attributes, comfy_names, embedded, image_stream,
+                            model_info, patch_of, per_item, reference_latent_hooks, refined_text, text_keep,
+                            time_embedding)
 
 FAMILY = "hunyuan_video15"
 DESCRIPTION = "HunyuanVideo 1.5 (480p / 720p, T2V, I2V, 1080p super-resolution)"
@@ -163,78 +165,20 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> "HunyuanVideo15Worker":
-    """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
+         ) -> PlanWorker:
+    """The pool's entry point: load on this worker's device, the executor running PLAN."""
     model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
                                           request.header)
-    use_sp_attention(model)
-    return HunyuanVideo15Worker(model, detection, dtypes)
+    return PlanWorker(model, model_info(model, detection, dtypes, CONFIG_KEYS), PLAN, dtypes, request.options)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Sequence-parallel forward
+# Sequence-parallel plan: HunyuanVideo 1.0's with its differences (double-stream blocks only, no token replace, the
+# text stream with SigLIP and ByT5 tokens, the meanflow time embedding)
 
-class HunyuanVideo15Worker:
-    """A loaded HunyuanVideo 1.5 in one worker; forward() is ComfyUI's diffusion_model call over the Ulysses group."""
-
-    def __init__(self, model, detection: Detection, dtypes: WeightDtypes):
-        self.model = model
-        self.dtypes = dtypes
-        self.info = model_info(model, detection, dtypes, CONFIG_KEYS)
-
-    def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
-                ctx) -> None:
-        model, dtype, config = self.model, self.dtypes.compute, self.model.config
-        patch = (config.patch_size_t, config.patch_size, config.patch_size)
-        _check_inputs(config, x, inputs, patch)
-        reference = inputs.get("ref_latent")
-        reference = None if reference is None else per_item(ctx.to_device("ref_latent", reference), x.shape[0])
-        tokens = video_tokens(x, patch, ctx.groups.seq, config.rope_axes_dim, ctx.device, reference)
-        hidden = embed_patches(model, ctx.to_device("x", x), tokens, dtype, reference)
-        sigma = per_item(ctx.to_device("timestep", timestep.reshape(-1), torch.float32), x.shape[0])
-        temb = _time_embedding(model.time_embed, sigma, inputs.get("timestep_r"), dtype, ctx)
-        text, keep = _text_stream(model, inputs, sigma, x.shape[0], dtype, ctx)
-        attention = VideoAttention(ctx.groups.seq, tokens.shards, tokens.rope, keep)
-        for block in model.transformer_blocks:
-            ctx.check_cancel()
-            hidden, text = block(hidden, text, temb, None, attention)
-        tokens.write(out, model.proj_out(model.norm_out(hidden, temb)))
-
-
-def _time_embedding(embed, sigma: torch.Tensor, timestep_r: Optional[torch.Tensor], dtype: torch.dtype, ctx
-                    ) -> torch.Tensor:
-    """The timestep's embedding, plus (meanflow models, when the call gives timestep_r) the next sigma's through the
-    second embedder: ComfyUI's HunyuanVideo 1.5 sums them (meanflow_sum), as diffusers does."""
-    temb = time_embedding(embed, sigma, dtype)
-    if embed.timestep_embedder_r is None or timestep_r is None:
-        return temb
-    values = per_item(ctx.to_device("timestep_r", timestep_r.reshape(-1), torch.float32), sigma.shape[0])
-    return temb + embed.timestep_embedder_r(embed.time_proj_r(values).to(dtype))
-
-
-def _text_stream(model, inputs: dict, sigma: torch.Tensor, batch: int, dtype: torch.dtype, ctx
-                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """ComfyUI's text stream [SigLIP image tokens, ByT5 tokens, refined Qwen tokens], each with its condition-type
-    embedding, and its keep-mask (None: every token kept); the mask covers the Qwen tokens."""
-    context = per_item(ctx.to_device("context", inputs["context"], dtype), batch)
-    keep = text_key_mask(inputs.get("attention_mask"), batch, context.shape[1])
-    keep = None if keep is None else keep.to(ctx.device)
-    types = model.cond_type_embed.weight.to(dtype)
-    parts = [refined_text(model.context_embedder, context, sigma, keep) + types[TEXT]]
-    if inputs.get("txt_byt5") is not None:
-        glyphs = per_item(ctx.to_device("txt_byt5", inputs["txt_byt5"], dtype), batch)
-        parts.insert(0, model.context_embedder_2(glyphs) + types[BYT5])
-    if inputs.get("clip_fea") is not None:
-        image = per_item(ctx.to_device("clip_fea", inputs["clip_fea"], dtype), batch)
-        parts.insert(0, model.image_embedder(image) + types[IMAGE])
-    text = torch.cat(parts, dim=1)
-    if keep is not None and text.shape[1] > keep.shape[1]:
-        keep = torch.cat([keep.new_ones(batch, text.shape[1] - keep.shape[1]), keep], dim=1)
-    return text, keep
-
-
-def _check_inputs(config, x: torch.Tensor, inputs: dict, patch) -> None:
-    check_latent(x, config.in_channels, patch, "this HunyuanVideo 1.5")
+def check(call) -> None:
+    config, x, inputs = call.config, call.x, call.inputs
+    check_latent(x, config.in_channels, patch_of(config), "this HunyuanVideo 1.5")
     streams = {"context": (config.text_embed_dim, "the Qwen2.5-VL tokens"),
                "txt_byt5": (config.text_embed_2_dim, "the ByT5 tokens"),
                "clip_fea": (config.image_embed_dim, "the SigLIP image tokens")}
@@ -245,11 +189,48 @@ def _check_inputs(config, x: torch.Tensor, inputs: dict, patch) -> None:
         if value is None or value.dim() != 3 or value.shape[-1] != width:
             raise ValueError(f"HunyuanVideo 1.5 takes {name} [B, L, {width}] ({what}); got "
                              f"{None if value is None else list(value.shape)}")
-    check_reference(inputs.get("ref_latent"), x, config.in_channels, patch, "HunyuanVideo 1.5")
+    check_reference(inputs.get("ref_latent"), x, config.in_channels, patch_of(config), "HunyuanVideo 1.5")
     timestep_r = inputs.get("timestep_r")
     if timestep_r is not None and timestep_r.numel() not in (1, x.shape[0]):
         raise ValueError(f"timestep_r has {timestep_r.numel()} values; HunyuanVideo 1.5 takes one or one per batch "
                          f"item ({x.shape[0]})")
+
+
+def layout(call) -> list[Stream]:
+    """The image stream as 1.0's; the text stream [SigLIP image tokens, ByT5 tokens, refined Qwen tokens], each with
+    its condition-type embedding, its keep-mask covering the Qwen tokens."""
+    model, batch, dtype = call.model, call.batch, call.dtype
+    context = per_item(call.input("context"), batch)
+    keep = text_keep(call, context.shape[1])
+    types = model.cond_type_embed.weight.to(dtype)
+    parts = [refined_text(model.context_embedder, context, call.sigma(), keep) + types[TEXT]]
+    if call.inputs.get("txt_byt5") is not None:
+        parts.insert(0, model.context_embedder_2(per_item(call.input("txt_byt5"), batch)) + types[BYT5])
+    if call.inputs.get("clip_fea") is not None:
+        parts.insert(0, model.image_embedder(per_item(call.input("clip_fea"), batch)) + types[IMAGE])
+    text = torch.cat(parts, dim=1)
+    if keep is not None and text.shape[1] > keep.shape[1]:
+        keep = torch.cat([keep.new_ones(batch, text.shape[1] - keep.shape[1]), keep], dim=1)
+    return [image_stream(call), text_stream(text, None, embedded, keep)]
+
+
+def condition(call) -> None:
+    """The timestep's embedding, plus (meanflow models, when the call gives timestep_r) the next sigma's through the
+    second embedder: ComfyUI's HunyuanVideo 1.5 sums them (meanflow_sum), as diffusers does."""
+    embed, timestep_r = call.model.time_embed, call.inputs.get("timestep_r")
+    call.temb = time_embedding(embed, call.sigma(), call.dtype)
+    if embed.timestep_embedder_r is not None and timestep_r is not None:
+        values = per_item(call.ctx.to_device("timestep_r", timestep_r.reshape(-1), torch.float32), call.batch)
+        call.temb = call.temb + embed.timestep_embedder_r(embed.time_proj_r(values).to(call.dtype))
+
+
+def double_block(block, call) -> None:
+    call.image, call.text = block(call.image, call.text, call.temb, None, None)
+
+
+PLAN = replace(hunyuan_video.PLAN, check=check, layout=layout, condition=condition,
+               stages=(replace(hunyuan_video.PLAN.stages[0], run=double_block),),
+               head=lambda call: call.model.proj_out(call.model.norm_out(call.image, call.temb)))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn
 from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, detected_checkpoint, load_weights,
                          strip_prefix)
 from .ltx2_checkpoint import CONNECTORS, FAMILY, detect, ltx2_key_plan
-from .video_tokens import VideoGrid
+from ..sp.video_tokens import VideoGrid
 
 DESCRIPTION = "LTX-2, 2.3 and 2.5 (audio + video)"
 CONNECTOR_ROPE_MAX_POS = 4096   # ComfyUI's Embeddings1DConnector positions: index / 4096

@@ -31,7 +31,7 @@ from ..sp.rope_options import is_identity, rotary_axis, scaled_positions
 from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries, patch_size_2
 from .checkpoint import KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, detected_checkpoint, load_weights
 from .header import Header, header_config
-from .video_tokens import VideoGrid, pad_to_patch_3d
+from ..sp.video_tokens import VideoGrid, pad_to_patch_3d
 from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY,
                              folder_overrides, wan_key_plan)
 from .wan_common import WanSinusoid, rotate, wan_sinusoid, wrap_pad

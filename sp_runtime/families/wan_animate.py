@@ -28,7 +28,7 @@ import torch
 from ..attention import gather_rows, local_attention
 from ..groups import SeqParallel
 from .checkpoint import shape_of
-from .video_tokens import VideoGrid, conv_patch_embed, frame_runs, pad_to_patch_3d
+from ..sp.video_tokens import VideoGrid, conv_patch_embed, frame_runs, pad_to_patch_3d
 
 ANIMATE_MODULES = ("pose_patch_embedding.", "face_adapter.", "face_encoder.", "motion_encoder.")
 FACE_EVERY = 5  # ComfyUI and diffusers: a face adapter block after main blocks 0, 5, 10, ...

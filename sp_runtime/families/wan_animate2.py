@@ -38,7 +38,7 @@ from ..attention.ring import gather_shards
 from ..attention.shards import SeqShards
 from ..attention.ulysses import exchange_to_heads, exchange_to_tokens, gather_sequence
 from ..groups import SeqParallel
-from .video_tokens import VideoGrid, conv_patch_embed, frame_runs, pad_to_patch_3d
+from ..sp.video_tokens import VideoGrid, conv_patch_embed, frame_runs, pad_to_patch_3d
 from .wan_common import rotate
 
 MODEL_TYPE = "animate2"  # ComfyUI's metadata: {"config": {"transformer": {"model_type": "animate2"}}}

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d
+from ..sp.video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d
 
 
 def attach_reference_conv(model, in_channels: int) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..attention import local_attention
-from .video_tokens import frame_runs
+from ..sp.video_tokens import frame_runs
 
 AUDIO_TOKENS = 16  # per latent frame, as ComfyUI's WanT2VCrossAttentionGather reshapes them
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d
+from ..sp.video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d
 from .wan_common import WanSinusoid, wrap_pad
 from .wan_humo import AudioAttention, frame_local_attention
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d
+from ..sp.video_tokens import VideoGrid, conv_patch_embed, pad_to_patch_3d
 
 
 @dataclass

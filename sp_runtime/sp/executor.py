@@ -160,7 +160,8 @@ def _write(out: torch.Tensor, tokens: torch.Tensor, shard: Shard) -> None:
         end = start + part.count
         first, stop = max(shard.lo, start), min(shard.hi, end)
         if part.output is not None and stop > first:
-            target = out[:, :, part.output.frame] if out.dim() == 5 else out
+            frame = part.output.frame
+            target = out[:, :, frame] if out.dim() == 5 and frame is not None else out
             piece = tokens[:, first - shard.lo:stop - shard.lo].to(out.dtype).cpu()
             part.output.grid.write(target, piece, first - start)
         start = end

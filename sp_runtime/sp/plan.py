@@ -13,17 +13,17 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .tokens import TokenGrid
 
 Embed = Union[str, Callable[[Any, torch.Tensor], torch.Tensor]]  # a model attribute, or (model, raw) -> states
 
 
 @dataclass(frozen=True)
 class Output:
-    """Where a part's tokens go: the token grid of the output latent (frame `frame` of a 5-D output)."""
+    """Where a part's tokens go: the token grid of the output latent (frame `frame` of a 5-D output; None: the grid
+    covers the whole output, e.g. a video's VideoGrid)."""
 
-    grid: TokenGrid
-    frame: int = 0
+    grid: Any  # TokenGrid or VideoGrid: write(out, tokens, first)
+    frame: Optional[int] = 0
 
 
 @dataclass
@@ -98,12 +98,16 @@ def project_out(attn, out: torch.Tensor, extra) -> torch.Tensor:
 class AttentionSpec:
     """How the attention modules of a stage's blocks compute: project (attn, hidden) -> ([q, k, v], extra),
     finish (attn, out [B, S, H*D], extra) -> the module's output. A text stream joins either through
-    encoder_hidden_states (double-stream blocks: add_*_proj, returned through to_add_out) or, with text_prefix, as
-    the first tokens of hidden_states (single-stream blocks: out is [text, own tokens])."""
+    encoder_hidden_states (projected by project_text (attn, text) -> [q, k, v], by default add_*_proj; returned
+    through to_add_out where the module has one) or, with text_prefix, as the first tokens of hidden_states
+    (single-stream blocks: out is [text, own tokens]). text_first: the text keys lead the joint sequence (False:
+    they follow, as HunyuanVideo orders them)."""
 
     project: Callable = project_qkv
     finish: Callable = project_out
     text_prefix: bool = False
+    project_text: Callable = project_added_qkv
+    text_first: bool = True
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from ..attention import SeqShards, sp_attention
-from .plan import AttentionSpec, project_added_qkv, project_out
+from .plan import AttentionSpec, project_out
 from .tokens import rotate
 
 _CURRENT: ContextVar[Optional["Geometry"]] = ContextVar("sp_attention_geometry", default=None)
@@ -31,8 +31,8 @@ class Geometry:
     text_len: int = 0
     mask: Any = None                                 # attention.SequenceMask
 
-    def attend(self, qkv, text_qkv=None):
-        """Rotate, attend over [text, all split tokens]: (out [B, n, H, D], text out [B, L, H, D] or None)."""
+    def attend(self, qkv, text_qkv=None, text_first: bool = True):
+        """Rotate, attend over all split tokens and the text: (out [B, n, H, D], text out [B, L, H, D] or None)."""
         query, key, value = qkv
         if self.rope is not None:
             query, key = rotate(query, self.rope), rotate(key, self.rope)
@@ -43,7 +43,7 @@ class Geometry:
                 text_q, text_k = rotate(text_q, self.text_rope), rotate(text_k, self.text_rope)
             text = (text_q, text_k, text_v)
         return sp_attention(query, key, value, self.seq, self.shards, text=text, text_mask=self.text_mask,
-                            text_first=True, mask=self.mask)
+                            text_first=text_first, mask=self.mask)
 
 
 @contextmanager
@@ -72,12 +72,14 @@ class SPAttnProcessor:
         if geometry is None:
             raise RuntimeError("SPAttnProcessor runs inside the sequence-parallel executor only")
         qkv, extra = self.spec.project(attn, hidden_states)
-        if encoder_hidden_states is not None:  # double-stream joint attention
-            out, text_out = geometry.attend(qkv, project_added_qkv(attn, encoder_hidden_states))
+        if encoder_hidden_states is not None:  # joint attention with the text passed apart
+            out, text_out = geometry.attend(qkv, self.spec.project_text(attn, encoder_hidden_states),
+                                            self.spec.text_first)
             dtype = qkv[2].dtype
             text_out = text_out.flatten(2, 3).to(dtype).contiguous()
-            if not getattr(attn, "context_pre_only", False):  # a last block may leave the text unprojected
-                text_out = attn.to_add_out(text_out)
+            to_add_out = getattr(attn, "to_add_out", None)  # a last or single-stream block leaves the text as is
+            if to_add_out is not None and not getattr(attn, "context_pre_only", False):
+                text_out = to_add_out(text_out)
             return project_out(attn, out.flatten(2, 3).to(dtype).contiguous(), None), text_out
         if self.spec.text_prefix:  # single-stream joint attention: [text, own tokens]
             length = geometry.text_len

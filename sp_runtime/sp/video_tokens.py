@@ -1,5 +1,6 @@
-"""3-D token grids of video DiTs (Wan): ComfyUI's circular padding to the patch size, the patches and
-(frame, row, column) positions of one rank's token range, and writing that range's output back into the latent.
+"""3-D token grids of video DiTs (Wan, HunyuanVideo, LTX-2): ComfyUI's circular padding to the patch size, the
+patches and (frame, row, column) positions of one rank's token range, and writing that range's output back into the
+latent.
 
 Tokens are ordered frame-major, then row, then column, as a Conv3d patch embedding followed by flatten(2) gives.
 A contiguous token range is a union of at most five boxes of the grid (partial row, rows, whole frames, rows,
