@@ -144,7 +144,9 @@ def _geometry(call: Call, stage) -> Geometry:
     else:
         shards, mask = SeqShards.union(*(part.shards for part in parts)), None
     ropes = [part.rope for part in parts if part.rope is not None]
-    rope = None if not ropes else tuple(torch.cat(pieces) for pieces in zip(*ropes))
+    if len(ropes) > 1:  # a union of streams: their tables in the same order (one stream: its own, not copied)
+        ropes = [tuple(torch.cat(pieces) for pieces in zip(*ropes))]
+    rope = ropes[0] if ropes else None
     geometry = Geometry(call.seq, shards, rope, mask=mask)
     if stage.text is not None:
         text = call.shards[stage.text]
