@@ -47,14 +47,25 @@ def _unprefixed(state: dict) -> dict:
     return comfy.utils.state_dict_prefix_replace(state, {prefix: ""}, filter_keys=True) or state
 
 
-def weight_shapes(header) -> dict[str, tuple[int, ...]]:
-    """The diffusion model's weights as ComfyUI names them (no prefix) with their shapes, from the header: the keys
-    ComfyUI's LoRA matching needs. Quantized files show their logical shapes, without scales and markers; a
-    diffusers-layout file ComfyUI converts on loading shows ComfyUI's converted names."""
+def weight_shapes(header, model_config=None) -> dict[str, tuple[int, ...]]:
+    """The diffusion model's weights as ComfyUI's model names them (no prefix) with their shapes, from the header:
+    the keys ComfyUI's LoRA matching needs. Quantized files show their logical shapes, without scales and markers;
+    a diffusers-layout file shows ComfyUI's converted names; every layout then goes through the config's
+    process_unet_state_dict, as ComfyUI's loading does (newer ComfyUI renames Flux's q / k norms `.scale` ->
+    `.weight` there). `model_config` defaults to ComfyUI's detection."""
     state = _unprefixed(meta_state_dict(plain_view(header)))
-    if comfy.model_detection.model_config_from_unet(state, "") is None:
+    detected = comfy.model_detection.model_config_from_unet(state, "")
+    if detected is None:
         converted = comfy.model_detection.convert_diffusers_mmdit(state, "")
-        state = converted if converted else state
+        if converted:
+            state = converted
+            detected = comfy.model_detection.model_config_from_unet(state, "")
+    config = model_config or detected
+    if config is not None:
+        try:
+            state = config.process_unet_state_dict(state)
+        except Exception as error:  # a conversion that needs real values: the names before it still match most
+            log.debug("ulysses-sp: ComfyUI's process_unet_state_dict failed on %s: %s", header.path, error)
     return {name: tuple(tensor.shape) for name, tensor in state.items()}
 
 

@@ -58,8 +58,9 @@ def load_sp_model(spec: ModelSpec):
     """Load spec's model in its pool (with a progress bar) and wrap it as a ComfyUI MODEL."""
     handle = load_cancellable(spec, progress_reporter(comfy.utils.ProgressBar(100)))
     info, header = handle.info, handle.request.header
-    proxy = SPDiffusionModel(spec, info, weight_shapes=weight_shapes(header))
-    return build_sp_model(comfy_model_config(header, info), proxy, proxy.dtype)
+    config = comfy_model_config(header, info)
+    proxy = SPDiffusionModel(spec, info, weight_shapes=weight_shapes(header, config))
+    return build_sp_model(config, proxy, proxy.dtype)
 
 
 def pool_inputs() -> list:
