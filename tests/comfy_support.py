@@ -177,6 +177,34 @@ NEEDS_NEWER_COMFYUI = {
 }
 
 
+def declared_inputs(node_spec: dict, values: dict, prefix: str = "") -> dict:
+    """A node's inputs from /object_info (name -> spec) as a prompt gives them: required and optional ones and, for a
+    V3 DynamicCombo (newer ComfyUI: ResizeImageMaskNode's `resize_type`, SaveVideo's `format`), the inputs of the
+    option `values` chose, named `<combo>.<input>` as in the API form (recursively)."""
+    declared = {}
+    for name, spec in {**node_spec.get("required", {}), **node_spec.get("optional", {})}.items():
+        declared[prefix + name] = spec
+        chosen = next((option for option in _dynamic_options(spec) if option["key"] == values.get(prefix + name)),
+                      None)
+        if chosen:
+            declared.update(declared_inputs(chosen["inputs"], values, f"{prefix}{name}."))
+    return declared
+
+
+def _dynamic_options(spec) -> list:
+    extra = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    return [option for option in extra.get("options", ()) if isinstance(option, dict) and "key" in option]
+
+
+def widget_default(spec):
+    """The value ComfyUI's frontend gives a new widget: its declared default, else a combo's first option."""
+    extra = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    if "default" in extra:
+        return extra["default"]
+    options = spec[0] if isinstance(spec[0], list) else extra.get("options") or [None]
+    return options[0]["key"] if isinstance(options[0], dict) else options[0]
+
+
 def example_name(file_name: str) -> str:
     """'wan21_t2v_api.json' and 'wan21_t2v.json' -> 'wan21_t2v'"""
     return file_name.removesuffix(".json").removesuffix("_api")

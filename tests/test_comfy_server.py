@@ -169,8 +169,7 @@ def test_example_api_workflows_only_lack_their_model_files(server, name):
     for node_id, node in workflow.items():
         spec = available.get(node["class_type"])
         if spec:
-            known = accepted_inputs({**spec["input"].get("required", {}), **spec["input"].get("optional", {})},
-                                    node["inputs"])
+            known = set(cs.declared_inputs(spec["input"], node["inputs"]))
             assert set(node["inputs"]) <= known, (node_id, set(node["inputs"]) - known)
     if missing:
         return  # this ComfyUI cannot validate the rest of the prompt
@@ -184,21 +183,6 @@ def test_example_api_workflows_only_lack_their_model_files(server, name):
     for node_id, error in errors:
         assert error["type"] in ("value_not_in_list", "custom_validation_failed"), (node_id, error)
         assert error["extra_info"]["input_name"] in FILE_INPUTS, (node_id, error)
-
-
-def accepted_inputs(declared: dict, values: dict, prefix: str = "") -> set:
-    """The input names a prompt may give a node: its declared inputs and, for a V3 DynamicCombo (newer ComfyUI's
-    ResizeImageMaskNode...), the inputs of the option the prompt chose, named `<combo>.<input>` as in the API form."""
-    names = set()
-    for name, spec in declared.items():
-        names.add(prefix + name)
-        extra = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
-        options = [option for option in extra.get("options", ()) if isinstance(option, dict) and "key" in option]
-        chosen = next((option for option in options if option["key"] == values.get(prefix + name)), None)
-        if chosen:
-            inner = {**chosen["inputs"].get("required", {}), **chosen["inputs"].get("optional", {})}
-            names |= accepted_inputs(inner, values, f"{prefix}{name}.")
-    return names
 
 
 def test_stopping_comfyui_leaves_nothing_behind(server):

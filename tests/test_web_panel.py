@@ -184,11 +184,11 @@ def object_info(server):
 
 
 def with_added_defaults(frontend_inputs: dict, example_inputs: dict, declared: dict) -> dict:
-    """The example's inputs plus those the frontend added at their declared defaults: inputs newer than the example
-    (CreateVideo's optional `bit_depth`, ComfyUI 0.33.0 but not 0.3.64) get their widget's default when a UI
-    workflow saved before them loads; the example's API form without them runs the same."""
+    """The example's inputs plus those the frontend added at their defaults: inputs newer than the example
+    (ComfyUI 0.33.0, not 0.3.64: CreateVideo's optional `bit_depth`, SaveVideo's `format.codec` in its DynamicCombo)
+    get their widget's default when a UI workflow saved before them loads; the example's API form runs the same."""
     added = {name: value for name, value in frontend_inputs.items() if name not in example_inputs
-             and name in declared and len(declared[name]) > 1 and declared[name][1].get("default") == value}
+             and name in declared and cs.widget_default(declared[name]) == value}
     return {**example_inputs, **added}
 
 
@@ -213,7 +213,6 @@ def test_ui_example_workflow_loads_and_matches_its_api_twin(page, object_info, n
         if node["class_type"] in newer_nodes:  # a class this ComfyUI's frontend does not know: nothing to compare
             continue
         assert prompt[node_id]["class_type"] == node["class_type"]
-        spec = object_info[node["class_type"]]["input"]
-        declared = {**spec.get("required", {}), **spec.get("optional", {})}
+        declared = cs.declared_inputs(object_info[node["class_type"]]["input"], prompt[node_id]["inputs"])
         assert prompt[node_id]["inputs"] == with_added_defaults(prompt[node_id]["inputs"], node["inputs"],
                                                                 declared), node_id
