@@ -77,6 +77,11 @@ def test_runtime_never_imports_comfyui():
                                                                        "folder_paths", "nodes")) == []
 
 
+def test_product_never_imports_the_lab():
+    assert _offenders("sp_runtime", lambda name: name.split(".")[0] == "sp_lab") == []
+    assert _offenders("nodes", lambda name: name.split(".")[0] == "sp_lab") == []
+
+
 def test_nodes_hold_no_distributed_logic():
     assert _offenders("nodes", lambda name: name.startswith("torch.distributed")) == []
 
