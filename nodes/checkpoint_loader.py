@@ -8,7 +8,7 @@ import folder_paths
 import safetensors
 from comfy_api.latest import io
 
-from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.checkpoints.header import read_checkpoint_header
 
 from .comfy_model import meta_state_dict
 from .loader import CATEGORY, load_sp_model, pool_inputs, sp_model_spec

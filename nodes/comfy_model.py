@@ -20,7 +20,7 @@ import comfy.supported_models
 import comfy.utils
 
 from sp_runtime.families import FAMILIES, comfy_host
-from sp_runtime.families.checkpoint import SAFETENSORS_DTYPES, count_blocks
+from sp_runtime.checkpoints.loading import SAFETENSORS_DTYPES, count_blocks
 from sp_runtime.formats.detect import plain_view
 
 from . import model_options_policy as policy

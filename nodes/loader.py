@@ -10,7 +10,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from sp_runtime.config import config_from_inputs
-from sp_runtime.families.base import Cancelled
+from sp_runtime.contract import Cancelled
 
 from .comfy_model import build_sp_model, comfy_model_config, weight_shapes
 from .model_spec import ModelSpec

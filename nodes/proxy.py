@@ -12,7 +12,8 @@ import comfy.model_management
 import comfy.patcher_extension
 
 from sp_runtime.families import comfy_host
-from sp_runtime.families.base import DTYPES, Cancelled, patch_size_2
+from sp_runtime.checkpoints.dtypes import DTYPES
+from sp_runtime.contract import Cancelled, patch_size_2
 from sp_runtime.lora.patch_set import PatchSet
 
 from . import model_options_policy as policy

@@ -12,7 +12,7 @@ _LAZY = {
     "WorkerPool": "sp_runtime.pool",
     "ModelHandle": "sp_runtime.pool",
     "WorkerError": "sp_runtime.pool",
-    "Cancelled": "sp_runtime.families.base",
+    "Cancelled": "sp_runtime.contract",
     "SeqShards": "sp_runtime.attention",
     "sp_attention": "sp_runtime.attention",
 }

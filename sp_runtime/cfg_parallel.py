@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from .config import SPConfig
-from .families.base import CallContext, WorkerModel
+from .contract import CallContext, WorkerModel
 from .groups import ParallelGroups, SeqParallel
 
 

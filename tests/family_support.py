@@ -57,8 +57,8 @@ def run_family_cases(rank: int, world: int, layout: dict, loads: list) -> list:
     """
     from sp_runtime.cfg_parallel import run_forward
     from sp_runtime.config import SPConfig
-    from sp_runtime.families.detect import load_worker_model
-    from sp_runtime.families.base import LoadRequest
+    from sp_runtime.pool.loading import load_worker_model
+    from sp_runtime.contract import LoadRequest
     from sp_runtime.groups import build_groups
     groups = build_groups(SPConfig(["cpu"] * world, **layout))
     context = LocalContext(groups)

@@ -1,4 +1,4 @@
-"""Bad checkpoint files give an error naming the file and what is wrong (sp_runtime/families/header.py), on the host,
+"""Bad checkpoint files give an error naming the file and what is wrong (sp_runtime/checkpoints/header.py), on the host,
 before any worker reads them: never a bare KeyError / TypeError / JSON error, nor "does not exist" for a file that
 exists but is not a regular one."""
 import json
@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sp_runtime.families.detect import detect
-from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.detection import detect
+from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.pool.pool import _load_request
 
 
@@ -103,10 +103,10 @@ def test_missing_file_still_says_it_does_not_exist(tmp_path):
 
 
 def test_header_is_read_once_per_load_and_travels_to_the_workers(tmp_path, monkeypatch):
-    from sp_runtime.families import header as header_module
+    from sp_runtime.checkpoints import header as header_module
     from sp_runtime.families import toy
-    from sp_runtime.families.base import LoadRequest
-    from sp_runtime.families.detect import load_worker_model
+    from sp_runtime.contract import LoadRequest
+    from sp_runtime.pool.loading import load_worker_model
 
     path = str(tmp_path / "toy.safetensors")
     toy.save_toy_checkpoint(path, hidden=24, heads=3)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 import comfy_support as cs
-from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.checkpoints.header import read_checkpoint_header
 
 pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 

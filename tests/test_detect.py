@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sp_runtime.families import checkpoint
-from sp_runtime.families.detect import detect
-from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.checkpoints import loading as checkpoint
+from sp_runtime.detection import detect
+from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.sp.tokens import TokenGrid, grid_ids, reference_placements, rope_axes
 from sp_runtime.tiny_models import COMFY_PREFIX, tiny_config, write_tiny_checkpoint
 

@@ -16,9 +16,9 @@ import torch
 
 from family_support import assert_parity
 from sp_runtime.families import register_family
-from sp_runtime.families.base import Detection, ModelInfo
-from sp_runtime.families.checkpoint import choose_dtypes
-from sp_runtime.families.header import FAMILY_METADATA_KEY
+from sp_runtime.contract import Detection, ModelInfo
+from sp_runtime.checkpoints.loading import choose_dtypes
+from sp_runtime.checkpoints.header import FAMILY_METADATA_KEY
 from sp_runtime.sp import Output, Part, Plan, PlanWorker, Stage, Stream, text_stream
 from sp_runtime.sp.tokens import TokenGrid
 

@@ -6,9 +6,9 @@ import types
 import pytest
 
 from sp_runtime.families import FAMILIES, comfy_host, family_module
-from sp_runtime.families.base import ComfyHost, Detection
-from sp_runtime.families.detect import detect
-from sp_runtime.families.header import Header
+from sp_runtime.contract import ComfyHost, Detection
+from sp_runtime.detection import detect
+from sp_runtime.checkpoints.header import Header
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -193,7 +193,7 @@ def test_real_width_scaled_fp8_headers_are_detected_alone(tmp_path):
     from accelerate import init_empty_weights
     from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel
 
-    from sp_runtime.families.detect import detect
+    from sp_runtime.detection import detect
     from sp_runtime.tiny_models import _flux_to_original
 
     wan_path = tmp_path / "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors"
@@ -219,7 +219,7 @@ def test_real_width_scaled_fp8_headers_are_detected_alone(tmp_path):
 
 
 def test_unsupported_quant_types_are_named(tmp_path):
-    from sp_runtime.families.detect import detect
+    from sp_runtime.detection import detect
     path = tmp_path / "w4a4.safetensors"
     tensors = _scaled(_wan_22_14b_block(width=256, ffn=512, text=64), "")
     del tensors["scaled_fp8"]

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from sp_runtime import devices
-from sp_runtime.families.detect import INTERNAL_FAMILIES_ENV, detect
-from sp_runtime.families.header import MAX_HEADER_BYTES, read_header
+from sp_runtime.detection import INTERNAL_FAMILIES_ENV, detect
+from sp_runtime.checkpoints.header import MAX_HEADER_BYTES, read_header
 from sp_runtime.pool.pool import _load_request
 
 FAST_S = 1.0  # what "fails fast" means here: the old code took seconds to hours on these inputs

@@ -14,7 +14,7 @@ import torch
 from family_support import FP32_TOL, LocalContext, assert_parity, merge_rank_outputs, relative_error, run_family_cases
 from sp_runtime.config import SPConfig
 from sp_runtime.families import hunyuan_video, hunyuan_video15
-from sp_runtime.families.header import Header, read_checkpoint_header
+from sp_runtime.checkpoints.header import Header, read_checkpoint_header
 from sp_runtime.groups import build_groups
 from sp_runtime.local_ranks import run_distributed
 from sp_runtime.pool import WorkerPool
@@ -273,8 +273,8 @@ def test_key_plan_equals_diffusers_converter_at_13b_width():
 
 def test_bad_inputs_are_clear_errors(hv_files):
     """In one process (the pool's handling of worker errors is tested elsewhere)."""
-    from sp_runtime.families.base import LoadRequest
-    from sp_runtime.families.detect import load_worker_model
+    from sp_runtime.contract import LoadRequest
+    from sp_runtime.pool.loading import load_worker_model
     groups = build_groups(SPConfig(["cpu"]))
     worker = load_worker_model(LoadRequest(hv_files["t2v"]), torch.device("cpu"), groups, lambda *_: None)
     x, t, inputs = CASES["t2v"]()["35_tokens"]
@@ -390,8 +390,8 @@ def test_lora_on_fused_layers_splits_like_the_weights(hv_files, tmp_path):
 def test_low_precision_storage(tmp_path, version, dtype):
     """bf16 and fp8 files (kept in fp8, computed in bf16) within their rounding of diffusers' stock forward on the
     same weights and dtypes; in one process (the split is dtype-blind and checked in fp32 above)."""
-    from sp_runtime.families.base import LoadRequest
-    from sp_runtime.families.detect import load_worker_model
+    from sp_runtime.contract import LoadRequest
+    from sp_runtime.pool.loading import load_worker_model
     module = hunyuan_video15 if version == "1.5" else hunyuan_video
     path = write_tiny_checkpoint(str(tmp_path / f"{dtype}.safetensors"), "original", dtype, SEED, COMFY_PREFIX, "",
                                  version=version)

@@ -17,7 +17,7 @@ import torch
 from comfy_support import NO_COMFYUI, comfyui_path, import_comfy, import_node_module
 from family_support import assert_parity
 from sp_runtime.families import hunyuan_video15
-from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.tiny_models import COMFY_PREFIX, randomize_
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools

@@ -355,7 +355,7 @@ def test_original_names_reach_a_model_loaded_from_a_sharded_diffusers_folder(fil
     """Kohya names of fused original Flux tensors, on a model whose checkpoint never spelled them; the base is
     re-read from the right shard."""
     from sp_runtime.families import flux
-    from sp_runtime.families.header import resolve_checkpoint
+    from sp_runtime.checkpoints.header import resolve_checkpoint
     from sp_runtime.lora.apply import LoraState
     folder = write_tiny_checkpoint("flux", str(tmp_path / "flux_folder"), layout="diffusers_folder", seed=2,
                                    max_shard_size="150KB")

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sp_runtime.config import SPConfig
-from sp_runtime.families.base import LoadRequest
-from sp_runtime.families.detect import load_worker_model
+from sp_runtime.contract import LoadRequest
+from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.lora import apply as apply_module
 from sp_runtime.lora.apply import lora_state
 from sp_runtime.pool import WorkerPool

@@ -11,7 +11,7 @@ import torch
 
 from family_support import FP32_TOL, assert_parity, relative_error
 from sp_runtime.families import ltx2
-from sp_runtime.families.detect import detect
+from sp_runtime.detection import detect
 from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 from sp_runtime.tiny_models.ltx2 import release_metadata
 from sp_runtime.tiny_models.quant_files import write_quantized

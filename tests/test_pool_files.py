@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from sp_runtime.families.header import check_unchanged, checkpoint_stamp
+from sp_runtime.checkpoints.header import check_unchanged, checkpoint_stamp
 from test_pool_kit import assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
 
 
@@ -88,7 +88,7 @@ def test_a_load_refuses_a_file_changed_after_it_was_chosen(tmp_path):
 def test_family_loads_copy_cpu_weights_out_of_the_file(tmp_path):
     from safetensors.torch import save_file
 
-    from sp_runtime.families.checkpoint import CheckpointSource, WeightDtypes, load_weights
+    from sp_runtime.checkpoints.loading import CheckpointSource, WeightDtypes, load_weights
     path = str(tmp_path / "linear.safetensors")
     weights = {"weight": torch.randn(4, 3), "bias": torch.randn(4)}
     save_file(weights, path)

@@ -184,7 +184,7 @@ def test_step_history_keeps_recent_times_and_compares_medians():
 
 def test_a_resident_model_is_found_without_reading_its_file(pool, checkpoint, monkeypatch):
     """The pool owner asks for its model at every step: that must not read the checkpoint's header each time."""
-    from sp_runtime.families import header as header_module
+    from sp_runtime.checkpoints import header as header_module
     first = pool.load_model(checkpoint)
     monkeypatch.setattr(header_module, "read_header", lambda file: pytest.fail(f"the header of {file} was read"))
     assert pool.load_model(checkpoint).key == first.key

@@ -9,7 +9,7 @@ import torch
 from family_support import FP32_TOL, LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
 from sp_runtime.families import qwen_image
-from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.sp.tokens import TokenGrid, reference_pack
 from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
 
@@ -170,8 +170,8 @@ def test_mismatched_weights_are_named(files, tmp_path):
 
 def test_cancel_is_checked_between_blocks(files):
     from sp_runtime.groups import ParallelGroups, SeqParallel
-    from sp_runtime.families.base import LoadRequest
-    from sp_runtime.families.detect import load_worker_model
+    from sp_runtime.contract import LoadRequest
+    from sp_runtime.pool.loading import load_worker_model
     groups = ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
     worker = load_worker_model(LoadRequest(files["original"]), torch.device("cpu"), groups, lambda *_: None)
     context = LocalContext(groups)
@@ -182,7 +182,7 @@ def test_cancel_is_checked_between_blocks(files):
 
 def test_edit_2511_by_option(files, references):
     """A file that cannot say it is Edit-2511 (no marker) loads as one with variant="edit_2511"."""
-    from sp_runtime.families.base import LoadRequest
+    from sp_runtime.contract import LoadRequest
     from sp_runtime.groups import ParallelGroups, SeqParallel
     groups = ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
     detection = qwen_image.detect(read_checkpoint_header(files["original"]))

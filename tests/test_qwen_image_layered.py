@@ -10,7 +10,7 @@ import torch
 
 from family_support import FP32_TOL, assert_parity, relative_error
 from sp_runtime.families import qwen_image
-from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
@@ -112,7 +112,7 @@ def test_detection_and_options(layered_files, layered_model):
 
 def test_bad_additional_t_cond_is_a_clear_error(layered_files):
     from family_support import LocalContext
-    from sp_runtime.families.base import LoadRequest
+    from sp_runtime.contract import LoadRequest
     from sp_runtime.groups import SeqParallel
     groups = type("Groups", (), {"seq": SeqParallel.single()})()
     path = layered_files["comfy_prefix"]

@@ -251,8 +251,8 @@ def _single_rank():
 
 
 def test_cancel_is_checked_between_blocks_and_bad_inputs_are_named(files):
-    from sp_runtime.families.detect import load_worker_model
-    from sp_runtime.families.base import LoadRequest
+    from sp_runtime.pool.loading import load_worker_model
+    from sp_runtime.contract import LoadRequest
     groups = _single_rank()
     worker = load_worker_model(LoadRequest(files["original"]), torch.device("cpu"), groups, lambda *_: None)
     context = LocalContext(groups)

@@ -18,9 +18,10 @@ import comfy_support as cs
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
 from sp_runtime.families import wan
-from sp_runtime.families.base import LoadRequest
-from sp_runtime.families.detect import detect, load_worker_model
-from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.contract import LoadRequest
+from sp_runtime.detection import detect
+from sp_runtime.pool.loading import load_worker_model
+from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.families.wan_checkpoint import wan_key_plan
 from sp_runtime.families.wan_common import WanSinusoid, wrap_pad
 from sp_runtime.groups import ParallelGroups, SeqParallel

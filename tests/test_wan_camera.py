@@ -11,8 +11,8 @@ import torch
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
 from sp_runtime.families import wan
-from sp_runtime.families.base import LoadRequest
-from sp_runtime.families.detect import load_worker_model
+from sp_runtime.contract import LoadRequest
+from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.groups import ParallelGroups, SeqParallel
 from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 
@@ -88,7 +88,7 @@ def test_bad_camera_conditions_are_named(files):
 
 
 def test_the_5b_control_camera_is_refused_by_name(tmp_path):
-    from sp_runtime.families.detect import detect
+    from sp_runtime.detection import detect
     path = write_tiny_checkpoint("wan", str(tmp_path / "fun_5b_camera.safetensors"), variant="camera_2.2",
                                  in_channels=100, out_channels=48, prefix=COMFY_PREFIX)
     with pytest.raises(ValueError, match=r"Wan 2\.2 Fun 5B Control-Camera checkpoint \(48-channel latents, 100 input"):

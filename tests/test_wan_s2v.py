@@ -11,9 +11,10 @@ import torch
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
 from sp_runtime.families import wan
-from sp_runtime.families.base import LoadRequest
-from sp_runtime.families.detect import detect, load_worker_model
-from sp_runtime.families.header import Header
+from sp_runtime.contract import LoadRequest
+from sp_runtime.detection import detect
+from sp_runtime.pool.loading import load_worker_model
+from sp_runtime.checkpoints.header import Header
 from sp_runtime.families.wan_checkpoint import detect as detect_header
 from sp_runtime.families.wan_s2v import attach_s2v_modules
 from sp_runtime.groups import ParallelGroups, SeqParallel

@@ -9,8 +9,8 @@ import torch
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
 from sp_runtime.families import wan
-from sp_runtime.families.base import LoadRequest
-from sp_runtime.families.detect import load_worker_model
+from sp_runtime.contract import LoadRequest
+from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.groups import ParallelGroups, SeqParallel
 from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 from sp_runtime.tiny_models.wan import original_state_dict

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from family_support import FP32_TOL, PARITY_LOG, LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
 from sp_runtime.families import flux, flux2, qwen_image, qwen_image21, z_image
-from sp_runtime.families.header import read_checkpoint_header
+from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.local_ranks import run_distributed
 from sp_runtime.pool import WorkerPool
 from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, original_state_dict, write_tiny_checkpoint
@@ -167,7 +167,7 @@ def real_size_keys(original: bool) -> dict:
 
 @pytest.mark.parametrize("original", [True, False], ids=["comfy", "diffusers"])
 def test_real_size_header_reads_as_30_heads_of_128(original):
-    from sp_runtime.families.header import Header
+    from sp_runtime.checkpoints.header import Header
     header = Header("z_image_turbo_bf16.safetensors",
                     {COMFY_PREFIX + key: value for key, value in real_size_keys(original).items()})
     detection = z_image.detect(header)
@@ -225,7 +225,7 @@ def test_lora_on_the_fused_qkv_splits_like_the_weight(zi_files, tmp_path):
 
 
 def test_unsupported_inputs_and_variants_are_clear_errors(zi_files, tmp_path):
-    from sp_runtime.families.base import LoadRequest
+    from sp_runtime.contract import LoadRequest
     from sp_runtime.groups import SeqParallel
     groups = type("Groups", (), {"seq": SeqParallel.single()})()
     path = zi_files["comfy"]

@@ -413,7 +413,7 @@ def _rank_memory(pool) -> list[dict]:
 def _check_memory(preset: Preset, configs: list[SPConfig], dtype: str) -> None:
     """Refuse a preset whose weights cannot fit before any worker starts (each rank holds all weights)."""
     from .comm import DTYPE_BYTES
-    from ..families.base import dtype_name
+    from ..checkpoints.dtypes import dtype_name
     name = preset.dtype if dtype == "default" else dtype_name(dtype)
     needed = parameter_count(preset) * DTYPE_BYTES.get(name, 4)
     devices = max(configs, key=lambda c: c.world_size).devices

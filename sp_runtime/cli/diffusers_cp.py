@@ -75,7 +75,7 @@ def _cp_rank(rank: int, devices: list[str], path: str, dtype: str, noise: torch.
 
 def _load(path: str, dtype: str, device: torch.device):
     from ..families import family_module
-    from ..families.detect import detect
+    from ..detection import detect
     detection = detect(path)
     if detection.family == "synthetic":
         from ..families.synthetic import build_model

@@ -96,11 +96,11 @@ def materialize(preset: Preset, cache_dir: str = CACHE_DIR, synthetic: Optional[
     Written presets become ComfyUI-layout .safetensors files (the real loader reads them); synthetic ones (or
     synthetic=True) become a small spec file that makes each worker draw the weights on its own device; trained
     ones are trained first (seed does not apply: the recipe has its own), reporting to training_progress.
-    A synthetic preset opts this process into the internal families (families.detect.allow_internal_families).
+    A synthetic preset opts this process into the internal families (detection.allow_internal_families).
     """
     synthetic = preset.synthetic if synthetic is None else synthetic
     if synthetic:  # a spec file this process writes itself: let it (and the workers it starts) load it
-        from ..families.detect import allow_internal_families
+        from ..detection import allow_internal_families
         allow_internal_families()
     if preset.trained and not synthetic:
         from .demo_training import recipe_of, trained_checkpoint

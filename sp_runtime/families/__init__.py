@@ -8,9 +8,9 @@ A family module (or sub-package) provides, at module level:
         From a header.Header alone (no weights read, no diffusers import: this runs in the ComfyUI process);
         None when the file is another family; ValueError naming the file for a variant it cannot run.
     load(request, detection, device, groups, progress) -> WorkerModel
-        Worker side: build the model on `device` (diffusers imported here), read the weights (checkpoint.py:
+        Worker side: build the model on `device` (diffusers imported here), read the weights (checkpoints/loading:
         choose_dtypes, build_empty_model, load_weights with the family's key plan) and return a WorkerModel whose
-        forward(x, timestep, inputs, out, ctx) is the family's sequence-parallel forward (base.py). The image
+        forward(x, timestep, inputs, out, ctx) is the family's sequence-parallel forward (contract.py). The image
         families and HunyuanVideo return sp.PlanWorker(model, info, PLAN, ...): their forward is PLAN, a sp.Plan
         (the call's token streams, conditioning, stages of blocks, head) that the executor runs; wan* and ltx2 still
         define their own workers.
@@ -27,7 +27,7 @@ import os
 from types import ModuleType
 from typing import Optional
 
-from .base import ComfyHost
+from ..contract import ComfyHost
 
 FAMILIES = {
     "qwen_image": "sp_runtime.families.qwen_image",

@@ -16,10 +16,11 @@ import torch
 from ..sp import AttentionSpec, Plan, PlanWorker, Stage, Stream, image_parts, text_stream
 from ..sp.tokens import (ROPE_THETA, TokenGrid, as_list, grid_ids, reference_pack, reference_placements,
                          reference_unpack, rope_axes)
-from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, Transform, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
-                         load_checkpoint_model, row_split, shape_of, strip_prefix, swap_halves)
-from .header import Header, header_config
+from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries
+from ..checkpoints.loading import (KeyPlan, ProgressFn, Transform, WeightDtypes, count_blocks, detected_checkpoint,
+                                   find_prefix, layout_keys, load_checkpoint_model, row_split, shape_of, strip_prefix,
+                                   swap_halves)
+from ..checkpoints.header import Header, header_config
 
 FAMILY = "flux"
 DESCRIPTION = "Flux.1 (dev, schnell, Kontext, Fill, Depth/Canny)"

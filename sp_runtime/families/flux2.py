@@ -19,10 +19,10 @@ import torch
 from ..sp import AttentionSpec, PlanWorker, Stage
 from ..sp.tokens import TokenGrid, as_list, grid_ids, reference_placements
 from . import flux
-from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
-                         load_checkpoint_model, shape_of, strip_prefix)
-from .header import Header, header_config
+from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries
+from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, count_blocks, detected_checkpoint, find_prefix,
+                                   layout_keys, load_checkpoint_model, shape_of, strip_prefix)
+from ..checkpoints.header import Header, header_config
 
 FAMILY = "flux2"
 DESCRIPTION = "Flux.2 (dev, klein)"

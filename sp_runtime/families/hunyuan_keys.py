@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from .checkpoint import KeyPlan, Transform, row_split, swap_halves
+from ..checkpoints.loading import KeyPlan, Transform, row_split, swap_halves
 
 # ComfyUI's renames of Tencent's module names, in its order (substring replacements)
 COMFY_RENAMES = (

@@ -29,10 +29,10 @@ import torch
 from ..sp import AttentionSpec, Plan, PlanWorker, Stage, Stream, project_qkv, text_stream, video_part
 from ..sp.tokens import rope_axes, text_key_mask
 from ..sp.video_tokens import conv_patch_embed
-from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
-                         load_checkpoint_model, shape_of, strip_prefix)
-from .header import Header, header_config
+from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries
+from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, count_blocks, detected_checkpoint, find_prefix,
+                                   layout_keys, load_checkpoint_model, shape_of, strip_prefix)
+from ..checkpoints.header import Header, header_config
 from .hunyuan_keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_name, hunyuan_key_plan
 
 FAMILY = "hunyuan_video"

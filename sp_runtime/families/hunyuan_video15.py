@@ -30,10 +30,10 @@ import torch
 from ..sp import PlanWorker, Stream, text_stream
 from ..sp.tokens import rope_axes
 from . import hunyuan_video
-from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, layout_keys,
-                         load_checkpoint_model, shape_of, strip_prefix)
-from .header import Header, header_config
+from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo
+from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, count_blocks, detected_checkpoint, find_prefix,
+                                   layout_keys, load_checkpoint_model, shape_of, strip_prefix)
+from ..checkpoints.header import Header, header_config
 from .hunyuan_keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, hunyuan_key_plan
 from .hunyuan_video import (check_latent, check_reference, comfy_attributes, comfy_names, embedded, image_stream,
                             model_info, patch_of, per_item, reference_latent_hooks, refined_text, text_keep,

@@ -44,9 +44,9 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..attention import SeqShards, attention_over_key_shards, sp_attention
-from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn
-from .checkpoint import (KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, detected_checkpoint, load_weights,
-                         strip_prefix)
+from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo
+from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, build_empty_model, choose_dtypes,
+                                   detected_checkpoint, load_weights, strip_prefix)
 from .ltx2_checkpoint import CONNECTORS, FAMILY, detect, ltx2_key_plan
 from ..sp.video_tokens import VideoGrid
 

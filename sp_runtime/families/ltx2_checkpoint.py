@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from typing import Iterable, Optional
 
-from .base import Detection
-from .checkpoint import KeyPlan, count_blocks, find_prefix, shape_of, strip_prefix
-from .header import Header
+from ..contract import Detection
+from ..checkpoints.loading import KeyPlan, count_blocks, find_prefix, shape_of, strip_prefix
+from ..checkpoints.header import Header
 
 FAMILY = "ltx2"
 ANCHORS = ("av_ca_a2v_gate_adaln_single.emb.timestep_embedder.linear_1.weight", "audio_patchify_proj.weight",

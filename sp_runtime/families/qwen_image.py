@@ -21,10 +21,10 @@ import torch
 from ..sp import Plan, PlanWorker, Stage, Stream, image_parts, text_stream
 from ..sp.tokens import (ROPE_THETA, TokenGrid, as_list, grid_ids, reference_pack, reference_placements,
                          reference_unpack, rope_axes, text_key_mask)
-from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, identity_plan,
-                         load_checkpoint_model, shape_of, strip_prefix)
-from .header import Header, header_config
+from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries
+from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, count_blocks, detected_checkpoint, find_prefix,
+                                   identity_plan, load_checkpoint_model, shape_of, strip_prefix)
+from ..checkpoints.header import Header, header_config
 
 FAMILY = "qwen_image"
 DESCRIPTION = "Qwen-Image / Qwen-Image-Edit (2509, 2511)"

@@ -18,10 +18,10 @@ import torch
 from ..attention import Segment, SegmentMask
 from ..sp import Output, Part, Plan, PlanWorker, Stage, Stream
 from ..sp.tokens import ROPE_THETA, TokenGrid, as_list, rope_axes, text_key_mask
-from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, load_checkpoint_model,
-                         row_split, shape_of, strip_prefix)
-from .header import Header, header_config
+from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries
+from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, count_blocks, detected_checkpoint, find_prefix,
+                                   load_checkpoint_model, row_split, shape_of, strip_prefix)
+from ..checkpoints.header import Header, header_config
 
 FAMILY = "qwen_image21"
 DESCRIPTION = "Qwen-Image 2.1 (t2i, turbo, edit)"

@@ -14,8 +14,9 @@ from typing import Optional
 
 import torch
 
-from .base import Detection, LoadRequest, ProgressFn
-from .header import FAMILY_METADATA_KEY, Header
+from ..contract import Detection, LoadRequest
+from ..checkpoints.loading import ProgressFn
+from ..checkpoints.header import FAMILY_METADATA_KEY, Header
 
 FAMILY = "synthetic"
 DESCRIPTION = ""  # benchmark specs: not listed among the supported families
@@ -66,7 +67,7 @@ def family_worker(family: str, model, config: dict, dtypes):
 def build_model(family: str, config: dict, dtype: str, device: torch.device, seed: int = 0,
                 progress: Optional[ProgressFn] = None):
     """An eval-mode diffusers model of the family with seeded random weights on `device`; returns (model, dtypes)."""
-    from .checkpoint import build_empty_model, choose_dtypes, target_dtypes
+    from ..checkpoints.loading import build_empty_model, choose_dtypes, target_dtypes
     config = {key: tuple(value) if key in TUPLE_KEYS and isinstance(value, list) else value
               for key, value in config.items()}
     dtypes = choose_dtypes(dtype)

@@ -20,9 +20,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .base import DTYPES, Detection, LoadRequest, ModelInfo, dtype_name
-from .checkpoint import SAFETENSORS_DTYPES, out_of_file
-from .header import FAMILY_METADATA_KEY, Header, read_header
+from ..checkpoints.dtypes import DTYPES, dtype_name
+from ..contract import Detection, LoadRequest, ModelInfo
+from ..checkpoints.loading import SAFETENSORS_DTYPES, out_of_file
+from ..checkpoints.header import FAMILY_METADATA_KEY, Header, read_header
 
 FAMILY = "toy"
 DESCRIPTION = ""  # a test model: not listed among the supported families

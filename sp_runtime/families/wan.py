@@ -28,9 +28,10 @@ import torch
 from ..attention import SeqShards, local_attention, sp_attention
 from ..groups import SeqParallel
 from ..sp.rope_options import is_identity, rotary_axis, scaled_positions
-from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries, patch_size_2
-from .checkpoint import KeyPlan, WeightDtypes, build_empty_model, choose_dtypes, detected_checkpoint, load_weights
-from .header import Header, header_config
+from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries, patch_size_2
+from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, build_empty_model, choose_dtypes,
+                                   detected_checkpoint, load_weights)
+from ..checkpoints.header import Header, header_config
 from ..sp.video_tokens import VideoGrid, pad_to_patch_3d
 from .wan_checkpoint import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY,
                              folder_overrides, wan_key_plan)

@@ -27,7 +27,7 @@ import torch
 
 from ..attention import gather_rows, local_attention
 from ..groups import SeqParallel
-from .checkpoint import shape_of
+from ..checkpoints.loading import shape_of
 from ..sp.video_tokens import VideoGrid, conv_patch_embed, frame_runs, pad_to_patch_3d
 
 ANIMATE_MODULES = ("pose_patch_embedding.", "face_adapter.", "face_encoder.", "motion_encoder.")

@@ -13,9 +13,9 @@ import json
 import math
 from typing import Optional
 
-from .base import Detection
-from .checkpoint import KeyPlan, count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
-from .header import Header, header_config
+from ..contract import Detection
+from ..checkpoints.loading import KeyPlan, count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
+from ..checkpoints.header import Header, header_config
 from .wan_animate import ANIMATE_MODULES, animate_architecture, animate_key_targets
 from .wan_animate2 import (DIFFUSERS_ANCHOR, MODEL_TYPE, RELEASE_ANCHOR, animate2_original_key,
                            check_animate2_architecture)

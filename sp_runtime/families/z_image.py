@@ -19,10 +19,10 @@ import torch
 
 from ..sp import Output, Part, Plan, PlanWorker, Stage, Stream
 from ..sp.tokens import TokenGrid, pad_to_patch, patchify
-from .base import ComfyHost, Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from .checkpoint import (KeyPlan, WeightDtypes, count_blocks, detected_checkpoint, find_prefix, load_checkpoint_model,
-                         row_split, shape_of, strip_prefix)
-from .header import Header, header_config
+from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries
+from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, count_blocks, detected_checkpoint, find_prefix,
+                                   load_checkpoint_model, row_split, shape_of, strip_prefix)
+from ..checkpoints.header import Header, header_config
 
 FAMILY = "z_image"
 DESCRIPTION = "Z-Image (base, turbo)"

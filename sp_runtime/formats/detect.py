@@ -31,7 +31,7 @@ def _describe(entry: dict) -> str:
 
 
 def quantization(header, prefix: str = "") -> Optional[Quantization]:
-    """The quantization of a checkpoint header (a families.detect.Header), or None for plain float files.
+    """The quantization of a checkpoint header (a checkpoints.header.Header), or None for plain float files.
 
     Besides the header, only ComfyUI's per-layer `.comfy_quant` JSON bytes are read (the file opened once).
     Raises ValueError naming formats or quant types that cannot be dequantized."""

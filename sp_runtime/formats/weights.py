@@ -67,7 +67,7 @@ class QuantWeight:
 
     def owned(self) -> "QuantWeight":
         """The weight with its CPU parts copied out of the file mapping they may view: a checkpoint rewritten on
-        disk must not change a loaded model (as families.checkpoint.out_of_file does for plain tensors)."""
+        disk must not change a loaded model (as checkpoints.loading.out_of_file does for plain tensors)."""
         def own(part):
             return kept_copy(part) if part.device.type == "cpu" else part
         return replace(self, rows={k: own(v) for k, v in self.rows.items()},

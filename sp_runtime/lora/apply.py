@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..families.header import Header
+from ..checkpoints.header import Header
 from ..formats import QuantLinear
 from ..sharding import model_shards
 from .base import BaseWeights

@@ -1,5 +1,5 @@
 """The base weights of a loaded model, read again on demand: each parameter from the checkpoint it was loaded from,
-through the same key plan and the same cast as `families.checkpoint.load_weights`, so the value read is bitwise the
+through the same key plan and the same cast as `checkpoints.loading.load_weights`, so the value read is bitwise the
 value loaded. This is how a LoRA comes off exactly, without a second copy of the weights in memory.
 """
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Callable, Iterator, Union
 
 import torch
 
-from ..families.checkpoint import Transform, identity_plan, strip_prefix
-from ..families.detect import detect
-from ..families.header import Header, read_checkpoint_header, read_header
+from ..checkpoints.loading import Transform, identity_plan, strip_prefix
+from ..detection import detect
+from ..checkpoints.header import Header, read_checkpoint_header, read_header
 from ..formats import open_weights, quantization, read_plain
 from .keys import WeightPlanFn
 

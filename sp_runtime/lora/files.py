@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..families.header import read_header, require_regular_file
+from ..checkpoints.header import read_header, require_regular_file
 
 # (suffix of the up / B tensor, suffix of the down / A tensor), as comfy/weight_adapter/lora.py lists them
 LOW_RANK_SUFFIXES = (

@@ -17,8 +17,8 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from ..families import FAMILIES, family_module
-from ..families.base import Detection
-from ..families.checkpoint import KeyPlan, Transform
+from ..contract import Detection
+from ..checkpoints.loading import KeyPlan, Transform
 
 DOTTED_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.transformer.",
                    "base_model.model.", "transformer.", "unet.")

@@ -1,5 +1,5 @@
 """The persistent worker pool: WorkerPool, ModelHandle and the errors a call can raise."""
-from ..families.base import Cancelled
+from ..contract import Cancelled
 from .errors import PoolClosedError, PoolForkedError, PoolStartError, RemoteError, WorkerError
 from .handle import ModelHandle
 from .pool import WorkerPool

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..families.base import Cancelled
+from ..contract import Cancelled
 from ..groups import ParallelGroups
 from .control import ControlBlock
 
@@ -42,7 +42,7 @@ class DeviceCache:
 
 
 class WorkerCallContext:
-    """CallContext (see families.base) for one call in one worker."""
+    """CallContext (see sp_runtime.contract) for one call in one worker."""
 
     def __init__(self, device: torch.device, groups: ParallelGroups, control: ControlBlock,
                  cache: DeviceCache, versions: dict[tuple, int]):

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..families.base import LoadRequest, ModelInfo
+from ..contract import LoadRequest, ModelInfo
 from ..lora.patch_set import PatchSet
 from ..lora.spec import LoraList
 

@@ -17,8 +17,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..config import SPConfig
-from ..families.base import Cancelled, LoadRequest, ModelInfo, ProgressFn
-from ..families.header import checkpoint_stamp, read_checkpoint_header
+from ..contract import Cancelled, LoadRequest, ModelInfo
+from ..checkpoints.loading import ProgressFn
+from ..checkpoints.header import checkpoint_stamp, read_checkpoint_header
 from ..lora.patch_set import PatchSet
 from ..lora.spec import LoraList, normalize_loras
 from .arena import InputArena, OutputArena
@@ -619,8 +620,8 @@ def _request_for(path: str, dtype, options: dict, header, stamp: list) -> LoadRe
     """The request of one model. Its key is the model's identity: the resolved path (one model through any
     symlink), the dtype "default" stands for, the options, and the files' stamp (a file replaced on disk is another
     model)."""
-    from ..families.checkpoint import resolved_dtype_name
-    from ..families.detect import detect
+    from ..checkpoints.loading import resolved_dtype_name
+    from ..detection import detect
     from ..formats.kernels import mode
     from ..sharding import shard_option
     detection = detect(header)

@@ -18,7 +18,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..families.base import Cancelled, ProgressFn
+from ..contract import Cancelled
+from ..checkpoints.loading import ProgressFn
 from .arena import InputArena, OutputArena
 from .control import ControlBlock
 from .errors import PoolClosedError, RemoteError, WorkerError

@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 
 from ..cfg_parallel import run_forward
+from ..checkpoints.header import check_unchanged
 from ..config import SPConfig
-from ..families.base import Cancelled, LoadRequest
-from ..families.header import check_unchanged
-from ..families.detect import load_worker_model
+from ..contract import Cancelled, LoadRequest
 from ..groups import build_groups
 from .context import DeviceCache, WorkerCallContext, view_key
 from .control import ControlBlock
 from .errors import CPU_OUT_OF_MEMORY
+from .loading import load_worker_model
 from .orphan import guard
 from .patch_transport import KeptSets, read_patch_set
 from .protocol import decode_tree, name_to_dtype, recv, send

@@ -6,10 +6,10 @@ import os
 from dataclasses import replace
 from typing import Optional, Union
 
-from ..formats.detect import plain_view
-from . import FAMILIES, family_module
-from .base import Detection
-from .header import FAMILY_METADATA_KEY, Header, read_checkpoint_header
+from .checkpoints.header import FAMILY_METADATA_KEY, Header, read_checkpoint_header
+from .contract import Detection
+from .families import FAMILIES, family_module
+from .formats.detect import plain_view
 
 # This project's own test / benchmark families: a file naming one in its metadata would make every worker build what
 # the metadata asks for (the synthetic family draws random weights of any size). They load only in a process that
@@ -76,7 +76,7 @@ def detect(checkpoint: Union[str, Header], allow_internal: Optional[bool] = None
 
 def _with_quantization(detection: Detection, header: Header) -> Detection:
     """The detection with the file's quantized format (checked to be one we dequantize)."""
-    from .checkpoint import check_quantization
+    from .checkpoints.loading import check_quantization
     quant = check_quantization(header, detection.prefix)
     return replace(detection, quant=quant.summary()) if quant else detection
 
@@ -108,25 +108,3 @@ def describe_unknown(header: Header) -> str:
     top = ", ".join(f"{stem} ({count})" for stem, count in sorted(groups.items(), key=lambda g: -g[1])[:8])
     return f"It holds {len(header.tensors)} tensors, grouped as: {top}; e.g. {sorted(header.tensors)[:3]}."
 
-
-def load_worker_model(request, device, groups, progress):
-    """Worker side: detect the family from the header the host sent (or read here) and run its loader."""
-    import torch
-
-    from ..formats import choose_kernels, weight_bytes
-    from ..model_options import with_runtime_options
-    from ..sharding import ShardSpec, shard_option, shard_worker, sharded_loading
-    header = request.header or read_checkpoint_header(request.path)
-    detection = detect(header, allow_internal=True)  # the host refused internal families (pool._request_for)
-    world = groups.config.world_size if groups is not None else 1
-    shard = ShardSpec(groups.rank, world) if shard_option(request.options) and world > 1 else None
-    with sharded_loading(shard):  # blocks read straight into this rank's shards
-        worker = family_module(detection.family).load(request, detection, device, groups, progress)
-    if shard is not None:
-        worker = shard_worker(worker, shard.rank, shard.world)  # shards a model its family loaded whole
-    if isinstance(getattr(worker, "model", None), torch.nn.Module):
-        worker.info.quant = detection.quant
-        worker.info.weight_bytes = weight_bytes(worker.model) + (worker.shards.resident_bytes if shard else 0)
-        worker.info.quant_kernels = choose_kernels(worker.model, torch.device(device),
-                                                   request.options.get("quant_kernels"))
-    return with_runtime_options(worker, request.options)

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from .base import DTYPES, ProgressFn, dtype_name
+from .dtypes import DTYPES, dtype_name
 from .header import CheckpointSource, Header, read_checkpoint_header
 
 # Prefixes under which real checkpoints keep the diffusion model, most specific first. ComfyUI's full checkpoints use
@@ -30,6 +30,8 @@ SAFETENSORS_DTYPES = {  # safetensors header dtype -> torch dtype
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_COMPUTE_DTYPE = torch.bfloat16
 QUANTIZED_COMPUTE_DTYPE = torch.bfloat16
+
+ProgressFn = Callable[[float, str], None]
 
 # target key -> function of the source tensor (None: the tensor itself)
 Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]

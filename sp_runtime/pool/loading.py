@@ -1,0 +1,28 @@
+"""Worker side of a load: the family's loader run on the request, then sharding, weight accounting, kernels and
+runtime options applied to what it built."""
+from ..checkpoints.header import read_checkpoint_header
+from ..detection import detect
+from ..families import family_module
+
+
+def load_worker_model(request, device, groups, progress):
+    """Worker side: detect the family from the header the host sent (or read here) and run its loader."""
+    import torch
+
+    from ..formats import choose_kernels, weight_bytes
+    from ..model_options import with_runtime_options
+    from ..sharding import ShardSpec, shard_option, shard_worker, sharded_loading
+    header = request.header or read_checkpoint_header(request.path)
+    detection = detect(header, allow_internal=True)  # the host refused internal families (pool._request_for)
+    world = groups.config.world_size if groups is not None else 1
+    shard = ShardSpec(groups.rank, world) if shard_option(request.options) and world > 1 else None
+    with sharded_loading(shard):  # blocks read straight into this rank's shards
+        worker = family_module(detection.family).load(request, detection, device, groups, progress)
+    if shard is not None:
+        worker = shard_worker(worker, shard.rank, shard.world)  # shards a model its family loaded whole
+    if isinstance(getattr(worker, "model", None), torch.nn.Module):
+        worker.info.quant = detection.quant
+        worker.info.weight_bytes = weight_bytes(worker.model) + (worker.shards.resident_bytes if shard else 0)
+        worker.info.quant_kernels = choose_kernels(worker.model, torch.device(device),
+                                                   request.options.get("quant_kernels"))
+    return with_runtime_options(worker, request.options)
