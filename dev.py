@@ -63,7 +63,8 @@ def main(argv: list[str]) -> int:
         return subprocess.run([PYTHON, "-m", "pytest", "tests", *rest], cwd=ROOT, env=env).returncode
     if command == "mutate":
         return subprocess.run([PYTHON, os.path.join(ROOT, "tests", "mutate.py"), *rest], cwd=ROOT).returncode
-    return subprocess.run([PYTHON, "-m", "sp_runtime", command, *rest], cwd=ROOT, env=env).returncode
+    package = "sp_runtime" if command == "doctor" else "sp_lab"  # the product's command, or the lab's
+    return subprocess.run([PYTHON, "-m", package, command, *rest], cwd=ROOT, env=env).returncode
 
 
 if __name__ == "__main__":

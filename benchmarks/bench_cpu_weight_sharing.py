@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sp_runtime import SPConfig  # noqa: E402
 from sp_runtime.cli.machine import describe_machine, write_json  # noqa: E402
 from sp_runtime.detection import allow_internal_families  # noqa: E402
-from sp_runtime.families.toy import save_toy_checkpoint  # noqa: E402
+from sp_lab.families.toy import save_toy_checkpoint  # noqa: E402
 from sp_runtime.pool import WorkerPool  # noqa: E402
 
 MODEL = dict(hidden=512, heads=8, depth=3, context_dim=64)  # 24 x 512^2 fp32 per block: 75 MB

@@ -20,8 +20,8 @@ from sp_runtime import SPConfig, WorkerPool  # noqa: E402
 from sp_runtime.attention.fp8_exchange import INPUT_CODEC, OUTPUT_CODEC  # noqa: E402
 from sp_runtime.cli.comm import AttentionShape, step_exchanges  # noqa: E402
 from sp_runtime.cli.machine import LoadMonitor, describe_machine, parse_devices, write_json  # noqa: E402
-from sp_runtime.cli.presets import get_preset, materialize  # noqa: E402
-from sp_runtime.cli.sampling import make_workload, model_timestep  # noqa: E402
+from sp_lab.cli.presets import get_preset, materialize  # noqa: E402
+from sp_lab.cli.sampling import make_workload, model_timestep  # noqa: E402
 
 VARIANTS = {"plain": {}, "fp8_exchange": {"fp8_exchange": True}, "overlap": {"overlap": True},
             "fp8_exchange+overlap": {"fp8_exchange": True, "overlap": True}}

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sp_runtime.attention import fp8_exchange  # noqa: E402
 from sp_runtime.cli.comm import AttentionShape, step_exchanges  # noqa: E402
 from sp_runtime.cli.machine import LoadMonitor, describe_machine, write_json  # noqa: E402
-from sp_runtime.cli.presets import FLUX_12B, QWEN_IMAGE_20B  # noqa: E402
+from sp_runtime.cli.model_shapes import FLUX_12B, QWEN_IMAGE_20B  # noqa: E402
 from sp_runtime.config import SPConfig  # noqa: E402
 
 BAR_ERROR, BAR_BYTES = 1.5, 0.65
@@ -204,9 +204,9 @@ def run_family(family: str, tokens: int, text: int, seed: int) -> dict:
     import diffusers.models.transformers.transformer_flux as flux_module
     import diffusers.models.transformers.transformer_qwenimage as qwen_module
 
-    from sp_runtime.cli.diffusers_cp import native_inputs
-    from sp_runtime.cli.sampling import make_workload
-    from sp_runtime.families.synthetic import build_model
+    from sp_lab.cli.diffusers_cp import native_inputs
+    from sp_lab.cli.sampling import make_workload
+    from sp_lab.families.synthetic import build_model
     config, real_width, real_height, real_text = FAMILIES[family]
     model = build_model(family, config, "float32", torch.device("cpu"), seed=seed)[0]
     with torch.no_grad():

@@ -21,8 +21,8 @@ import torch
 from rank_memory import ROOT, measure, with_fractions
 from sp_runtime.cli.machine import describe_machine, write_json
 from sp_runtime.families import ltx2
-from sp_runtime.tiny_models import write_tiny_checkpoint
-from sp_runtime.tiny_models.ltx2 import LTX2_TINY
+from sp_lab.tiny_models import write_tiny_checkpoint
+from sp_lab.tiny_models.ltx2 import LTX2_TINY
 
 MODEL = dict(num_attention_heads=4, attention_head_dim=128, cross_attention_dim=512, audio_num_attention_heads=4,
              audio_attention_head_dim=64, audio_cross_attention_dim=256)

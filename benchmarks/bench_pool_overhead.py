@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sp_runtime.cli.machine import describe_machine, timings, write_json  # noqa: E402
 from sp_runtime import SPConfig  # noqa: E402
 from sp_runtime.detection import allow_internal_families  # noqa: E402
-from sp_runtime.families.toy import ToyReference, save_toy_checkpoint  # noqa: E402
+from sp_lab.families.toy import ToyReference, save_toy_checkpoint  # noqa: E402
 from sp_runtime.pool import WorkerPool  # noqa: E402
 
 CASES = [  # name, latent shape (ComfyUI layout)

@@ -1,7 +1,7 @@
 """Weight memory, numeric error and per-call time of each quantized format, side by side with bf16.
 
 A random-weight Flux-architecture model (8 heads of 128, one double and one single block, real text width 4096) is
-written once per format (sp_runtime.tiny_models.quant_files: the real on-disk layouts) with the float32 weights the file
+written once per format (sp_lab.tiny_models.quant_files: the real on-disk layouts) with the float32 weights the file
 encodes. Each file is loaded in-process with the default dtype (weights kept quantized, bf16 compute) and
 compared with diffusers' forward on the dequantized weights in bf16 and fp32; the quantization error itself
 (dequantized weights vs the unquantized model, both in fp32) is reported too. The GGUF K-quant file holds random
@@ -24,8 +24,8 @@ sys.path.insert(0, ROOT)
 from sp_runtime.cli.machine import describe_machine, median_time, write_json  # noqa: E402
 from sp_runtime.families import flux  # noqa: E402
 from sp_runtime.formats import weight_bytes  # noqa: E402
-from sp_runtime.tiny_models import write_tiny_checkpoint  # noqa: E402
-from sp_runtime.tiny_models.quant_files import write_quantized  # noqa: E402
+from sp_lab.tiny_models import write_tiny_checkpoint  # noqa: E402
+from sp_lab.tiny_models.quant_files import write_quantized  # noqa: E402
 
 SIZE = dict(num_attention_heads=8, attention_head_dim=128, num_layers=1, num_single_layers=1,
             joint_attention_dim=4096, pooled_projection_dim=768)

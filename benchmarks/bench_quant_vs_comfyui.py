@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 
 from sp_runtime.cli.machine import LoadMonitor, describe_machine, write_json  # noqa: E402
 
-# diffusers sizes of the tiny writers (sp_runtime.tiny_models) and the latent / text shapes of one call
+# diffusers sizes of the tiny writers (sp_lab.tiny_models) and the latent / text shapes of one call
 SIZES = {"tiny": dict(num_attention_heads=6, attention_head_dim=16, ffn_dim=128, text_dim=32, num_layers=2),
          "small": dict(num_attention_heads=4, attention_head_dim=128, ffn_dim=2048, text_dim=512, num_layers=2),
          "full": dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, text_dim=4096, num_layers=2)}
@@ -109,8 +109,8 @@ def held_bytes(module: torch.nn.Module) -> int:
 
 
 def write_files(folder: str, names: list[str], size: dict) -> dict[str, str]:
-    from sp_runtime.tiny_models import write_tiny_checkpoint
-    from sp_runtime.tiny_models.quant_files import write_quantized
+    from sp_lab.tiny_models import write_tiny_checkpoint
+    from sp_lab.tiny_models.quant_files import write_quantized
     head = {"ulysses_sp.head_dim": str(size["attention_head_dim"])}
     files = {}
     for name in names:

@@ -23,10 +23,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sp_runtime import SPConfig, WorkerPool  # noqa: E402
-from sp_runtime.cli.bench import reset_cpu_peaks  # noqa: E402
+from sp_lab.cli.bench import reset_cpu_peaks  # noqa: E402
 from sp_runtime.cli.machine import LoadMonitor, describe_machine, write_json  # noqa: E402
-from sp_runtime.cli.presets import Preset, get_preset, materialize  # noqa: E402
-from sp_runtime.cli.sampling import make_workload, model_timestep  # noqa: E402
+from sp_lab.cli.presets import Preset, get_preset, materialize  # noqa: E402
+from sp_lab.cli.sampling import make_workload, model_timestep  # noqa: E402
 
 MIB = 2 ** 20
 BIG = Preset("shard-300mb", "qwen_image", "Qwen-Image architecture, 8 blocks, 8 heads of 64, fp32 (~300 MB)",

@@ -21,7 +21,7 @@ import torch
 
 from rank_memory import ROOT, measure, with_fractions
 from sp_runtime.cli.machine import describe_machine, write_json
-from sp_runtime.tiny_models import write_tiny_checkpoint
+from sp_lab.tiny_models import write_tiny_checkpoint
 
 HEADS = dict(num_attention_heads=4, attention_head_dim=128)
 MODELS = {"wan": dict(HEADS, ffn_dim=2048, num_layers=2, text_dim=4096),

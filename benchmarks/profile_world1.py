@@ -11,10 +11,10 @@ import statistics
 
 import torch
 
-from sp_runtime.cli.gpu_checks import RankContext
+from sp_lab.cli.gpu_checks import RankContext
 from sp_runtime.cli.linkprobe import run_ranks
 from sp_runtime.cli.machine import device_sync, timings, write_json
-from sp_runtime.cli.presets import FLUX_12B, QWEN_IMAGE_20B
+from sp_runtime.cli.model_shapes import FLUX_12B, QWEN_IMAGE_20B
 
 CONFIGS = {"flux": (FLUX_12B, {"num_layers": 1, "num_single_layers": 2}, 512),
            "qwen_image": (QWEN_IMAGE_20B, {"num_layers": 3}, 256)}
@@ -22,10 +22,10 @@ CONFIGS = {"flux": (FLUX_12B, {"num_layers": 1, "num_single_layers": 2}, 512),
 
 def profile_rank(rank: int, devices: list[str], family: str, blocks: int, width: int, height: int,
                  steps: int, top: int) -> dict:
-    from sp_runtime.cli.diffusers_cp import native_inputs
-    from sp_runtime.cli.sampling import make_workload, model_timestep
+    from sp_lab.cli.diffusers_cp import native_inputs
+    from sp_lab.cli.sampling import make_workload, model_timestep
     from sp_runtime.config import SPConfig
-    from sp_runtime.families.synthetic import build_model, family_worker
+    from sp_lab.families.synthetic import build_model, family_worker
     from sp_runtime.groups import build_groups
     device = torch.device(devices[rank])
     base, scaled, text_tokens = CONFIGS[family]

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sp_runtime.cli.linkprobe import all_to_all_sweep, run_ranks  # noqa: E402
 from sp_runtime.cli.machine import LoadMonitor, describe_machine, load_average, write_json  # noqa: E402
 from sp_runtime.cli.recommend import transfer_seconds  # noqa: E402
-from sp_runtime.tiny_models import tiny_config  # noqa: E402
+from sp_lab.tiny_models import tiny_config  # noqa: E402
 
 SIZES = {"qwen_image": dict(num_layers=2, num_attention_heads=8, attention_head_dim=64, joint_attention_dim=64),
          "flux": dict(num_layers=1, num_single_layers=2, num_attention_heads=8, attention_head_dim=64,
@@ -49,8 +49,8 @@ def _local_all_to_all(moved: list):
 
 
 def _setup(family: str, width: int, text: int, seed: int = 0):
-    from sp_runtime.cli.sampling import make_workload, model_timestep
-    from sp_runtime.families.synthetic import build_model, family_worker
+    from sp_lab.cli.sampling import make_workload, model_timestep
+    from sp_lab.families.synthetic import build_model, family_worker
     config = tiny_config(family, **SIZES[family])
     model, dtypes = build_model(family, config, "float32", torch.device("cpu"), seed=seed)
     worker = family_worker(family, model, config, dtypes)
@@ -65,7 +65,7 @@ def emulated_rank(rank: int, devices: list[str], family: str, width: int, text: 
     """Spawned single process: rank 0 of `degree` with local all-to-alls; median forward seconds and bytes."""
     import torch.distributed as dist
 
-    from sp_runtime.cli.gpu_checks import RankContext
+    from sp_lab.cli.gpu_checks import RankContext
     from sp_runtime.config import SPConfig
     from sp_runtime.groups import ParallelGroups, SeqParallel
     torch.set_num_threads(threads)
@@ -102,7 +102,7 @@ def real_rank(rank: int, devices: list[str], family: str, width: int, text: int,
     end, CPU seconds)."""
     import torch.distributed as dist
 
-    from sp_runtime.cli.gpu_checks import RankContext
+    from sp_lab.cli.gpu_checks import RankContext
     from sp_runtime.config import SPConfig
     from sp_runtime.groups import build_groups
     worker, workload, t, out = _setup(family, width, text)

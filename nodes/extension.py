@@ -8,7 +8,7 @@ from .checkpoint_loader import SPCheckpointLoader
 from .loader import SPModelLoader
 from .lora import SPLoraLoader
 from .pool_control import SPPoolControl
-from .smoke_conditioning import SPRandomConditioning
+from .random_conditioning import SPRandomConditioning
 
 NODES = [SPModelLoader, SPCheckpointLoader, SPLoraLoader, SPPoolControl, SPRandomConditioning]
 

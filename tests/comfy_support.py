@@ -54,7 +54,7 @@ def import_comfy() -> str:
 # ----- tiny checkpoints and ComfyUI's own model of the same weights -----
 TEXT_DIM, TEXT_TOKENS, POOLED_DIM = 32, 7, 24  # the tiny models' text width, a prompt length, Flux's pooled width
 
-# ComfyUI's unet_config for sp_runtime.tiny_models' sizes (ComfyUI's detection hardcodes real sizes, so the
+# ComfyUI's unet_config for sp_lab.tiny_models' sizes (ComfyUI's detection hardcodes real sizes, so the
 # reference model is built from these by hand)
 COMFY_TINY_UNET = {
     "qwen_image": dict(image_model="qwen_image", patch_size=2, in_channels=64, out_channels=16, num_layers=2,
@@ -77,7 +77,7 @@ TINY_SIZES = {"hunyuan_video": {"num_refiner_layers": 2}}  # ComfyUI's HunyuanVi
 
 
 def write_tiny(family: str, folder: str, **kwargs) -> str:
-    from sp_runtime.tiny_models import write_tiny_checkpoint
+    from sp_lab.tiny_models import write_tiny_checkpoint
     os.makedirs(folder, exist_ok=True)
     kwargs = {**TINY_SIZES.get(family, {}), **kwargs}
     path = os.path.join(folder, f"tiny_{family}{'_' + kwargs['variant'] if kwargs.get('variant') else ''}"

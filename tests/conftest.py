@@ -6,5 +6,5 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# the tests write and load the project's own toy / synthetic checkpoints (refused in any other process)
-os.environ["ULYSSES_SP_INTERNAL_FAMILIES"] = "1"
+# the tests write and load the lab's toy / synthetic checkpoints (registered here and refused in any other process)
+import sp_lab.families  # noqa: E402,F401  (registers them, ULYSSES_SP_INTERNAL_FAMILIES=1)

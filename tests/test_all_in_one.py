@@ -11,8 +11,8 @@ from sp_runtime.config import SPConfig
 from sp_runtime.families import flux, qwen_image, wan
 from sp_runtime.detection import detect
 from sp_runtime.pool import WorkerPool
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
-from sp_runtime.tiny_models.weights import pack_all_in_one
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models.weights import pack_all_in_one
 from test_family_layouts import make_cases
 
 SEED = 5

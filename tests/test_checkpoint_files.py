@@ -104,7 +104,7 @@ def test_missing_file_still_says_it_does_not_exist(tmp_path):
 
 def test_header_is_read_once_per_load_and_travels_to_the_workers(tmp_path, monkeypatch):
     from sp_runtime.checkpoints import header as header_module
-    from sp_runtime.families import toy
+    from sp_lab.families import toy
     from sp_runtime.contract import LoadRequest
     from sp_runtime.pool.loading import load_worker_model
 

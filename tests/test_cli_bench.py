@@ -1,4 +1,4 @@
-"""`python -m sp_runtime bench` end to end on 2 CPU workers (tiny presets, written and drawn on the workers): the
+"""`python -m sp_lab bench` end to end on 2 CPU workers (tiny presets, written and drawn on the workers): the
 JSON fields, parity against layout 1, the communication bytes against an independent count, the plot, the random
 weights agreeing across ranks, and clear errors for impossible requests."""
 import json
@@ -7,7 +7,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from sp_runtime.__main__ import main
+from sp_lab.__main__ import main
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +73,10 @@ def test_bench_random_weights_drawn_on_the_workers_match_across_layouts(tmp_path
 
 
 def _disagreeing_ranks(rank, world_size):
-    from sp_runtime.families.synthetic import agree_across_ranks, build_model
+    from sp_lab.families.synthetic import agree_across_ranks, build_model
     from sp_runtime.config import SPConfig
     from sp_runtime.groups import build_groups
-    from sp_runtime.tiny_models import tiny_config
+    from sp_lab.tiny_models import tiny_config
     groups = build_groups(SPConfig(["cpu"] * world_size))
     model, _ = build_model("qwen_image", tiny_config("qwen_image"), "float32", torch.device("cpu"), seed=rank)
     agreed = agree_across_ranks(model, groups)
@@ -120,9 +120,9 @@ def test_bench_refuses_a_full_size_preset_that_cannot_fit(tmp_path, capsys, monk
 @pytest.mark.parametrize("family, channels", [("qwen_image", 16), ("flux", 16), ("wan", 16)])
 def test_diffusers_side_by_side_inputs_fit_the_stock_forward(family, channels):
     """The GPU-only comparison calls diffusers' stock forward; its arguments are checked here on one CPU process."""
-    from sp_runtime.cli.diffusers_cp import native_inputs, skip_reason
-    from sp_runtime.cli.sampling import make_workload
-    from sp_runtime.tiny_models import build_tiny_model
+    from sp_lab.cli.diffusers_cp import native_inputs, skip_reason
+    from sp_lab.cli.sampling import make_workload
+    from sp_lab.tiny_models import build_tiny_model
     model = build_tiny_model(family)
     workload = make_workload(family, dict(model.config), channels, 80, 48, frames=5, text_tokens=7)
     with torch.no_grad():
@@ -156,7 +156,7 @@ def test_speedup_plot_without_matplotlib_is_drawn_with_pillow(tmp_path, monkeypa
 
     from PIL import Image
 
-    from sp_runtime.cli.plotting import save_speedup_plot
+    from sp_lab.cli.plotting import save_speedup_plot
     real_import = builtins.__import__
 
     def no_matplotlib(name, *args, **kwargs):

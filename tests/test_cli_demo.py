@@ -1,4 +1,4 @@
-"""`python -m sp_runtime demo` end to end on 2 CPU workers: its printed and JSON results and its picture with the
+"""`python -m sp_lab demo` end to end on 2 CPU workers: its printed and JSON results and its picture with the
 tiny random-weight preset, the trained shapes preset (with a few training steps), its parity check (which must fail
 when the pool's result differs), and its errors for impossible layouts."""
 import json
@@ -11,8 +11,8 @@ import numpy
 import pytest
 import torch
 
-from sp_runtime.__main__ import main
-from sp_runtime.cli.plotting import PANEL_GAP, TITLE_HEIGHT
+from sp_lab.__main__ import main
+from sp_lab.cli.plotting import PANEL_GAP, TITLE_HEIGHT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
@@ -26,7 +26,7 @@ def cache_dir(tmp_path_factory):
 def test_demo_command_runs_and_passes_its_parity_check(tmp_path, cache_dir):
     from PIL import Image
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "sp_runtime", "demo", "--preset", "tiny", "--steps", str(STEPS),
+    done = subprocess.run([sys.executable, "-m", "sp_lab", "demo", "--preset", "tiny", "--steps", str(STEPS),
                            "--devices", "cpu*2", "--out", str(out), "--cache-dir", cache_dir],
                           cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env=dict(os.environ, PYTHONPATH=ROOT))
@@ -75,7 +75,7 @@ def _check_picture(path, summary):
 @pytest.fixture
 def few_training_steps(monkeypatch):
     """The shapes preset trained for 3 steps instead of a minute (its own recipe hash, so its own cache file)."""
-    from sp_runtime.cli import demo_training
+    from sp_lab.cli import demo_training
     real = demo_training.recipe_of
     monkeypatch.setattr(demo_training, "recipe_of", lambda preset: replace(real(preset), steps=3, batch=4))
 
@@ -96,7 +96,7 @@ def test_demo_trains_its_model_on_first_run_and_draws_every_shape(tmp_path, cach
 
 
 def test_demo_fails_when_the_pool_result_differs(tmp_path, cache_dir, few_training_steps, monkeypatch, capsys):
-    from sp_runtime.cli import demo
+    from sp_lab.cli import demo
     real = demo._reference_model
 
     def perturbed(*args):

@@ -31,8 +31,8 @@ def tiny_tokenizer() -> bytes:
 
 def write_all_in_one(folder: str) -> str:
     import torch
-    from sp_runtime.tiny_models import COMFY_PREFIX
-    from sp_runtime.tiny_models.weights import pack_all_in_one
+    from sp_lab.tiny_models import COMFY_PREFIX
+    from sp_lab.tiny_models.weights import pack_all_in_one
     diffusion = cs.write_tiny("wan", os.path.join(folder, "unet"), prefix=COMFY_PREFIX, **WAN_SIZE)
     g = torch.Generator().manual_seed(4)
     parts = {"text_encoders." + TEXT_ENCODER_KEY: torch.randn(4096, generator=g).half(),

@@ -15,7 +15,7 @@ import torch
 
 import comfy_support as cs
 from sp_runtime.formats import choose_kernels, kernels
-from sp_runtime.tiny_models.quant_files import write_quantized
+from sp_lab.tiny_models.quant_files import write_quantized
 from test_quant_kernels import COLS, ENTRIES, ROWS, layer_file, quant_linear
 
 pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from sp_runtime.cli import demo_training, shapes
-from sp_runtime.cli.presets import get_preset
+from sp_lab.cli import demo_training, shapes
+from sp_lab.cli.presets import get_preset
 from sp_runtime.families.qwen_image import reference_forward
 
 # a few seconds on 2 cores: 2 blocks of width 64, 16x16-pixel pictures (16 tokens)
@@ -48,7 +48,7 @@ def test_the_context_tells_shapes_and_colours_apart():
 
 
 def test_the_training_forward_is_the_reference_call_the_demo_samples_with():
-    from sp_runtime.tiny_models import build_tiny_model
+    from sp_lab.tiny_models import build_tiny_model
     model = build_tiny_model("qwen_image", seed=3, **SMALL.size)  # random weights: every path of the forward counts
     generator = torch.Generator().manual_seed(2)
     latent = torch.randn(2, 16, 1, 8, 8, generator=generator)

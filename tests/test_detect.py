@@ -14,7 +14,7 @@ from sp_runtime.checkpoints import loading as checkpoint
 from sp_runtime.detection import detect
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.sp.tokens import TokenGrid, grid_ids, reference_placements, rope_axes
-from sp_runtime.tiny_models import COMFY_PREFIX, tiny_config, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, tiny_config, write_tiny_checkpoint
 
 QWEN = {key: value for key, value in tiny_config("qwen_image").items()}
 FLUX = {key: value for key, value in tiny_config("flux").items()}

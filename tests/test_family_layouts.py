@@ -8,7 +8,7 @@ import torch
 
 from family_support import assert_parity
 from sp_runtime.families import flux, qwen_image, wan
-from sp_runtime.tiny_models import build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models import build_tiny_model, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared layout pools (u1r3, u2r2, u2cfg2)
 

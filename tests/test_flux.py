@@ -13,7 +13,7 @@ import torch
 from family_support import FP32_TOL, assert_parity, merge_rank_outputs, relative_error, run_family_cases
 from sp_runtime.families import flux, qwen_image
 from sp_runtime.local_ranks import run_distributed
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 5

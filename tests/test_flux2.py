@@ -10,7 +10,7 @@ import torch
 from family_support import FP32_TOL, assert_parity, relative_error
 from sp_runtime.families import flux, flux2, qwen_image21
 from sp_runtime.checkpoints.header import read_checkpoint_header
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 11

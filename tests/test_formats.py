@@ -23,7 +23,7 @@ def _gguf_weight(raw: np.ndarray, kind: str, shape) -> QuantWeight:
                                   "IQ4_NL", "IQ4_XS", "BF16"])
 def test_gguf_dequantizers_equal_ggufs_reference(kind):
     import gguf
-    from sp_runtime.tiny_models.quant_files import K_SCALE_FIELDS, _random_k_blocks
+    from sp_lab.tiny_models.quant_files import K_SCALE_FIELDS, _random_k_blocks
     qtype = gguf.GGMLQuantizationType[kind]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     shape = (3, 2 * max(block, 256))
@@ -194,7 +194,7 @@ def test_real_width_scaled_fp8_headers_are_detected_alone(tmp_path):
     from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel
 
     from sp_runtime.detection import detect
-    from sp_runtime.tiny_models import _flux_to_original
+    from sp_lab.tiny_models import _flux_to_original
 
     wan_path = tmp_path / "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors"
     _sparse_checkpoint(wan_path, _scaled(_wan_22_14b_block(), "model.diffusion_model."))

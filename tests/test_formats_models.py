@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from family_support import assert_parity, relative_error
-from sp_runtime.tiny_models.quant_files import FORMATS, write_quantized
+from sp_lab.tiny_models.quant_files import FORMATS, write_quantized
 from sp_runtime.families import flux, qwen_image, wan, z_image
 from sp_runtime.checkpoints.header import read_header
 

@@ -57,7 +57,7 @@ def _flux_errors(codecs):
     Ulysses exchanges send them (joint text q / k / v replicated, never sent)."""
     import diffusers.models.transformers.transformer_flux as flux_module
 
-    from sp_runtime.tiny_models import build_tiny_model
+    from sp_lab.tiny_models import build_tiny_model
     model = build_tiny_model("flux", num_layers=1, num_single_layers=1, num_attention_heads=2,
                              attention_head_dim=128, joint_attention_dim=32, pooled_projection_dim=24)
     with torch.no_grad():

@@ -1,12 +1,12 @@
-"""`python -m sp_runtime gpu-suite`: refuses without CUDA unless --allow-cpu; on CPU its sections run with tiny sizes
+"""`python -m sp_lab gpu-suite`: refuses without CUDA unless --allow-cpu; on CPU its sections run with tiny sizes
 and write their JSON after each section; a section that does not fit the budget is skipped with the reason, and a
 failing one is recorded without losing the others."""
 import json
 
 import pytest
 
-from sp_runtime.__main__ import main
-from sp_runtime.cli import gpu_suite
+from sp_lab.__main__ import main
+from sp_lab.cli import gpu_suite
 
 
 def _report(folder):

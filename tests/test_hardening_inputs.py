@@ -123,7 +123,7 @@ def test_header_length_is_bounded(tmp_path):
 def flux_diffusers(tmp_path_factory):
     """A tiny Flux loaded from a diffusers-layout file: original kohya names are in no table of the model's."""
     from sp_runtime.families import flux
-    from sp_runtime.tiny_models import write_tiny_checkpoint
+    from sp_lab.tiny_models import write_tiny_checkpoint
     path = write_tiny_checkpoint("flux", str(tmp_path_factory.mktemp("flux") / "flux.safetensors"), "diffusers")
     return path, flux.load_model(path)[0]
 
@@ -234,7 +234,7 @@ def test_comfy_quant_entry_size_is_capped(tmp_path):
 @pytest.fixture(scope="module")
 def quant_metadata_file(tmp_path_factory):
     """A tiny Flux in ComfyUI's int8 convrot layout, its layers listed in `_quantization_metadata`."""
-    from sp_runtime.tiny_models.quant_files import write_quantized
+    from sp_lab.tiny_models.quant_files import write_quantized
     folder = tmp_path_factory.mktemp("quant")
     path = str(folder / "int8.safetensors")
     write_quantized("flux", path, str(folder / "reference.safetensors"), "quant_metadata")
@@ -291,7 +291,7 @@ def test_lora_rank_zero_is_refused(tmp_path):
 @pytest.fixture(scope="module")
 def flux_original(tmp_path_factory):
     from safetensors.torch import load_file
-    from sp_runtime.tiny_models import write_tiny_checkpoint
+    from sp_lab.tiny_models import write_tiny_checkpoint
     path = write_tiny_checkpoint("flux", str(tmp_path_factory.mktemp("flux") / "flux.safetensors"))
     return load_file(path)
 
@@ -320,7 +320,7 @@ def test_stray_scaled_fp8_marker_loads_the_file_as_it_is(flux_original, tmp_path
 def test_flux2_folder_reads_its_own_config(tmp_path):
     from diffusers import Flux2Transformer2DModel
     from sp_runtime.families import flux2
-    from sp_runtime.tiny_models import write_tiny_checkpoint
+    from sp_lab.tiny_models import write_tiny_checkpoint
     folder = write_tiny_checkpoint("flux2", str(tmp_path / "flux2"), "diffusers_folder",
                                    timestep_guidance_channels=64)
     model = flux2.load_model(folder)[0]

@@ -18,8 +18,8 @@ from sp_runtime.checkpoints.header import Header, read_checkpoint_header
 from sp_runtime.groups import build_groups
 from sp_runtime.local_ranks import run_distributed
 from sp_runtime.pool import WorkerPool
-from sp_runtime.tiny_models import COMFY_PREFIX, randomize_
-from sp_runtime.tiny_models.hunyuan_video import build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, randomize_
+from sp_lab.tiny_models.hunyuan_video import build_tiny_model, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 13

@@ -18,7 +18,7 @@ from comfy_support import NO_COMFYUI, comfyui_path, import_comfy, import_node_mo
 from family_support import assert_parity
 from sp_runtime.families import hunyuan_video15
 from sp_runtime.checkpoints.header import read_checkpoint_header
-from sp_runtime.tiny_models import COMFY_PREFIX, randomize_
+from sp_lab.tiny_models import COMFY_PREFIX, randomize_
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 pytestmark = pytest.mark.skipif(comfyui_path() is None, reason=NO_COMFYUI)

@@ -16,7 +16,7 @@ import comfy_support as cs
 from family_support import assert_parity
 from sp_runtime.families import flux2, qwen_image, z_image
 from sp_runtime.checkpoints.header import Header, read_checkpoint_header
-from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from test_flux2 import SEED as FLUX2_SEED, make_cases as flux2_cases
 from test_qwen_image_layered import SEED as LAYERED_SEED, SIZE as LAYERED_SIZE, make_cases as layered_cases
 from test_z_image import SEED as Z_IMAGE_SEED, real_size_keys, make_cases as z_image_cases

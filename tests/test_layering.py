@@ -4,7 +4,10 @@ Every import counts, also those inside functions; importlib lookups by name (the
 API) are the only way up.
 """
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -20,13 +23,13 @@ LAYERS = [
     ("contract",),
     ("families",),
     ("detection",),
-    ("cfg_parallel", "lora", "tiny_models"),
+    ("cfg_parallel", "lora"),
     ("pool",),
     ("cli",),
     ("__init__", "__main__"),
 ]
 LAYER_OF = {component: index for index, components in enumerate(LAYERS) for component in components}
-NODES_NEVER_IMPORT = ("sp_runtime.cli", "sp_runtime.tiny_models", "sp_runtime.local_ranks", "sp_runtime.attention")
+NODES_NEVER_IMPORT = ("sp_runtime.cli", "sp_runtime.local_ranks", "sp_runtime.attention")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -82,6 +85,21 @@ def test_runtime_never_imports_comfyui():
 def test_product_never_imports_the_lab():
     assert _offenders("sp_runtime", lambda name: name.split(".")[0] == "sp_lab") == []
     assert _offenders("nodes", lambda name: name.split(".")[0] == "sp_lab") == []
+
+
+def test_production_registry_holds_no_lab_family():
+    """A process that never imported the lab (ComfyUI's) knows no toy / synthetic family and refuses their files."""
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in ("ULYSSES_SP_EXTRA_FAMILIES", "ULYSSES_SP_INTERNAL_FAMILIES")}
+    script = ("import sys; from sp_runtime.families import FAMILIES; from sp_runtime.detection import detect; "
+              "from sp_runtime.checkpoints.header import Header\n"
+              "try: detect(Header('toy.safetensors', {}, {'ulysses_sp.family': 'toy'}))\n"
+              "except ValueError as error: print(','.join(FAMILIES), '|', error)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=environment, capture_output=True, text=True,
+                          timeout=120)
+    families, _, refusal = done.stdout.partition(" | ")
+    assert done.returncode == 0 and "qwen_image" in families.split(","), done.stderr
+    assert not {"toy", "synthetic"} & set(families.split(",")) and "'toy'" in refusal
 
 
 def test_nodes_hold_no_distributed_logic():

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from sp_runtime.config import SPConfig
 from sp_runtime.pool import RemoteError, WorkerPool
-from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 
 STRENGTH = 0.7
 RANK, ALPHA = 4, 2.0  # scale alpha / rank = 0.5: a loader that ignored alpha would be off by 2x

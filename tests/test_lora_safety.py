@@ -13,8 +13,8 @@ from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.lora import apply as apply_module
 from sp_runtime.lora.apply import lora_state
 from sp_runtime.pool import WorkerPool
-from sp_runtime.tiny_models import write_tiny_checkpoint
-from sp_runtime.tiny_models.quant_files import write_quantized
+from sp_lab.tiny_models import write_tiny_checkpoint
+from sp_lab.tiny_models.quant_files import write_quantized
 
 H = 96  # the tiny Qwen-Image's width
 

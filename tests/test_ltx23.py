@@ -12,10 +12,10 @@ import torch
 from family_support import FP32_TOL, assert_parity, relative_error
 from sp_runtime.families import ltx2
 from sp_runtime.detection import detect
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
-from sp_runtime.tiny_models.ltx2 import release_metadata
-from sp_runtime.tiny_models.quant_files import write_quantized
-from sp_runtime.tiny_models.weights import pack_all_in_one
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models.ltx2 import release_metadata
+from sp_lab.tiny_models.quant_files import write_quantized
+from sp_lab.tiny_models.weights import pack_all_in_one
 from test_ltx2 import comfy_sigmas, pool_call, reference
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools

@@ -15,7 +15,7 @@ import torch
 import comfy_support as cs
 from family_support import assert_parity
 from sp_runtime.families import ltx2
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 from test_ltx23 import FEATURES
 from test_ltx2_comfy import comfy_model as ltx2_comfy_model, guide_conds
 

@@ -19,7 +19,7 @@ import comfy_support as cs
 from family_support import assert_parity
 from sp_runtime.families import ltx2
 from sp_runtime.checkpoints.header import read_checkpoint_header
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 21

@@ -14,7 +14,7 @@ from comfy_support import import_node_module
 from sp_runtime import Cancelled, SPConfig, WorkerPool
 from sp_runtime.pool import PoolClosedError
 from sp_runtime.pool import pool as pool_module
-from sp_runtime.tiny_models import write_tiny_checkpoint
+from sp_lab.tiny_models import write_tiny_checkpoint
 from test_pool_kit import toy_checkpoint
 
 # every progress step of the workers' loads (or LoRA changes) sleeps this long: the toy below has 40 tensors, so its

@@ -8,7 +8,7 @@ import psutil
 import torch
 
 from sp_runtime import SPConfig
-from sp_runtime.families.toy import ToyReference, save_toy_checkpoint
+from sp_lab.families.toy import ToyReference, save_toy_checkpoint
 from sp_runtime.pool import WorkerPool
 from sp_runtime.pool.segments import our_segments
 

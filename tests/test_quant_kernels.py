@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from sp_runtime.formats import QuantLinear, choose_kernels, comfy_quant, kernels, open_weights
-from sp_runtime.tiny_models.quant_files import _quantize, _regular_hadamard
+from sp_lab.tiny_models.quant_files import _quantize, _regular_hadamard
 
 ROWS, COLS = 96, 256
 NO_KITCHEN = (None, "comfy-kitchen not importable (ModuleNotFoundError)")

@@ -11,7 +11,7 @@ from sp_runtime.config import SPConfig
 from sp_runtime.families import qwen_image
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.sp.tokens import TokenGrid, reference_pack
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 3

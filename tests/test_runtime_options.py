@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from sp_runtime import SPConfig, WorkerPool
-from sp_runtime.cli.gpu_checks import FP8_TOLERANCE
-from sp_runtime.cli.sampling import make_workload, model_timestep
-from sp_runtime.tiny_models import write_tiny_checkpoint
+from sp_lab.cli.gpu_checks import FP8_TOLERANCE
+from sp_lab.cli.sampling import make_workload, model_timestep
+from sp_lab.tiny_models import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

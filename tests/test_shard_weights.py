@@ -18,9 +18,9 @@ from sp_runtime.families import family_module
 from sp_runtime.pool import WorkerPool
 from sp_runtime.sharding import ShardSpec, model_shards, shard_model, sharded_loading
 from sp_runtime.sharding.layout import ALIGN, block_slots, find_blocks, pack
-from sp_runtime.families.synthetic import build_model, write_spec
-from sp_runtime.tiny_models import tiny_config, write_tiny_checkpoint
-from sp_runtime.tiny_models.quant_files import write_quantized
+from sp_lab.families.synthetic import build_model, write_spec
+from sp_lab.tiny_models import tiny_config, write_tiny_checkpoint
+from sp_lab.tiny_models.quant_files import write_quantized
 from test_formats_models import make_case
 
 pytest_plugins = ["family_pools"]

@@ -12,8 +12,8 @@ from sp_runtime.config import SPConfig
 from sp_runtime.families import wan
 from sp_runtime.sp.video_tokens import VideoGrid, pad_to_patch_3d
 from sp_runtime.pool import WorkerPool
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
-from sp_runtime.tiny_models.wan import original_state_dict
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
+from sp_lab.tiny_models.wan import original_state_dict
 
 SEED = 3
 TEXT_DIM = 32

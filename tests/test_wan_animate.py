@@ -17,7 +17,7 @@ from sp_runtime.detection import detect
 from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.groups import ParallelGroups, SeqParallel
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, original_state_dict, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, original_state_dict, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 

@@ -25,7 +25,7 @@ from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.families.wan_checkpoint import wan_key_plan
 from sp_runtime.families.wan_common import WanSinusoid, wrap_pad
 from sp_runtime.groups import ParallelGroups, SeqParallel
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, original_state_dict, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, original_state_dict, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree and per-layout worker pools
 
@@ -208,7 +208,7 @@ def test_int8_convrot_file_loads_as_animate2(model, tmp_path):
     """The templates' file kind: ComfyUI mixed precision (int8 convrot) with the animate2 metadata; loaded in fp32 it
     equals diffusers' Animate 2 on the weights the file encodes."""
     from safetensors.torch import load_file
-    from sp_runtime.tiny_models.quant_files import write_quantized
+    from sp_lab.tiny_models.quant_files import write_quantized
     path, encoded = str(tmp_path / "animate2_int8.safetensors"), str(tmp_path / "encoded.safetensors")
     kinds = write_quantized("wan", path, encoded, "comfy_quant", SEED, COMFY_PREFIX,
                             {"config": json.dumps({"transformer": {"model_type": "animate2"}})},

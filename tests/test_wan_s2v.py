@@ -18,8 +18,8 @@ from sp_runtime.checkpoints.header import Header
 from sp_runtime.families.wan_checkpoint import detect as detect_header
 from sp_runtime.families.wan_s2v import attach_s2v_modules
 from sp_runtime.groups import ParallelGroups, SeqParallel
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
-from sp_runtime.tiny_models.wan import S2V_TINY, original_state_dict
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models.wan import S2V_TINY, original_state_dict
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 

@@ -12,8 +12,8 @@ from sp_runtime.families import wan
 from sp_runtime.contract import LoadRequest
 from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.groups import ParallelGroups, SeqParallel
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
-from sp_runtime.tiny_models.wan import original_state_dict
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models.wan import original_state_dict
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 

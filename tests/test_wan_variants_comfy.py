@@ -16,8 +16,8 @@ import torch
 
 import comfy_support as cs
 from family_support import assert_parity
-from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
-from sp_runtime.tiny_models.wan import CAMERA_TINY, HUMO_TINY, VACE_TINY, tiny_config
+from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
+from sp_lab.tiny_models.wan import CAMERA_TINY, HUMO_TINY, VACE_TINY, tiny_config
 from test_wan_camera import make_cases as camera_cases
 from test_wan_fun import FIVE_B, make_cases as fun_cases
 from test_wan_humo import SIZE as HUMO_SIZE, make_cases as humo_cases

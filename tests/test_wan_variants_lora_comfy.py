@@ -15,8 +15,8 @@ import torch
 
 import comfy_support as cs
 from family_support import BF16_TOL
-from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
-from sp_runtime.tiny_models.quant_files import write_quantized
+from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
+from sp_lab.tiny_models.quant_files import write_quantized
 
 pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 

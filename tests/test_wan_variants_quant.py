@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from family_support import assert_parity, relative_error
 from sp_runtime.families import wan
-from sp_runtime.tiny_models.quant_files import write_quantized
+from sp_lab.tiny_models.quant_files import write_quantized
 from test_wan_animate import make_cases as animate_cases
 from test_wan_s2v import make_cases as s2v_cases
 

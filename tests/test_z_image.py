@@ -16,7 +16,7 @@ from sp_runtime.families import flux, flux2, qwen_image, qwen_image21, z_image
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.local_ranks import run_distributed
 from sp_runtime.pool import WorkerPool
-from sp_runtime.tiny_models import COMFY_PREFIX, build_tiny_model, original_state_dict, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, original_state_dict, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 5

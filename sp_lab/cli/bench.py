@@ -1,4 +1,4 @@
-"""`python -m sp_runtime bench`: step latency, speed-up, efficiency, per-rank memory and communication per layout.
+"""`python -m sp_lab bench`: step latency, speed-up, efficiency, per-rank memory and communication per layout.
 
 One run measures every layout (`1`, `u2`, `u4`, `r2`, `u2r2`, `u2cfg2`, ...) on the same model and inputs: a pool
 per layout, warm-up calls, then timed calls of diffusion_model (the pool's host-side wall time per call). Each
@@ -16,9 +16,9 @@ from typing import Optional
 
 import torch
 
-from ..config import SPConfig
-from .comm import AttentionShape, bytes_per_step, step_exchanges
-from .machine import (DEFAULT_CPU_WORKERS, LoadMonitor, command_line, describe_machine, hardware_label,
+from sp_runtime.config import SPConfig
+from sp_runtime.cli.comm import AttentionShape, bytes_per_step, step_exchanges
+from sp_runtime.cli.machine import (DEFAULT_CPU_WORKERS, LoadMonitor, command_line, describe_machine, hardware_label,
                       parse_devices, time_summary, tolerance_for, write_json)
 from .presets import CACHE_DIR, PRESETS, Preset, get_preset, materialize, parameter_count
 from .sampling import Workload, make_workload, model_timestep
@@ -147,7 +147,7 @@ class _Bench:
         self.workload: Optional[Workload] = None
         self.info = None
         self.baseline_output: Optional[torch.Tensor] = None
-        self.report: dict = {"command": command_line("bench", args)}
+        self.report: dict = {"command": command_line("python -m sp_lab bench", args)}
         self.monitor = LoadMonitor()
 
     def run(self) -> int:
@@ -192,7 +192,7 @@ class _Bench:
 
     # ---- one layout ---------------------------------------------------------------------------------------------
     def _measure_layout(self, config: SPConfig, path: str) -> dict:
-        from ..pool import WorkerPool
+        from sp_runtime.pool import WorkerPool
         row = {"layout": config.layout_name, "world_size": config.world_size,
                "ulysses_degree": config.ulysses_degree, "ring_degree": config.ring_degree,
                "cfg_degree": config.cfg_degree, "devices": list(config.devices), "ok": False}
@@ -259,7 +259,7 @@ class _Bench:
         if not exchanges or self.args.exchange_repeats == 0:
             result.update(comm_ms_per_step=0.0 if not exchanges else None, comm_share=0.0 if not exchanges else None)
             return result
-        from .linkprobe import exchange_times, run_ranks
+        from sp_runtime.cli.linkprobe import exchange_times, run_ranks
         try:
             per_rank = run_ranks(exchange_times, list(config.devices), config.to_dict(), self.workload.batch,
                                  [e.__dict__ for e in exchanges], dtype, self.args.exchange_repeats)
@@ -377,7 +377,7 @@ def _layout_kind(row: dict) -> str:
 
 
 def _size(dtype: str) -> int:
-    from .comm import DTYPE_BYTES
+    from sp_runtime.cli.comm import DTYPE_BYTES
     return DTYPE_BYTES.get(dtype, 4)
 
 
@@ -412,8 +412,8 @@ def _rank_memory(pool) -> list[dict]:
 
 def _check_memory(preset: Preset, configs: list[SPConfig], dtype: str) -> None:
     """Refuse a preset whose weights cannot fit before any worker starts (each rank holds all weights)."""
-    from .comm import DTYPE_BYTES
-    from ..checkpoints.dtypes import dtype_name
+    from sp_runtime.cli.comm import DTYPE_BYTES
+    from sp_runtime.checkpoints.dtypes import dtype_name
     name = preset.dtype if dtype == "default" else dtype_name(dtype)
     needed = parameter_count(preset) * DTYPE_BYTES.get(name, 4)
     devices = max(configs, key=lambda c: c.world_size).devices

@@ -1,4 +1,4 @@
-"""`python -m sp_runtime demo`: a short generation through the worker pool, checked against one device.
+"""`python -m sp_lab demo`: a short generation through the worker pool, checked against one device.
 
 On first run it trains a small Qwen-Image-architecture model to draw coloured shapes (about a minute on 2 CPU
 cores, demo_training.py) and keeps it as a ComfyUI-layout checkpoint in a cache folder; nothing is downloaded.
@@ -16,9 +16,9 @@ import sys
 import time
 import torch
 
-from ..config import SPConfig
-from .comm import AttentionShape
-from .machine import (DEFAULT_CPU_WORKERS, LoadMonitor, command_line, describe_machine, hardware_label,
+from sp_runtime.config import SPConfig
+from sp_runtime.cli.comm import AttentionShape
+from sp_runtime.cli.machine import (DEFAULT_CPU_WORKERS, LoadMonitor, command_line, describe_machine, hardware_label,
                       parse_devices, time_summary, tolerance_for, write_json)
 from .presets import CACHE_DIR, PRESETS, Preset, diffusers_config, get_preset, latent_shape, materialize
 from .sampling import Workload, euler_loop, flow_sigmas, make_workload
@@ -58,7 +58,7 @@ def run(args) -> int:
     except ValueError as error:
         print(f"demo: {error}", file=sys.stderr)
         return 2
-    from ..pool import WorkerError
+    from sp_runtime.pool import WorkerError
     try:
         return _Demo(args, *plan).run()
     except WorkerError as error:  # start failures, dead workers, errors raised in a worker
@@ -89,7 +89,7 @@ class _Demo:
         self.height = args.height or preset.height
         self.frames = args.frames or preset.frames
         self.sigmas = flow_sigmas(args.steps, args.shift)
-        self.summary: dict = {"command": command_line("demo", args)}
+        self.summary: dict = {"command": command_line("python -m sp_lab demo", args)}
         self.monitor = LoadMonitor()
 
     def run(self) -> int:
@@ -124,7 +124,7 @@ class _Demo:
         return path
 
     def _through_pool(self, path: str):
-        from ..pool import WorkerPool
+        from sp_runtime.pool import WorkerPool
         config = self.config
         say(f"[2/4] starting {config.world_size} workers on {', '.join(config.devices)} ({config.backend}) ... ",
             end="")
@@ -277,7 +277,7 @@ class _Demo:
 
 def _reference_model(preset: Preset, family: str, path: str, device: torch.device, seed: int):
     """The model on one device in this process, and its family's single-process reference forward."""
-    from ..families import family_module
+    from sp_runtime.families import family_module
     module = family_module(family)
     if preset.synthetic:
         from ..families.synthetic import build_model

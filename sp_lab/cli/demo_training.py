@@ -144,7 +144,7 @@ def _loss(model, recipe: Recipe, generator: torch.Generator) -> torch.Tensor:
 def velocity(model, latent: torch.Tensor, sigma: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
     """diffusers' own forward with ComfyUI's calling convention ([B, C, 1, H, W] latent, sigma as the timestep), with
     gradients (the family's reference_forward is the same call under no_grad)."""
-    from ..sp.tokens import reference_pack, reference_unpack
+    from sp_runtime.sp.tokens import reference_pack, reference_unpack
     tokens, grid = reference_pack(latent[:, :, 0], 2)
     out = model(hidden_states=tokens, encoder_hidden_states=context, timestep=sigma,
                 img_shapes=[[(1, grid.rows, grid.cols)]] * latent.shape[0], return_dict=False)[0]

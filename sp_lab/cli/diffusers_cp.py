@@ -27,7 +27,7 @@ def side_by_side(plan, info, workload, args, rows: list[dict]) -> dict:
     reason = skip_reason(plan.devices)
     if reason or workload is None:
         return {"skipped": reason or "the baseline layout did not run"}
-    from .linkprobe import run_ranks
+    from sp_runtime.cli.linkprobe import run_ranks
     path = plan.checkpoint or _preset_path(plan, args)
     results = []
     for row in rows:
@@ -60,7 +60,7 @@ def _preset_path(plan, args) -> str:
 def _cp_rank(rank: int, devices: list[str], path: str, dtype: str, noise: torch.Tensor, conditioning: dict,
              family: str, warmup: int, steps: int) -> list[float]:
     """One rank of diffusers' context parallel: build the model, enable Ulysses, time the stock forward."""
-    from .machine import device_sync, timings
+    from sp_runtime.cli.machine import device_sync, timings
     device = torch.device(devices[rank])
     model = _load(path, dtype, device)
     if len(devices) > 1:
@@ -74,8 +74,8 @@ def _cp_rank(rank: int, devices: list[str], path: str, dtype: str, noise: torch.
 
 
 def _load(path: str, dtype: str, device: torch.device):
-    from ..families import family_module
-    from ..detection import detect
+    from sp_runtime.families import family_module
+    from sp_runtime.detection import detect
     detection = detect(path)
     if detection.family == "synthetic":
         from ..families.synthetic import build_model
@@ -87,7 +87,7 @@ def _load(path: str, dtype: str, device: torch.device):
 
 def native_inputs(family: str, model, noise: torch.Tensor, conditioning: dict, device: torch.device) -> dict:
     """diffusers' forward arguments for ComfyUI-shaped latents and conditioning (timing only: ids simplified)."""
-    from ..sp.tokens import reference_pack
+    from sp_runtime.sp.tokens import reference_pack
     dtype = model.proj_out.weight.dtype
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         dtype = torch.bfloat16  # layerwise casting: fp8 storage, bf16 compute

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .machine import device_sync, median_time, timings
+from sp_runtime.cli.machine import device_sync, median_time, timings
 
 FP8_TOLERANCE = 0.1  # max |error| / output scale accepted with FP8 exchange (e4m3 keeps 3 mantissa bits)
 
@@ -64,10 +64,10 @@ def attention_parity(rank: int, devices: list[str], layout: dict, cases: list[di
     layout: SPConfig degrees; variants: AttentionOptions keyword sets (plain, fp8_exchange, overlap).
     Returns per (case, variant) the max |difference| and the reference's scale on this rank.
     """
-    from ..attention import SeqShards, sp_attention
-    from ..attention.options import AttentionOptions, using
-    from ..config import SPConfig
-    from ..groups import build_groups
+    from sp_runtime.attention import SeqShards, sp_attention
+    from sp_runtime.attention.options import AttentionOptions, using
+    from sp_runtime.config import SPConfig
+    from sp_runtime.groups import build_groups
     device = torch.device(devices[rank])
     seq = build_groups(SPConfig(["cpu"] * len(devices), **layout)).seq  # the devices only size the layout here
     rows = []
@@ -97,8 +97,8 @@ def exchange_sweep(rank: int, devices: list[str], sizes: list[int], repeats: int
     plain and through the fp8_exchange option's q/k/v codes (encode + exchange + decode)."""
     import torch.distributed as dist
 
-    from ..attention.fp8_exchange import INPUT_CODEC, AllToAll
-    from .linkprobe import _timed
+    from sp_runtime.attention.fp8_exchange import INPUT_CODEC, AllToAll
+    from sp_runtime.cli.linkprobe import _timed
     device = torch.device(devices[rank])
     world = len(devices)
     rows = []
@@ -116,7 +116,7 @@ def exchange_sweep(rank: int, devices: list[str], sizes: list[int], repeats: int
 def fp8_error(device: torch.device, shape: tuple[int, ...], repeats: int = 5) -> dict:
     """fp8_exchange's q/k/v code error on bf16 values like attention inputs (normal, with a few outlier tokens), its
     bytes, and the encode + decode time on `device` (no communication)."""
-    from ..attention.fp8_exchange import INPUT_CODEC, exchange_bytes
+    from sp_runtime.attention.fp8_exchange import INPUT_CODEC, exchange_bytes
     generator = torch.Generator().manual_seed(0)
     values = torch.randn(shape, generator=generator)
     values.view(-1, shape[-1])[::97] *= 20  # outlier rows: per-row scales keep the others precise
@@ -153,10 +153,10 @@ def compiled_vs_eager(rank: int, devices: list[str], family: str, config: dict, 
     inductor): warm-up (compilation) apart, median call times, graph breaks, max difference."""
     import torch._dynamo
 
-    from ..compile import compile_blocks, graph_breaks
-    from ..config import SPConfig
+    from sp_runtime.compile import compile_blocks, graph_breaks
+    from sp_runtime.config import SPConfig
     from ..families.synthetic import build_model, family_worker
-    from ..groups import build_groups
+    from sp_runtime.groups import build_groups
     from .sampling import make_workload, model_timestep
     device = torch.device(devices[rank])
     groups = build_groups(SPConfig(["cpu"] * len(devices)))

@@ -1,4 +1,4 @@
-"""`python -m sp_runtime gpu-suite`: everything this project needs measured on a CUDA machine, in one command that
+"""`python -m sp_lab gpu-suite`: everything this project needs measured on a CUDA machine, in one command that
 stops within a time budget. Sections run in order, each on its own (a failing one is recorded and the next runs),
 and the JSON report is rewritten after each, so an interrupted run keeps what it measured. A section whose
 estimated time no longer fits the budget is skipped with that reason.
@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .machine import LoadMonitor, command_line, describe_machine, hardware_label, write_json
+from sp_runtime.cli.machine import LoadMonitor, command_line, describe_machine, hardware_label, write_json
 
 DEFAULT_BUDGET_S = 480
 HARD_STOP_GRACE_S = 60  # past budget + grace the suite kills its children and exits (the JSON is already written)
@@ -95,7 +95,7 @@ class Suite:
         self.path = os.path.join(self.out, "gpu_suite.json")
         self.started = time.monotonic()
         self.scratch = tempfile.mkdtemp(prefix="usp_gpu_suite_")
-        self.report = {"command": command_line("gpu-suite", args), "hardware": hardware_label(devices),
+        self.report = {"command": command_line("python -m sp_lab gpu-suite", args), "hardware": hardware_label(devices),
                        "devices": devices, "budget_s": args.budget_s,
                        "sizes": "full" if self.cuda else "tiny (CPU run: plumbing only, no GPU figure)",
                        "sections": {}}
@@ -190,7 +190,7 @@ class Suite:
 
 # ---- sections ------------------------------------------------------------------------------------------------------
 def _environment(suite: Suite) -> dict:
-    from .doctor import _gpus, _nvidia_smi, _peer_access, _Printer
+    from sp_runtime.cli.doctor import _gpus, _nvidia_smi, _peer_access, _Printer
     quiet = _Printer(True)
     result = {"machine": describe_machine(), "gpus": _gpus(quiet)}
     if suite.gpus > 1:
@@ -219,9 +219,9 @@ def _package_versions() -> dict:
 
 def _correctness(suite: Suite) -> dict:
     """World 1 through the pool vs diffusers' stock forward in this process, tiny Qwen-Image and Flux."""
-    from ..config import SPConfig
-    from ..families import flux, qwen_image
-    from ..pool import WorkerPool
+    from sp_runtime.config import SPConfig
+    from sp_runtime.families import flux, qwen_image
+    from sp_runtime.pool import WorkerPool
     from ..tiny_models import write_tiny_checkpoint
     device = suite.devices[0]
     rows = []
@@ -304,7 +304,7 @@ def _attention_cases(suite: Suite) -> list[dict]:
 
 def _attention(suite: Suite) -> dict:
     from .gpu_checks import attention_parity, worst_by_case
-    from .linkprobe import run_ranks
+    from sp_runtime.cli.linkprobe import run_ranks
     cases = _attention_cases(suite)
     dtypes = {case["name"]: case["dtype"] for case in cases}
     layouts = {}
@@ -357,7 +357,7 @@ def _fp8(suite: Suite) -> dict:
 
 def _bandwidth(suite: Suite) -> dict:
     from .gpu_checks import exchange_sweep
-    from .linkprobe import run_ranks
+    from sp_runtime.cli.linkprobe import run_ranks
     if suite.gpus >= 2:
         devices, backend, mib = suite.devices, None, (0.25, 1, 4, 16, 64, 256)
         how = f"NCCL all_to_all_single over {len(devices)} GPUs"
@@ -480,8 +480,10 @@ def _peak_gib(row: dict) -> Optional[float]:
 
 def _compile(suite: Suite) -> dict:
     from .gpu_checks import compiled_vs_eager
-    from .linkprobe import run_ranks
-    from .presets import FLUX_12B, diffusers_config, get_preset
+    from sp_runtime.cli.linkprobe import run_ranks
+    from sp_runtime.cli.model_shapes import FLUX_12B
+
+    from .presets import diffusers_config, get_preset
     if suite.cuda:
         config = dict(FLUX_12B, num_layers=2, num_single_layers=2)
         size, what = (1024, 1024, 512), "Flux.1-dev blocks at full width (2 double + 2 single), bf16, 1024^2"

@@ -14,13 +14,13 @@ from typing import Optional
 
 import torch
 
-from ..contract import Detection, LoadRequest
-from ..checkpoints.loading import ProgressFn
-from ..checkpoints.header import FAMILY_METADATA_KEY, Header
+from sp_runtime.checkpoints.header import FAMILY_METADATA_KEY, Header
+from sp_runtime.checkpoints.loading import ProgressFn
+from sp_runtime.cli.model_shapes import model_class, with_tuples
+from sp_runtime.contract import Detection, LoadRequest
 
 FAMILY = "synthetic"
 DESCRIPTION = ""  # benchmark specs: not listed among the supported families
-TUPLE_KEYS = ("axes_dims_rope", "patch_size")
 
 
 def write_spec(path: str, family: str, config: dict, seed: int = 0, dtype: str = "bfloat16") -> str:
@@ -39,26 +39,17 @@ def detect(header: Header) -> Optional[Detection]:
                      files=(header.path,))
 
 
-def model_class(family: str):
-    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, WanTransformer3DModel
-    classes = {"qwen_image": QwenImageTransformer2DModel, "flux": FluxTransformer2DModel,
-               "wan": WanTransformer3DModel}
-    if family not in classes:
-        raise ValueError(f"synthetic models exist for {sorted(classes)}, not {family!r}")
-    return classes[family]
-
-
 def family_worker(family: str, model, config: dict, dtypes):
     """The family's worker around a built model, made by the family's own worker_from_model (as its load() does)."""
     if family == "qwen_image":
-        from . import qwen_image as module
+        from sp_runtime.families import qwen_image as module
         variant = module.VARIANT_IMAGE
     elif family == "flux":
-        from . import flux as module
+        from sp_runtime.families import flux as module
         variant = module.variant_of(config)
     else:
-        from . import wan as module
-        from .wan_checkpoint import variant_of
+        from sp_runtime.families import wan as module
+        from sp_runtime.families.wan_checkpoint import variant_of
         variant = variant_of(config)
     detection = Detection(family=family, variant=variant, layout="diffusers", config=config)
     return module.worker_from_model(model, detection, dtypes, {})
@@ -67,9 +58,8 @@ def family_worker(family: str, model, config: dict, dtypes):
 def build_model(family: str, config: dict, dtype: str, device: torch.device, seed: int = 0,
                 progress: Optional[ProgressFn] = None):
     """An eval-mode diffusers model of the family with seeded random weights on `device`; returns (model, dtypes)."""
-    from ..checkpoints.loading import build_empty_model, choose_dtypes, target_dtypes
-    config = {key: tuple(value) if key in TUPLE_KEYS and isinstance(value, list) else value
-              for key, value in config.items()}
+    from sp_runtime.checkpoints.loading import build_empty_model, choose_dtypes, target_dtypes
+    config = with_tuples(config)
     dtypes = choose_dtypes(dtype)
     model = build_empty_model(model_class(family), config, dtypes)
     targets = target_dtypes(model, dtypes)
@@ -115,7 +105,7 @@ def agree_across_ranks(model: torch.nn.Module, groups) -> bool:
 
 
 def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn):
-    """The pool's entry point (registered as family "synthetic" in sp_runtime.families.FAMILIES)."""
+    """The pool's entry point (registered as family "synthetic" by sp_lab.families.register_lab_families)."""
     spec = detection.config
     family, config = spec["family"], dict(spec["config"])
     dtype = spec.get("dtype", "bfloat16") if request.dtype == "default" else request.dtype

@@ -20,10 +20,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..checkpoints.dtypes import DTYPES, dtype_name
-from ..contract import Detection, LoadRequest, ModelInfo
-from ..checkpoints.loading import SAFETENSORS_DTYPES, out_of_file
-from ..checkpoints.header import FAMILY_METADATA_KEY, Header, read_header
+from sp_runtime.checkpoints.dtypes import DTYPES, dtype_name
+from sp_runtime.contract import Detection, LoadRequest, ModelInfo
+from sp_runtime.checkpoints.loading import SAFETENSORS_DTYPES, out_of_file
+from sp_runtime.checkpoints.header import FAMILY_METADATA_KEY, Header, read_header
 
 FAMILY = "toy"
 DESCRIPTION = ""  # a test model: not listed among the supported families
@@ -251,7 +251,7 @@ class ToyWorkerModel:
         self.info = info
 
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict, out: torch.Tensor, ctx) -> None:
-        from ..attention import SeqShards, sp_attention
+        from sp_runtime.attention import SeqShards, sp_attention
         groups, config = ctx.groups, self.transformer.config  # CFG batch halves are split by the pool worker
         hooks = _test_hooks(inputs, groups.rank)
         if config["passthrough"]:

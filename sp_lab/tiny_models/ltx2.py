@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ..families.ltx2_checkpoint import CONNECTORS
+from sp_runtime.families.ltx2_checkpoint import CONNECTORS
 from .weights import cast_like_release, randomize_
 
 LTX2_TINY = dict(in_channels=128, out_channels=128, num_attention_heads=3, attention_head_dim=128,
@@ -62,7 +62,7 @@ def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
     ComfyUI's q / k norm eps (as the pool loads it)."""
     from diffusers import LTX2VideoTransformer3DModel
 
-    from ..families.ltx2 import attach_connectors, use_comfy_qk_norm_eps
+    from sp_runtime.families.ltx2 import attach_connectors, use_comfy_qk_norm_eps
     model = LTX2VideoTransformer3DModel.from_config(tiny_config(**size))
     attach_connectors(model, connector_sizes(model.config), model.config.rope_theta)
     use_comfy_qk_norm_eps(model)

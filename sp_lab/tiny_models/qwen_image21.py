@@ -22,7 +22,7 @@ def tiny_config(**size) -> dict:
         raise ValueError(f"unknown size options {sorted(unknown)} for qwen_image21; known: {sorted(config)}")
     config.update(size)
     if "attention_head_dim" in size and "axes_dims_rope" not in size:
-        from ..sp.tokens import rope_axes
+        from sp_runtime.sp.tokens import rope_axes
         config["axes_dims_rope"] = rope_axes(config["attention_head_dim"])
     return config
 

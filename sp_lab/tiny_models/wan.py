@@ -86,7 +86,7 @@ def build_tiny_model(seed: int = 0, variant: str = "t2v", **size) -> torch.nn.Mo
     seeded random weights (stock attention processors)."""
     from diffusers import WanAnimateTransformer3DModel, WanTransformer3DModel, WanVACETransformer3DModel
 
-    from ..families.wan import EXTRA_MODULE_KEYS, attach_extra_modules
+    from sp_runtime.families.wan import EXTRA_MODULE_KEYS, attach_extra_modules
     config = tiny_config(variant, **size)
     extras = {key: config.pop(key) for key in EXTRA_MODULE_KEYS if key in config}
     model_class = {"vace": WanVACETransformer3DModel, "animate": WanAnimateTransformer3DModel}.get(
@@ -214,11 +214,11 @@ def _original_name(key: str) -> str:
 def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
                           prefix: str = "", variant: str = "", max_shard_size: Optional[str] = None,
                           head_dim_metadata: bool = True, **size) -> str:
-    """Build a tiny Wan and save it (see sp_runtime.tiny_models.write_tiny_checkpoint); variant defaults to t2v."""
+    """Build a tiny Wan and save it (see sp_lab.tiny_models.write_tiny_checkpoint); variant defaults to t2v."""
     from safetensors.torch import save_file
 
-    from ..families.wan_animate2 import MODEL_TYPE
-    from ..families.wan_checkpoint import HEAD_DIM_METADATA_KEY
+    from sp_runtime.families.wan_animate2 import MODEL_TYPE
+    from sp_runtime.families.wan_checkpoint import HEAD_DIM_METADATA_KEY
     model = build_tiny_model(seed, variant or "t2v", **size)
     if layout == "diffusers_folder":
         save_folder(model, path, dtype, max_shard_size)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..checkpoints.dtypes import DTYPES
+from sp_runtime.checkpoints.dtypes import DTYPES
 
 COMFY_PREFIX = "model.diffusion_model."
 
@@ -30,7 +30,7 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
 
 def cast_like_release(state: dict, dtype: str) -> dict[str, torch.Tensor]:
     """Cast as released files are: fp8 files keep matrices in fp8 and vectors (biases, norms) in bf16."""
-    from ..checkpoints.dtypes import DTYPES
+    from sp_runtime.checkpoints.dtypes import DTYPES
     target = DTYPES[dtype]
     if target in (torch.float8_e4m3fn, torch.float8_e5m2):
         return {k: v.to(target if v.dim() >= 2 else torch.bfloat16).contiguous() for k, v in state.items()}

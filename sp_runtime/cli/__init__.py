@@ -1,1 +1,1 @@
-"""Command-line tools: demo, bench, doctor, client."""
+"""Command-line tools of the product: doctor (and the link, machine and speed models it uses), client."""

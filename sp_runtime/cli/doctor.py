@@ -253,9 +253,9 @@ def _bandwidth(out: _Printer, devices: list[str], sizes: list[int], repeats: int
 
 
 def _recommendation(out: _Printer, args, devices: list[str], sweep: Optional[dict], stated: dict) -> dict:
-    from .presets import get_preset
+    from .model_shapes import FULL_SIZE
     from .recommend import MODELS
-    preset = get_preset(MODELS[args.model])
+    preset = FULL_SIZE[MODELS[args.model]]
     width, height = args.width or preset.width, args.height or preset.height
     frames = args.frames or preset.frames
     config = preset.size

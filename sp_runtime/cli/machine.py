@@ -80,8 +80,8 @@ def _own_cpu_seconds() -> float:
 
 
 def command_line(command: str, args) -> str:
-    """The command that reproduces this run, every option spelled out."""
-    parts = ["python -m sp_runtime", command]
+    """The command that reproduces this run (command: program and subcommand), every option spelled out."""
+    parts = [command]
     for name, value in vars(args).items():
         if name == "command" or value is None or value is False:
             continue

@@ -4,7 +4,7 @@ measured device throughput (attention and matmul) and the measured all-to-all ba
 Model: compute = attention FLOPs / attention rate + 2 x tokens x parameters / matmul rate; GPUs split it by the
 degree (attention by the padded head count), CPU workers share the same cores so it does not shrink; the exchanges
 of sp_runtime.cli.comm are added at the measured bandwidth for their message size, not overlapped. It is an
-estimate for choosing a degree; `python -m sp_runtime bench` measures the real thing.
+estimate for choosing a degree; `python -m sp_lab bench` measures the real thing.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from ..config import SPConfig
 from .comm import DTYPE_BYTES, AttentionShape, step_exchanges
 from .machine import device_sync, median_time
-from .presets import diffusers_config, get_preset, latent_shape, parameter_count, token_count
+from .model_shapes import FULL_SIZE, count_parameters, latent_shape, token_count
 
 MODELS = {"qwen-image": "qwen-image-20b", "flux": "flux-12b", "wan": "wan-14b"}
 MIN_TOKENS_PER_RANK = 1024   # below this a GPU's kernels run mostly idle and fixed costs dominate
@@ -69,12 +69,12 @@ def transfer_seconds(message_bytes: float, sweep: Sequence[dict]) -> float:
 def recommend(model: str, width: int, height: int, frames: int, text_tokens: Optional[int], devices: list[str],
               sweep: Optional[Sequence[dict]], throughput: Throughput, memory_bytes: Optional[int]) -> dict:
     """Estimated step time per degree and the recommended degree, with the reasons."""
-    preset = get_preset(MODELS[model])
-    config = diffusers_config(preset)
+    preset = FULL_SIZE[MODELS[model]]
+    config = preset.size
     shape = AttentionShape.of(preset.family, config)
     text = text_tokens or preset.text_tokens
     tokens = token_count(preset.family, latent_shape(preset.family, 16, width, height, frames))
-    parameters = parameter_count(preset)
+    parameters = count_parameters(preset.family, config)
     dtype = "bfloat16"
     joint = tokens + (text if shape.joint_text else 0)
     attention_flops = shape.layers * 4 * shape.heads * shape.head_dim * joint * joint
@@ -110,7 +110,7 @@ def recommend(model: str, width: int, height: int, frames: int, text_tokens: Opt
             "estimated_one_device_ms": round((attention_s + linear_s) * 1e3, 1), "throughput": throughput.__dict__,
             "candidates": candidates, "recommended_layout": best["layout"], "shard_weights": sharding,
             "reasons": reasons,
-            "note": "estimate from measured throughput and link speed; measure with `python -m sp_runtime bench`"}
+            "note": "estimate from measured throughput and link speed; measure with `python -m sp_lab bench`"}
 
 
 def shard_weights_estimate(weights: int, blocks: int, ranks: int, sweep: Optional[Sequence[dict]],

@@ -90,16 +90,13 @@ def known_shape(model: str) -> ModelShape:
     from accelerate import init_empty_weights
     from diffusers import HunyuanVideoTransformer3DModel
 
-    from ..families.synthetic import TUPLE_KEYS, model_class
-    from .presets import diffusers_config, get_preset
+    from .model_shapes import FULL_SIZE, empty_model
     from .recommend import MODELS
-    with init_empty_weights():
-        if model == "hunyuan-video":
+    if model == "hunyuan-video":
+        with init_empty_weights():
             return shape_of(model, "hunyuan_video", HunyuanVideoTransformer3DModel(**HUNYUAN_VIDEO_13B))
-        preset = get_preset(MODELS[model])
-        config = {key: tuple(value) if key in TUPLE_KEYS and isinstance(value, list) else value
-                  for key, value in diffusers_config(preset).items()}
-        built = model_class(preset.family).from_config(config)
+    preset = FULL_SIZE[MODELS[model]]
+    built = empty_model(preset.family, preset.size)
     return shape_of(model, preset.family, built, cfg=preset.family in ("qwen_image", "wan"))
 
 

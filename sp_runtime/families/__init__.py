@@ -39,8 +39,6 @@ FAMILIES = {
     "hunyuan_video": "sp_runtime.families.hunyuan_video",
     "hunyuan_video15": "sp_runtime.families.hunyuan_video15",
     "ltx2": "sp_runtime.families.ltx2",
-    "toy": "sp_runtime.families.toy",              # the pool's test model
-    "synthetic": "sp_runtime.families.synthetic",  # random weights drawn on the workers (benchmark presets)
 }
 
 

@@ -1,5 +1,6 @@
-"""SPRandomConditioning, "Random Conditioning (Ulysses SP smoke test)": seeded random text conditioning of any width,
-so a tiny test checkpoint can run through the stock KSampler without a text encoder (smoke tests, benchmarks)."""
+"""SPRandomConditioning, "Random Conditioning (Ulysses SP, no text encoder)": seeded random text conditioning of any
+width, for the two runs a user makes without a text encoder: checking an install on the CPU with the tiny example model
+(example_workflows/tiny_qwen_image_cpu.json, nothing downloaded) and timing a big model's denoising alone."""
 from __future__ import annotations
 
 import torch
@@ -27,10 +28,11 @@ class SPRandomConditioning(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="SPRandomConditioning",
-            display_name="Random Conditioning (Ulysses SP smoke test)",
+            display_name="Random Conditioning (Ulysses SP, no text encoder)",
             category=f"{CATEGORY}/testing",
-            description="Seeded random conditioning for trying a tiny test model (or timing a real one) without "
-                        "loading a text encoder. Not for real images.",
+            description="Seeded random conditioning in place of a text encoder: to check an install with the tiny "
+                        "example model, or to time a model's denoising without loading its text encoder. Not for "
+                        "real images.",
             inputs=[
                 io.Int.Input("width", default=32, min=1, max=16384, tooltip="Text feature width of the model "
                              "(Qwen-Image 3584, Flux 4096, Wan 4096; the tiny test models 32)."),
