@@ -127,3 +127,9 @@ def test_demo_refuses_impossible_requests_before_starting(arguments, message, tm
     error = capsys.readouterr().err
     assert message in error, error
     assert not (tmp_path / "demo.json").exists()
+
+
+def test_the_products_command_line_points_at_the_lab_for_lab_commands(capsys):
+    from sp_runtime.__main__ import main as product_main
+    assert product_main(["demo", "--steps", "2"]) == 2
+    assert "python -m sp_lab demo" in capsys.readouterr().err
