@@ -106,9 +106,17 @@ class PoolOwner:
             pool.set_loras(handle, [list(lora) for lora in spec.loras], progress, patches, should_cancel)
             return handle
 
-    def call(self, spec: ModelSpec, x, timestep, context=None, should_cancel=None, patches=None, **extra):
-        """One diffusion_model call through the pool (which records the step time for the panel)."""
-        return self.load(spec, patches=patches)(x, timestep, context=context, should_cancel=should_cancel, **extra)
+    def serving(self, spec: ModelSpec, handle=None, patches=None):
+        """The handle a diffusion_model call of spec's model goes through, with ComfyUI's weight `patches` (the pool
+        applies them, and the handle's LoRAs, before the call when its workers hold others). `handle` (the one the
+        SP MODEL holds) serves while its pool is spec's: no path resolution, stat or header read per call, and it
+        loads its model again itself after an unload or a pool restart. Else (none yet, or the pool was closed or
+        replaced) spec's model is loaded."""
+        with self._lock:
+            if handle is None or self._pools.get(spec.devices) is not handle.pool:
+                handle = self.load(spec, patches=patches)
+            handle.patches = patches
+            return handle
 
     # ----- control: never behind self._lock, which a load holds for as long as it takes -----
     def unload_all(self) -> int:

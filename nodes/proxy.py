@@ -64,7 +64,8 @@ class SPPoolError(RuntimeError):
 
 class SPDiffusionModel(torch.nn.Module):
     """Stands where ComfyUI's diffusion network would be. Attributes ComfyUI's model classes read are plain
-    attributes (dtype, channels, and what the family's ComfyHost lists), never parameters. Its state dict shows the
+    attributes (dtype, channels, and what the family's ComfyHost lists), never parameters. It holds the model's
+    handle, so a call reads no file on the host (no path resolution, stat or detection). Its state dict shows the
     checkpoint's weights as meta tensors (`weight_shapes`, ComfyUI's names) so ComfyUI's LoRA key matching finds
     them; `weight_patches` (set by SPModelPatcher.pre_run) goes to the workers with every call."""
 
@@ -75,6 +76,7 @@ class SPDiffusionModel(torch.nn.Module):
         self.owner = owner
         self.weight_shapes = dict(weight_shapes or {})
         self.weight_patches: Optional[PatchSet] = None
+        self.handle = None  # the pool's ModelHandle of spec's model, from the first call on (PoolOwner.serving)
         self.option_origins: Optional[policy.OptionOrigins] = None  # set by SPModelPatcher.pre_run
         self._meta: Optional[dict[str, torch.Tensor]] = None
         self.dtype = DTYPES.get(info.compute_dtype, torch.float32)
@@ -123,8 +125,9 @@ class SPDiffusionModel(torch.nn.Module):
         packing = self.host is not None and self.host.pack_call is not None
         try:
             packed, timestep, extra = self.host.pack_call(x, timestep, extra) if packing else (x, timestep, extra)
-            out = self.owner.call(self.spec, packed, timestep, context=context, patches=self.weight_patches,
-                                  should_cancel=comfy.model_management.processing_interrupted, **extra)
+            self.handle = self.owner.serving(self.spec, self.handle, self.weight_patches)
+            out = self.handle(packed, timestep, context=context,
+                              should_cancel=comfy.model_management.processing_interrupted, **extra)
             return self.host.unpack_output(out, x) if packing else out
         except Cancelled:
             comfy.model_management.throw_exception_if_processing_interrupted()

@@ -13,41 +13,9 @@ import torch
 from .checkpoints.header import Header
 from .groups import ParallelGroups
 
+
 class Cancelled(Exception):
     """The caller cancelled a call; every rank stopped at the same point."""
-
-
-@dataclass(frozen=True)
-class LoadRequest:
-    """What to load: a file or folder, a weight dtype name (see dtype_name) and family-specific options.
-
-    header: the checkpoint's header as the host read it (once per load); workers read it themselves when None.
-    stamp: [inode, size, mtime_ns] of each file read, as the host saw them (checkpoint.checkpoint_stamp): a file
-    replaced or rewritten on disk makes another model.
-    """
-
-    path: str
-    dtype: str = "default"
-    options: dict = field(default_factory=dict)
-    header: Optional[Header] = field(default=None, compare=False, repr=False)
-    stamp: list = field(default_factory=list)
-
-    @property
-    def key(self) -> str:
-        """Cache key of a loaded model inside a worker."""
-        import json
-        return json.dumps([self.path, self.dtype, self.options, self.stamp], sort_keys=True)
-
-    def to_message(self) -> dict:
-        """JSON-ready form sent to the workers."""
-        return {"path": self.path, "dtype": self.dtype, "options": self.options,
-                "header": None if self.header is None else self.header.to_dict(), "stamp": self.stamp}
-
-    @classmethod
-    def from_message(cls, message: dict) -> "LoadRequest":
-        header = message.get("header")
-        return cls(message["path"], message["dtype"], message["options"],
-                   None if header is None else Header.from_dict(header), message.get("stamp", []))
 
 
 @dataclass
@@ -61,6 +29,71 @@ class Detection:
     config: dict = field(default_factory=dict)
     files: tuple[str, ...] = ()
     quant: str = ""        # the quantized format, e.g. "gguf (Q4_K x 120)"; "" for plain float files
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (the host sends it with a load request); the config's tuples stay tuples."""
+        return {**self.__dict__, "config": _tagged(self.config), "files": list(self.files)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Detection":
+        return cls(**{**data, "config": _untagged(data["config"]), "files": tuple(data["files"])})
+
+
+def _tagged(value):
+    """A model config as JSON, which has no tuples: tuples and dicts travel tagged (a config may hold either)."""
+    if isinstance(value, (tuple, list)):
+        items = [_tagged(item) for item in value]
+        return {"tuple": items} if isinstance(value, tuple) else items
+    if isinstance(value, dict):
+        return {"dict": {key: _tagged(item) for key, item in value.items()}}
+    return value
+
+
+def _untagged(value):
+    if isinstance(value, list):
+        return [_untagged(item) for item in value]
+    if isinstance(value, dict):
+        return tuple(map(_untagged, value["tuple"])) if "tuple" in value else \
+            {key: _untagged(item) for key, item in value["dict"].items()}
+    return value
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What to load: a file or folder, a weight dtype name (see dtype_name) and family-specific options.
+
+    header: the checkpoint's header as the host read it (once per load); workers read it themselves when None.
+    detection: what the host's detection found in that header (family, prefix, config, quantization): workers and
+    LoRAs use it and detect nothing themselves (None: a request made without the host, e.g. by a test).
+    stamp: [inode, size, mtime_ns] of each file read, as the host saw them (checkpoint.checkpoint_stamp): a file
+    replaced or rewritten on disk makes another model.
+    """
+
+    path: str
+    dtype: str = "default"
+    options: dict = field(default_factory=dict)
+    header: Optional[Header] = field(default=None, compare=False, repr=False)
+    stamp: list = field(default_factory=list)
+    detection: Optional[Detection] = field(default=None, compare=False, repr=False)
+
+    @property
+    def key(self) -> str:
+        """Cache key of a loaded model inside a worker."""
+        import json
+        return json.dumps([self.path, self.dtype, self.options, self.stamp], sort_keys=True)
+
+    def to_message(self) -> dict:
+        """JSON-ready form sent to the workers."""
+        return {"path": self.path, "dtype": self.dtype, "options": self.options,
+                "header": None if self.header is None else self.header.to_dict(), "stamp": self.stamp,
+                "detection": None if self.detection is None else self.detection.to_dict()}
+
+    @classmethod
+    def from_message(cls, message: dict) -> "LoadRequest":
+        header, detection = message.get("header"), message.get("detection")
+        return cls(message["path"], message["dtype"], message["options"],
+                   None if header is None else Header.from_dict(header), message.get("stamp", []),
+                   None if detection is None else Detection.from_dict(detection))
 
 
 def patch_size_2(info: "ModelInfo") -> dict:

@@ -13,8 +13,8 @@ model_spec = import_node_module("model_spec")
 
 
 class FakeHandle:
-    def __init__(self, path, dtype, options):
-        self.path, self.dtype, self.options = path, dtype, options
+    def __init__(self, pool, path, dtype, options):
+        self.pool, self.path, self.dtype, self.options = pool, path, dtype, options
         self.calls = []
 
     def __call__(self, x, timestep, context=None, should_cancel=None, **extra):
@@ -36,7 +36,7 @@ class FakePool:
         self.loads += 1
         if progress:
             progress(1.0, "loaded")
-        return self.handles.setdefault((path, dtype), FakeHandle(path, dtype, options))
+        return self.handles.setdefault((path, dtype), FakeHandle(self, path, dtype, options))
 
     def set_loras(self, handle, loras, progress=None, patches=None, should_cancel=None):
         self.lora_calls.append((handle, loras) if patches is None else (handle, loras, patches))
@@ -121,23 +121,29 @@ def test_every_load_asks_the_pool_for_the_specs_loras(owner):
     handle = owner.load(with_lora)
     assert owner.load(base) is handle  # same weights: one model in the pool, whose LoRA list follows the spec
     assert owner.pools[0].lora_calls == [(handle, [["/loras/x.safetensors", 0.5]]), (handle, [])]
-    owner.call(base, torch.zeros(1, 4), 0.5, patches="stock LoRA patch set")  # the stock nodes' weight patches
+    served = owner.serving(base, patches="stock LoRA patch set")  # the stock nodes' weight patches
     assert owner.pools[0].lora_calls[-1] == (handle, [], "stock LoRA patch set")
+    assert served.patches == "stock LoRA patch set"
 
 
-def test_every_load_and_call_asks_the_pool_so_a_file_replaced_on_disk_is_seen(owner):
-    """The owner keeps no handles: the pool answers a resident model from the file's stamp, and loads a file
-    replaced on disk again (test_pool_files), which a handle cached here would never notice."""
+def test_a_held_handle_serves_every_call_until_its_pool_is_closed_or_replaced(owner):
+    """The SP MODEL holds its handle: calls ask the pool for nothing (no load, no file read); the handle's pool
+    reloads the model itself after an unload or a restart (test_pool_lifecycle). A closed pool loads it again."""
     spec = spec_for("cpu:2")
-    owner.load(spec)
-    for _ in range(2):
-        owner.call(spec, torch.ones(1, 4, 8, 8), torch.ones(1))
-    assert owner.pools[0].loads == 3
+    handle = owner.serving(spec)
+    for patches in (None, "patch set", None):
+        assert owner.serving(spec, handle, patches) is handle and handle.patches == patches
+    assert owner.pools[0].loads == 1
+    owner.load(spec_for("cpu:2", ring_degree=2))  # another layout on the same devices replaces the pool
+    again = owner.serving(spec, handle)
+    assert again is not handle and again.pool is owner.pools[2] and owner.pools[0].closed
+    owner.shutdown()
+    assert owner.serving(spec, again).pool is owner.pools[3]
 
 
 def test_call_goes_through_the_handle_and_step_events_carry_the_devices(owner):
     x = torch.ones(1, 4, 8, 8)
-    assert torch.equal(owner.call(spec_for("cpu:2"), x, torch.ones(1), y=3), x * 2)
+    assert torch.equal(owner.serving(spec_for("cpu:2"))(x, torch.ones(1), y=3), x * 2)
     pool = owner.pools[0]
     assert pool.handles[("/models/a.safetensors", "default")].calls == [(x.shape, {"y": 3})]
     pool.emit({"event": "call", "seconds": 0.5, "layout": "u2", "speedup": 1.7})
@@ -168,7 +174,7 @@ def test_pool_events_are_forwarded_with_their_devices(owner):
 
 def test_broken_listener_never_breaks_a_call(owner):
     owner.add_listener(lambda event, data: 1 / 0)
-    owner.call(spec_for("cpu:2"), torch.ones(1, 1), torch.ones(1))
+    owner.serving(spec_for("cpu:2"))(torch.ones(1, 1), torch.ones(1))
 
 
 def test_shutdown_closes_every_pool(owner):

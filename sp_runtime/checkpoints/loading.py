@@ -185,16 +185,17 @@ def choose_dtypes(requested: str, header: Optional[Header] = None, prefix: str =
     return WeightDtypes(dtype, dtype, quant)
 
 
-def resolved_dtype_name(requested: str, header: Header, prefix: str = "") -> str:
-    """The dtype name a request means for this checkpoint: "default" becomes the file's own precision (what
-    choose_dtypes makes of it), so "default" and that dtype named explicitly are one model. A file without weights
-    (the synthetic family's spec) keeps "default", and so does a quantized file: kept quantized is what "default"
-    alone asks for (no explicit dtype means it)."""
+def resolved_dtype_name(requested: str, header: Header, detection) -> str:
+    """The dtype name a request means for this checkpoint (its Detection): "default" becomes the file's own precision
+    (what choose_dtypes makes of it), so "default" and that dtype named explicitly are one model. A file without
+    weights (the synthetic family's spec) keeps "default", and so does a quantized file: kept quantized is what
+    "default" alone asks for (no explicit dtype means it)."""
     name = dtype_name(requested)
-    floats = [dtype for dtype, _ in strip_prefix(header.tensors, prefix).values() if dtype in SAFETENSORS_DTYPES]
-    if name != "default" or not floats:
+    floats = [dtype for dtype, _ in strip_prefix(header.tensors, detection.prefix).values()
+              if dtype in SAFETENSORS_DTYPES]
+    if name != "default" or not floats or detection.quant:
         return name
-    dtypes = choose_dtypes(name, header, prefix)
+    dtypes = choose_dtypes(name, header, detection.prefix)
     return name if dtypes.quantized else dtypes.storage_name
 
 

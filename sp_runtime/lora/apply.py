@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..checkpoints.header import Header
+from ..contract import Detection
 from ..formats import QuantLinear
 from ..sharding import model_shards
 from .base import BaseWeights
@@ -46,10 +47,12 @@ class _Use:
 class LoraState:
     """LoRA bookkeeping for one loaded model (a diffusers module) in one worker."""
 
-    def __init__(self, model: torch.nn.Module, family: str, checkpoint: "str | Header", device: torch.device):
+    def __init__(self, model: torch.nn.Module, family: str, checkpoint: "str | Header", device: torch.device,
+                 detection: Optional[Detection] = None):
         self.model = model
         self.family = family
         self.checkpoint = checkpoint
+        self.detection = detection  # the load request's (None: detected from the checkpoint)
         self.device = torch.device(device)
         self.plan, self.weight_plan = family_plans(family, model)
         self.quantized = {f"{name}.weight": module for name, module in model.named_modules()
@@ -120,7 +123,7 @@ class LoraState:
     def base(self) -> BaseWeights:
         if self._base is None:
             self._base = BaseWeights(self.checkpoint, {name for name, _ in self.model.named_parameters()},
-                                     self.weight_plan)
+                                     self.weight_plan, self.detection)
         return self._base
 
     @property
@@ -346,10 +349,11 @@ def _check_shape(lora: LoraFile, adapter: Adapter, target: Target, parameter: to
                          f"{target.parameter} of shape {list(parameter.shape)}: a LoRA for another size of model")
 
 
-def lora_state(worker_model, checkpoint: "str | Header", device: torch.device) -> LoraState:
+def lora_state(worker_model, checkpoint: "str | Header", device: torch.device,
+               detection: Optional[Detection] = None) -> LoraState:
     """A LoraState for a family's loaded WorkerModel (its diffusers module is `worker_model.model`)."""
     module = getattr(worker_model, "model", None)
     family = worker_model.info.family
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"LoRA is not supported for {family!r} models (supported: Qwen-Image, Flux, Wan)")
-    return LoraState(module, family, checkpoint, device)
+    return LoraState(module, family, checkpoint, device, detection)

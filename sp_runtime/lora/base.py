@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
-from ..checkpoints.loading import Transform, identity_plan, strip_prefix
-from ..detection import detect
 from ..checkpoints.header import Header, read_checkpoint_header, read_header
+from ..checkpoints.loading import Transform, identity_plan, strip_prefix
+from ..contract import Detection
+from ..detection import detect
 from ..formats import open_weights, quantization, read_plain
 from .keys import WeightPlanFn
 
@@ -29,12 +30,14 @@ class Source:
 
 
 class BaseWeights:
-    """Parameter name -> Source for a model loaded from a checkpoint (its path, or the header it was loaded with),
-    through the family's `weight_plan` (the one its loader uses; None: the keys are the model's own)."""
+    """Parameter name -> Source for a model loaded from a checkpoint (its path, or the header it was loaded with, and
+    the load request's detection), through the family's `weight_plan` (the one its loader uses; None: the keys are
+    the model's own)."""
 
-    def __init__(self, checkpoint: Union[str, Header], parameters: set[str], weight_plan: WeightPlanFn):
+    def __init__(self, checkpoint: Union[str, Header], parameters: set[str], weight_plan: WeightPlanFn,
+                 detection: Optional[Detection] = None):
         header = checkpoint if isinstance(checkpoint, Header) else read_checkpoint_header(checkpoint)
-        detection = detect(header, allow_internal=True)  # a model already loaded: the host checked its family
+        detection = detection or detect(header, allow_internal=True)  # a loaded model: the host checked its family
         keys = strip_prefix(header.tensors, detection.prefix)
         key_plan = weight_plan(detection, keys)
         key_plan = identity_plan(keys) if key_plan is None else key_plan

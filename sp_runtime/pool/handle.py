@@ -23,6 +23,11 @@ class ModelHandle:
         self.patches: Optional[PatchSet] = None  # ComfyUI weight patches applied after them
 
     @property
+    def pool(self):
+        """The WorkerPool this model lives in."""
+        return self._pool
+
+    @property
     def key(self) -> str:
         return self.request.key
 

@@ -6,14 +6,15 @@ from ..families import family_module
 
 
 def load_worker_model(request, device, groups, progress):
-    """Worker side: detect the family from the header the host sent (or read here) and run its loader."""
+    """Worker side: run the loader of the family the host detected (a request without its detection, made by a
+    test, is detected here; the host refused internal families then, pool._request_for)."""
     import torch
 
     from ..formats import choose_kernels, weight_bytes
     from ..model_options import with_runtime_options
     from ..sharding import ShardSpec, shard_option, shard_worker, sharded_loading
     header = request.header or read_checkpoint_header(request.path)
-    detection = detect(header, allow_internal=True)  # the host refused internal families (pool._request_for)
+    detection = request.detection or detect(header, allow_internal=True)  # the pool's requests carry it
     world = groups.config.world_size if groups is not None else 1
     shard = ShardSpec(groups.rank, world) if shard_option(request.options) and world > 1 else None
     with sharded_loading(shard):  # blocks read straight into this rank's shards

@@ -412,7 +412,7 @@ class WorkerPool:
                           if self._models[key][0].path == path and self._models[key][0].stamp == stamp), None)
         if same_file is None:
             return None
-        key = _request_for(path, dtype, options, same_file.header, stamp).key
+        key = _request_for(path, dtype, options, same_file.header, stamp, same_file.detection).key
         return self._models[key][0] if key in self._resident else None
 
     def _make_resident(self, request: LoadRequest, progress: Optional[ProgressFn],
@@ -616,22 +616,22 @@ def _load_request(path, dtype, options: dict) -> LoadRequest:
     return _request_for(path, dtype, options, read_checkpoint_header(path), stamp)
 
 
-def _request_for(path: str, dtype, options: dict, header, stamp: list) -> LoadRequest:
+def _request_for(path: str, dtype, options: dict, header, stamp: list, detection=None) -> LoadRequest:
     """The request of one model. Its key is the model's identity: the resolved path (one model through any
     symlink), the dtype "default" stands for, the options, and the files' stamp (a file replaced on disk is another
-    model)."""
+    model). It carries the header and its detection (made here unless given): nobody detects the file again."""
     from ..checkpoints.loading import resolved_dtype_name
     from ..detection import detect
     from ..formats.kernels import mode
     from ..sharding import shard_option
-    detection = detect(header)
+    detection = detection or detect(header)
     shard_option(options)  # a bad value fails here, before any worker loads
     mode(options.get("quant_kernels"))
     try:
         json.dumps(options)
     except TypeError as error:
         raise ValueError(f"load options must be JSON values (numbers, strings, lists, dicts): {error}") from None
-    return LoadRequest(path, resolved_dtype_name(dtype, header, detection.prefix), dict(options), header, stamp)
+    return LoadRequest(path, resolved_dtype_name(dtype, header, detection), dict(options), header, stamp, detection)
 
 
 def _resolved(path) -> str:

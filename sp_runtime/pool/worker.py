@@ -231,7 +231,8 @@ class Worker:
         if key not in self.lora_states:
             from ..lora.apply import lora_state
             request = self.requests[key]
-            self.lora_states[key] = lora_state(self.models[key], request.header or request.path, self.device)
+            self.lora_states[key] = lora_state(self.models[key], request.header or request.path, self.device,
+                                               request.detection)
         patches = self._patch_set(key, message.get("patches"))
         return self.lora_states[key].set(message["loras"], self._progress_fn(message["id"], "set_loras"), patches)
 
