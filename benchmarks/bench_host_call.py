@@ -58,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "host_call.json"))
+    parser.add_argument("--label", default="", help="what code ran (e.g. 'before: main f71612d')")
     args = parser.parse_args()
     torch.manual_seed(0)
     pool_owner, model_spec = node_modules()
@@ -76,8 +77,9 @@ def main() -> None:
                        "model handle": measure(lambda: handle(x, timestep, context=context), pool, args.calls)}
         finally:
             owner.close_all()
-    git = os.popen(f"git -C {ROOT} log -1 --format=%h").read().strip()
-    data = {"benchmark": "host time per call", "commit": git, "calls": args.calls, "machine": describe_machine(),
+    git = os.popen(f"git -C {ROOT} log -1 --format=%h 2>/dev/null").read().strip()
+    data = {"benchmark": "host time per call", "label": args.label, "commit": git, "calls": args.calls,
+            "load_average": os.getloadavg(), "machine": describe_machine(),
             "model": f"tiny qwen_image, comfy_quant mixed precision ({len(kinds)} quantized layers), 1 CPU worker",
             "latent": list(x.shape), "results": results}
     for name, numbers in results.items():
