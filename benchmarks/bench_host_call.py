@@ -2,7 +2,9 @@
 
 A tiny Qwen-Image in ComfyUI's mixed precision (comfy_quant: fp8, int8, mxfp8, nvfp4 layers) on one CPU worker,
 called 50 times the way the SP MODEL calls it (the pool owner with a ModelSpec, nodes/pool_owner.py, no ComfyUI),
-and 50 times through the model handle itself. host_ms = wall time of the call minus the slowest worker's forward.
+and 50 times through the model handle itself. host_ms = wall time of the call minus the slowest worker's forward;
+host_cpu_ms = CPU time of the calling thread (what the host computes: staging, messages, path checks, detection),
+which other processes on a busy machine do not inflate.
 
 Usage: python benchmarks/bench_host_call.py [--calls 50] [--out benchmarks/results/host_call.json]
 """
@@ -42,15 +44,16 @@ def measure(call, pool: WorkerPool, calls: int) -> dict:
     """Median and mean wall / worker / host milliseconds over `calls` calls after 3 warm-up calls."""
     for _ in range(3):
         call()
-    walls, workers = [], []
+    walls, workers, cpu = [], [], []
     for _ in range(calls):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         call()
+        cpu.append(time.thread_time() - started_cpu)
         walls.append(time.perf_counter() - started)
         workers.append(pool.stats["last_worker_s"])
     hosts = [wall - worker for wall, worker in zip(walls, workers)]
     return {f"{name}_{stat.__name__}_ms": round(1000 * stat(values), 3)
-            for name, values in (("wall", walls), ("worker", workers), ("host", hosts))
+            for name, values in (("wall", walls), ("worker", workers), ("host", hosts), ("host_cpu", cpu))
             for stat in (statistics.median, statistics.mean)}
 
 
@@ -83,7 +86,8 @@ def main() -> None:
             "model": f"tiny qwen_image, comfy_quant mixed precision ({len(kinds)} quantized layers), 1 CPU worker",
             "latent": list(x.shape), "results": results}
     for name, numbers in results.items():
-        print(f"{name}: host {numbers['host_median_ms']:.3f} ms median ({numbers['host_mean_ms']:.3f} mean), "
+        print(f"{name}: host CPU {numbers['host_cpu_median_ms']:.3f} ms median, "
+              f"host {numbers['host_median_ms']:.3f} ms median ({numbers['host_mean_ms']:.3f} mean), "
               f"wall {numbers['wall_median_ms']:.3f} ms, worker {numbers['worker_median_ms']:.3f} ms")
     write_json(args.out, data, say=True)
 
