@@ -60,6 +60,7 @@ def load_sp_model(spec: ModelSpec):
     info, header = handle.info, handle.request.header
     config = comfy_model_config(header, info)
     proxy = SPDiffusionModel(spec, info, weight_shapes=weight_shapes(header, config))
+    proxy.handle = handle  # its calls go to the loaded model, reading no file (PoolOwner.serving)
     return build_sp_model(config, proxy, proxy.dtype)
 
 
