@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 from sp_runtime import SPConfig  # noqa: E402
 from sp_runtime.cli.machine import describe_machine, write_json  # noqa: E402
 from sp_runtime.pool import WorkerPool  # noqa: E402
-from sp_runtime.tiny_models.quant_files import write_quantized  # noqa: E402
+from sp_lab.tiny_models.quant_files import write_quantized  # noqa: E402
 
 
 def node_modules():

@@ -12,7 +12,7 @@ import torch
 from comfy_support import import_node_module
 from sp_runtime.checkpoints import header as header_module
 from sp_runtime.config import SPConfig
-from sp_runtime.tiny_models.quant_files import write_quantized
+from sp_lab.tiny_models.quant_files import write_quantized
 
 pytest_plugins = ["family_pools"]
 pool_owner = import_node_module("pool_owner")

@@ -6,7 +6,7 @@ from sp_runtime.contract import Loading
 from sp_runtime.families import qwen_image
 from sp_runtime.pool import pool as pool_module
 from sp_runtime.pool.loading import load_declared, load_worker_model
-from sp_runtime.tiny_models import write_tiny_checkpoint
+from sp_lab.tiny_models import write_tiny_checkpoint
 
 QWEN_IMAGE = Loading("QwenImageTransformer2DModel", qwen_image.weight_plan, qwen_image.model_info, qwen_image.PLAN,
                      ignore=(qwen_image.EDIT_2511_MARKER,))

@@ -3,7 +3,7 @@ benchmark presets), registered through the family registry's plug-in hook, never
 
 Importing this package registers them in this process and in every worker a pool starts afterwards (the registry
 passes them on in ULYSSES_SP_EXTRA_FAMILIES), and opts the process into loading their files
-(families.detect.allow_internal_families): only code that writes such files itself imports the lab.
+(detection.allow_internal_families): only code that writes such files itself imports the lab.
 """
 from __future__ import annotations
 
