@@ -52,7 +52,8 @@ def _additive(w: torch.Tensor, t: dict, kind: str) -> tuple[torch.Tensor, int]:
     if kind == "lokr":
         right = t["w2"] if "w2" in t else t["w2a"] @ t["w2b"]
         left = t["w1"] if "w1" in t else t["w1a"] @ t["w1b"]
-        rank = t["w2b"].shape[0] if "w2b" in t else t["w1b"].shape[0] if "w1b" in t else None
+        rank = (t["w2b"].shape[0] if "w2b" in t else t["w1b"].shape[0] if "w1b" in t
+                else t["w2"].shape[0] // t["w1"].shape[0])  # ComfyUI's newest: full factors scale by w2 rows // w1 rows
         return torch.kron(left, right).reshape(w.shape), rank
     if kind == "glora":  # the current LyCORIS layout: W a1 a2 + b1 b2
         return w @ t["a1"] @ t["a2"] + t["b1"] @ t["b2"], t["a2"].shape[0]

@@ -1,7 +1,7 @@
 """What newer ComfyUI does to an SP MODEL (issue 26), on a tiny Wan checkpoint at devices cpu:2, against ComfyUI's
 own code of the version under test (the newest tier: tools/comfyui_newest.py): clone's newer arguments and
 TorchCompileModel, bypass LoRAs, ScaleROPE equal to ComfyUI's own Wan with the same options, LoKr with a row
-offset, the options allow-list naming the node that set a refused option.
+offset and with both factors full, the options allow-list naming the node that set a refused option.
 
 Needs COMFYUI_PATH (a ComfyUI checkout whose requirements are installed in this Python); skipped otherwise.
 """
@@ -150,6 +150,26 @@ def test_lokr_with_a_row_offset_equals_comfys_math_on_the_fused_rows(wan):
     actual = patched_weight(torch.zeros(96, 96), target.patches, "k")
     cs.assert_close(actual, fused[96:192], rel=1e-6)
     assert actual.abs().max() > 0
+
+
+def test_lokr_with_both_factors_full_equals_comfys_calculate_weight():
+    """The newest lokr.py scales full w1 / w2 by alpha / (w2 rows // w1 rows) (0.3.64 - 0.33.0 by 1): ours follows."""
+    cs.import_comfy()
+    import torch
+    import comfy.lora
+    from comfy.weight_adapter.lokr import LoKrAdapter
+    from sp_runtime.lora.patch_math import patched_weight
+    generator = torch.Generator().manual_seed(4)
+    w1, w2, weight = (torch.randn(*shape, generator=generator) for shape in ((2, 3), (8, 4), (16, 12)))
+    comfy_patches = [(0.5, LoKrAdapter(set(), (w1, w2, 3.0, None, None, None, None, None, None)), 1.0, None, None)]
+    patch_set = cs.import_node_module("weight_patches").translate({"diffusion_model.w.weight": comfy_patches},
+                                                                  {"w.weight": (16, 12)})
+    expected = comfy.lora.calculate_weight(comfy_patches, weight.clone(), "w.weight")
+    if torch.allclose(expected, weight + 0.5 * torch.kron(w1, w2), rtol=1e-6, atol=1e-6):
+        pytest.skip("this ComfyUI scales full LoKr factors by 1 (0.3.64 - 0.33.0); the workers follow the newest")
+    actual = patched_weight(weight.clone(), patch_set.targets["w.weight"].patches, "w.weight")
+    cs.assert_close(actual, expected, rel=1e-6)
+    assert (actual - weight).abs().max() > 1e-3
 
 
 def test_a_node_setting_an_unknown_option_is_named(wan):

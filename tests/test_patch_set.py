@@ -99,6 +99,22 @@ def test_dora_offsets_strength_model_and_stacks_equal_the_reference(kind):
     assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
 
 
+def test_a_lokr_with_both_factors_full_scales_by_alpha_over_w2_rows_per_w1_row():
+    """ComfyUI's newest lokr.py (839df9f2): full w1 [2, 3] and w2 [8, 4] scale by alpha / (8 // 2); 0.3.64 used 1."""
+    g = torch.Generator().manual_seed(6)
+    w1, w2, weight = torch.randn(2, 3, generator=g), torch.randn(8, 4, generator=g), torch.randn(16, 12, generator=g)
+    kron = torch.cat([torch.cat([w1[i, j] * w2 for j in range(3)], 1) for i in range(2)], 0)  # block (i, j) = w1[i, j] w2
+    for alpha, scale in ((3.0, 3.0 / 4), (None, 1.0)):
+        patch = WeightPatch("lokr", {"w1": w1, "w2": w2}, strength=0.5, alpha=alpha)
+        expected = weight + 0.5 * scale * kron
+        actual = patched_weight(weight.clone(), [patch], "w")
+        assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item()), alpha
+    tall_w1 = WeightPatch("lokr", {"w1": torch.ones(4, 3), "w2": torch.ones(2, 4)}, alpha=1.0)
+    with pytest.raises(ValueError, match=r"lokr patch on w .*w2 rows 2 < w1 rows 4: alpha / \(w2 rows // w1 rows\) "
+                                         r"divides by zero"):
+        patched_weight(torch.zeros(8, 12), [tall_w1], "w")
+
+
 def test_a_patch_that_does_not_fit_is_a_clear_error():
     patch = random_patch("lora", (16, 10), 1)
     with pytest.raises(ValueError, match=r"lora patch on blocks.0.w \(shape \[16, 12\]\) does not fit"):

@@ -109,8 +109,13 @@ def _loha(weight: torch.Tensor, patch: WeightPatch) -> torch.Tensor:
 
 
 def _lokr(weight: torch.Tensor, patch: WeightPatch) -> torch.Tensor:
+    """ComfyUI's newest LoKr (comfy/weight_adapter/lokr.py at 839df9f2): alpha divides by the rank of a decomposed
+    factor, or, with both factors full, by w2's rows // w1's rows (0.3.64 - 0.33.0 scaled full factors by 1)."""
     w1, w2, w1a, w1b, w2a, w2b, t2 = (_cast(patch, n, weight) for n in ("w1", "w2", "w1a", "w1b", "w2a", "w2b", "t2"))
-    rank = None
+    rank = None if w1 is None or w2 is None else w2.shape[0] // w1.shape[0]
+    if rank == 0 and patch.alpha is not None:  # ComfyUI divides alpha by 0 here (ZeroDivisionError)
+        raise RuntimeError(f"full LoKr factors with w2 rows {w2.shape[0]} < w1 rows {w1.shape[0]}: alpha / "
+                           f"(w2 rows // w1 rows) divides by zero")
     if w1 is None:
         rank, w1 = w1b.shape[0], torch.mm(w1a, w1b)
     if w2 is None:
