@@ -27,6 +27,21 @@ def layout_pool(request):
         yield request.param, workers
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Before pytest orders the tests by their session parameters: a test that picks pools by indirect
+    parametrization (`parametrize("family_pool", [2], indirect=True)`) gets the parameter index of that pool in
+    DEGREES / LAYOUTS, not its position in its own list. pytest groups tests by index, so without this such a test
+    would run among the degree-1 tests and restart the degree-2 pool there (and the degree-1 pool after it)."""
+    positions = {"family_pool": {degree: index for index, degree in enumerate(DEGREES)},
+                 "layout_pool": {name: index for index, name in enumerate(sorted(LAYOUTS))}}
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        for name, index_of in positions.items():
+            if callspec is not None and name in callspec.params and callspec.params[name] in index_of:
+                callspec.indices[name] = index_of[callspec.params[name]]
+
+
 def pytest_terminal_summary(terminalreporter):
     """The largest relative parity error per kind of check (measured numbers for reports)."""
     from family_support import PARITY_LOG, TOLERANCE
