@@ -27,6 +27,13 @@ def layout_pool(request):
         yield request.param, workers
 
 
+@pytest.fixture
+def plain_pool(family_pool):
+    """family_pool for tests that load their own (toy) models: whatever the test loaded is unloaded after it."""
+    yield family_pool
+    family_pool.unload_all()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """Before pytest orders the tests by their session parameters: a test that picks pools by indirect

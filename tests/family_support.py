@@ -1,7 +1,9 @@
-"""Shared helpers of the model-family tests (test_detect, test_qwen_image, test_flux): tolerances, comparisons and
-a CallContext stand-in for in-process sequence-parallel runs without the pool."""
+"""Shared helpers of the model-family tests (test_detect, test_qwen_image, test_flux): tolerances, comparisons,
+a CallContext stand-in for in-process sequence-parallel runs without the pool, and at_worlds to pick the shared
+plain pools of tests/family_pools.py by size."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 # Parity tolerances, relative to the output scale (max |reference|, at least 1).
@@ -21,6 +23,11 @@ def relative_error(got: torch.Tensor, reference: torch.Tensor) -> float:
     assert not got.isnan().any(), "the output has NaNs (a part of it was never written?)"
     scale = max(1.0, reference.abs().max().item())
     return (got.float() - reference.float()).abs().max().item() / scale
+
+
+def at_worlds(*worlds: int):
+    """Runs a test on family_pools' shared plain pools of these sizes only (indirect parametrization)."""
+    return pytest.mark.parametrize("family_pool", list(worlds), indirect=True, ids=[f"world{w}" for w in worlds])
 
 
 PARITY_LOG: list[tuple[str, str, float]] = []  # (what, dtype, relative error); family_pools prints a summary

@@ -6,15 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_support import assert_parity
-from sp_runtime.config import SPConfig
+from family_support import assert_parity, at_worlds
 from sp_runtime.families import flux, qwen_image, wan
 from sp_runtime.detection import detect
-from sp_runtime.pool import WorkerPool
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 from sp_lab.tiny_models.weights import pack_all_in_one
 from test_family_layouts import make_cases
 
+pytest_plugins = ["family_pools"]  # the shared plain pools (degree 2 here)
 SEED = 5
 FAMILIES = {"qwen_image": qwen_image, "flux": flux, "wan": wan}
 
@@ -51,12 +50,12 @@ def test_detection_reads_the_diffusion_part_only(family, all_in_one_files):
     assert (detection.family, detection.prefix, detection.quant) == (family, COMFY_PREFIX, "")
 
 
-def test_pool_runs_the_diffusion_part_of_all_in_one_files(all_in_one_files):
-    with WorkerPool(SPConfig(["cpu"] * 2)) as pool:
-        for family, module in FAMILIES.items():
-            handle = pool.load_model(all_in_one_files[family], dtype="default")
-            assert handle.info.weight_dtype == "float32"  # the diffusion part's precision, not the bf16/fp8 parts'
-            model = build_tiny_model(family, SEED)
-            for name, (x, t, inputs) in make_cases(family).items():
-                expected = module.reference_forward(model, x, t, **inputs)
-                assert_parity(handle(x, t, **inputs), expected, "float32", f"all_in_one/{family}/{name}")
+@at_worlds(2)
+def test_pool_runs_the_diffusion_part_of_all_in_one_files(plain_pool, all_in_one_files):
+    for family, module in FAMILIES.items():
+        handle = plain_pool.load_model(all_in_one_files[family], dtype="default")
+        assert handle.info.weight_dtype == "float32"  # the diffusion part's precision, not the bf16/fp8 parts'
+        model = build_tiny_model(family, SEED)
+        for name, (x, t, inputs) in make_cases(family).items():
+            expected = module.reference_forward(model, x, t, **inputs)
+            assert_parity(handle(x, t, **inputs), expected, "float32", f"all_in_one/{family}/{name}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from family_support import assert_parity, relative_error
+from family_support import assert_parity, at_worlds, relative_error
 from sp_lab.tiny_models.quant_files import FORMATS, write_quantized
 from sp_runtime.families import flux, qwen_image, wan, z_image
 from sp_runtime.checkpoints.header import read_header
@@ -195,10 +195,9 @@ def _patch_set():
     return PatchSet({key: TargetPatches(shape, (patch,)) for key, (shape, patch) in patches.items()})
 
 
-def test_lora_on_quantized_layers_is_exact_and_comes_off_bitwise(quant_files, tmp_path):
+@at_worlds(2)
+def test_lora_on_quantized_layers_is_exact_and_comes_off_bitwise(plain_pool, quant_files, tmp_path):
     from patch_reference import reference
-    from sp_runtime.config import SPConfig
-    from sp_runtime.pool import WorkerPool
     path, reference_path, kinds = quant_files["flux", "comfy_quant"]
     assert {"double_blocks.0.img_attn.qkv.weight", "single_blocks.1.linear1.weight",
             "double_blocks.1.img_mlp.2.weight", DIFF_MODULE + ".weight"} <= set(kinds)
@@ -213,18 +212,17 @@ def test_lora_on_quantized_layers_is_exact_and_comes_off_bitwise(quant_files, tm
     save_file(patched_state, str(tmp_path / "patched.safetensors"))
     references = {(name, dtype): flux.load_model(str(tmp_path / f"{name}.safetensors"), dtype)[0]
                   for name in ("merged", "patched") for dtype in ("fp32", "bf16")}
-    with WorkerPool(SPConfig(["cpu"] * 2)) as workers:
-        for dtype, reference_dtype, tolerance in (("fp32", "fp32", "float32"), ("default", "bf16", "bfloat16")):
-            x, t, inputs = make_case("flux", bf16_timesteps=reference_dtype == "bf16")
-            handle = workers.load_model(path, dtype)
-            plain = handle(x, t, **inputs).clone()  # kept across later calls: a private copy
-            handle.set_loras([[str(tmp_path / "lora.safetensors"), strength]])
-            patched = handle(x, t, **inputs).clone()
-            assert relative_error(patched, plain) > 1e-2  # the LoRA matters
-            expected = flux.reference_forward(references["merged", reference_dtype], x, t, **inputs)
-            assert_parity(patched, expected, tolerance, f"quant_lora/{dtype}")
-            handle.set_loras([[str(tmp_path / "lora.safetensors"), strength]], patches=patches)
-            expected = flux.reference_forward(references["patched", reference_dtype], x, t, **inputs)
-            assert_parity(handle(x, t, **inputs), expected, tolerance, f"quant_patches/{dtype}")
-            handle.set_loras([])
-            assert torch.equal(handle(x, t, **inputs), plain)
+    for dtype, reference_dtype, tolerance in (("fp32", "fp32", "float32"), ("default", "bf16", "bfloat16")):
+        x, t, inputs = make_case("flux", bf16_timesteps=reference_dtype == "bf16")
+        handle = plain_pool.load_model(path, dtype)
+        plain = handle(x, t, **inputs).clone()  # kept across later calls: a private copy
+        handle.set_loras([[str(tmp_path / "lora.safetensors"), strength]])
+        patched = handle(x, t, **inputs).clone()
+        assert relative_error(patched, plain) > 1e-2  # the LoRA matters
+        expected = flux.reference_forward(references["merged", reference_dtype], x, t, **inputs)
+        assert_parity(patched, expected, tolerance, f"quant_lora/{dtype}")
+        handle.set_loras([[str(tmp_path / "lora.safetensors"), strength]], patches=patches)
+        expected = flux.reference_forward(references["patched", reference_dtype], x, t, **inputs)
+        assert_parity(handle(x, t, **inputs), expected, tolerance, f"quant_patches/{dtype}")
+        handle.set_loras([])
+        assert torch.equal(handle(x, t, **inputs), plain)

@@ -103,7 +103,8 @@ def test_a_lokr_with_both_factors_full_scales_by_alpha_over_w2_rows_per_w1_row()
     """ComfyUI's newest lokr.py (839df9f2): full w1 [2, 3] and w2 [8, 4] scale by alpha / (8 // 2); 0.3.64 used 1."""
     g = torch.Generator().manual_seed(6)
     w1, w2, weight = torch.randn(2, 3, generator=g), torch.randn(8, 4, generator=g), torch.randn(16, 12, generator=g)
-    kron = torch.cat([torch.cat([w1[i, j] * w2 for j in range(3)], 1) for i in range(2)], 0)  # block (i, j) = w1[i, j] w2
+    # the Kronecker product written out: block (i, j) is w1[i, j] x w2
+    kron = torch.cat([torch.cat([w1[i, j] * w2 for j in range(3)], 1) for i in range(2)], 0)
     for alpha, scale in ((3.0, 3.0 / 4), (None, 1.0)):
         patch = WeightPatch("lokr", {"w1": w1, "w2": w2}, strength=0.5, alpha=alpha)
         expected = weight + 0.5 * scale * kron

@@ -9,14 +9,12 @@ import shutil
 import pytest
 import torch
 
+from family_support import at_worlds
 from sp_runtime.checkpoints.header import check_unchanged, checkpoint_stamp
-from test_pool_kit import assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
+from test_pool_kit import assert_matches, reference, toy_checkpoint, toy_inputs
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with open_pool(2) as pool:
-        yield pool
+pytest_plugins = ["family_pools"]  # the shared plain pools (degree 2 here)
 
 
 def call(model, seed=0):
@@ -33,47 +31,50 @@ def other_weights(folder, like: str, seed: int) -> bytes:
     return data
 
 
-def test_a_symlink_and_the_default_dtype_are_one_model(pool, tmp_path):
+@at_worlds(2)
+def test_a_symlink_and_the_default_dtype_are_one_model(plain_pool, tmp_path):
     path = toy_checkpoint(tmp_path)
     link = tmp_path / "link.safetensors"
     link.symlink_to(path)
-    pool.unload_all()
-    handles = [pool.load_model(path), pool.load_model(link), pool.load_model(path, dtype="float32"),
-               pool.load_model(link, dtype=torch.float32)]
+    plain_pool.unload_all()
+    handles = [plain_pool.load_model(path), plain_pool.load_model(link),
+               plain_pool.load_model(path, dtype="float32"), plain_pool.load_model(link, dtype=torch.float32)]
     assert len({handle.key for handle in handles}) == 1 and handles[0].path == os.path.realpath(path)
-    assert len(pool.status()["models"]) == 1
-    assert pool.load_model(path, dtype="bfloat16").key != handles[0].key  # another dtype is another model
+    assert len(plain_pool.status()["models"]) == 1
+    assert plain_pool.load_model(path, dtype="bfloat16").key != handles[0].key  # another dtype is another model
 
 
-def test_a_replaced_file_is_loaded_again(pool, tmp_path):
+@at_worlds(2)
+def test_a_replaced_file_is_loaded_again(plain_pool, tmp_path):
     path = toy_checkpoint(tmp_path, seed=1)
-    old = pool.load_model(path)
+    old = plain_pool.load_model(path)
     before, inputs = call(old)
     shutil.move(toy_checkpoint(tmp_path, "new.safetensors", seed=2), path)
-    new = pool.load_model(path)
+    new = plain_pool.load_model(path)
     assert new.key != old.key
     out, _ = call(new)
     assert_matches(out, reference(path)(**inputs))
     assert not torch.allclose(out, before)
-    kept = [model["key"] for model in pool.status()["models"] if model["path"] == new.path]
+    kept = [model["key"] for model in plain_pool.status()["models"] if model["path"] == new.path]
     assert kept == [new.key]  # the old copy was unloaded
     out_old_handle, _ = call(old)  # an older handle follows the file too
     assert_matches(out_old_handle, reference(path)(**inputs))
 
 
-def test_rewriting_or_truncating_a_loaded_file_changes_nothing(pool, tmp_path):
+@at_worlds(2)
+def test_rewriting_or_truncating_a_loaded_file_changes_nothing(plain_pool, tmp_path):
     path = toy_checkpoint(tmp_path, seed=3)
-    model = pool.load_model(path)
+    model = plain_pool.load_model(path)
     before, inputs = call(model, seed=5)
     before = before.clone()  # kept across later calls: a private copy
     assert_matches(before, reference(path)(**inputs))
-    pids, restarts = pool.worker_pids, pool.restarts
+    pids, restarts = plain_pool.worker_pids, plain_pool.restarts
     with open(path, "r+b") as handle:  # in place: the same inode, other weights
         handle.write(other_weights(tmp_path, path, seed=4))
     assert torch.equal(call(model, seed=5)[0], before)
     os.truncate(path, 0)
     assert torch.equal(call(model, seed=5)[0], before)
-    assert pool.worker_pids == pids and pool.restarts == restarts
+    assert plain_pool.worker_pids == pids and plain_pool.restarts == restarts
 
 
 def test_a_load_refuses_a_file_changed_after_it_was_chosen(tmp_path):

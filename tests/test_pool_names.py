@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from sp_runtime.pool.segments import SHM_DIR, Segment
-from test_pool_kit import assert_matches, call_toy, open_pool, reference, toy_checkpoint, toy_inputs
+from family_support import at_worlds
+from test_pool_kit import assert_matches, call_toy, reference, toy_checkpoint, toy_inputs
 
 LINUX_SHM = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm to list segments")
 
@@ -21,14 +22,12 @@ def checkpoint(tmp_path_factory):
     return toy_checkpoint(tmp_path_factory.mktemp("toy"))
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with open_pool(2) as pool:
-        yield pool
+pytest_plugins = ["family_pools"]  # the shared plain pools (degree 2 here)
 
 
-def test_segment_names_have_a_random_part_per_segment(pool):
-    token = pool._token
+@at_worlds(2)
+def test_segment_names_have_a_random_part_per_segment(plain_pool):
+    token = plain_pool._token
     first, second = Segment.create(token, "i7", 64), Segment.create(token, "i7", 64)
     try:
         prefix = f"usp_{os.getpid()}_{token}_i7"
@@ -41,20 +40,22 @@ def test_segment_names_have_a_random_part_per_segment(pool):
         second.release()
 
 
-def test_worker_argv_holds_no_token_and_no_spec(pool):
-    secrets_ = [pool._token, pool._control.name, pool.log_dir]
-    for pid in pool.worker_pids:
+@at_worlds(2)
+def test_worker_argv_holds_no_token_and_no_spec(plain_pool):
+    secrets_ = [plain_pool._token, plain_pool._control.name, plain_pool.log_dir]
+    for pid in plain_pool.worker_pids:
         argv = " ".join(psutil.Process(pid).cmdline())
         assert "sp_runtime.pool.worker" in argv
         assert not any(secret in argv for secret in secrets_), argv
         assert "{" not in argv  # no JSON spec at all
 
 
+@at_worlds(2)
 @LINUX_SHM
-def test_pre_created_names_do_not_make_calls_fail(pool, checkpoint):
+def test_pre_created_names_do_not_make_calls_fail(plain_pool, checkpoint):
     """The attacker knows everything argv ever showed (old code: the token) and squats every name the counters
     would give next; the calls that need new input and output segments still work."""
-    token = pool._token
+    token = plain_pool._token
     squatted = []
     try:
         for part in [f"{kind}{n}" for kind in "iop" for n in range(12)]:
@@ -62,7 +63,7 @@ def test_pre_created_names_do_not_make_calls_fail(pool, checkpoint):
                 squatted.append(SharedMemory(name=f"usp_{os.getpid()}_{token}_{part}", create=True, size=64))
             except FileExistsError:
                 pass
-        model = pool.load_model(checkpoint)
+        model = plain_pool.load_model(checkpoint)
         for size in [(10, 14), (20, 28), (40, 56)]:  # each larger input grows the arenas: new segments
             inputs = toy_inputs(seed=1, size=size)
             out = model(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"])

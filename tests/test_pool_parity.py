@@ -9,7 +9,10 @@ import torch
 
 from sp_runtime import SPConfig
 from sp_runtime.pool import WorkerPool
-from test_pool_kit import assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
+from family_support import at_worlds
+from test_pool_kit import assert_matches, reference, toy_checkpoint, toy_inputs
+
+pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 
 CASES = {  # name: (x size, frames); token counts 35 and 2*3*4 + ... chosen to leave remainders
     "image": ((10, 14), None),      # 5 x 7 = 35 tokens
@@ -24,12 +27,6 @@ def checkpoints(tmp_path_factory):
             "video": toy_checkpoint(folder, "video.safetensors", seed=2, x_ndim=5, heads=4, hidden=32)}
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda world: f"world{world}")
-def pool(request):
-    with open_pool(request.param) as pool:
-        yield pool
-
-
 def extras(seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
     mask = torch.ones(2, 5, dtype=torch.bool)
@@ -37,10 +34,11 @@ def extras(seed: int) -> dict:
     return {"ref_latents": [torch.randn(2, 4, 4, 6, generator=generator)], "guidance": 4.0, "attention_mask": mask}
 
 
+@at_worlds(1, 2, 3)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_pool_equals_reference(pool, checkpoints, case):
+def test_pool_equals_reference(plain_pool, checkpoints, case):
     size, frames = CASES[case]
-    model = pool.load_model(checkpoints[case])
+    model = plain_pool.load_model(checkpoints[case])
     inputs = toy_inputs(seed=7, size=size, frames=frames)
     extra = extras(8) if case == "image" else {}
     out = model(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"], **extra)
@@ -49,16 +47,15 @@ def test_pool_equals_reference(pool, checkpoints, case):
     assert out.abs().max() > 0.1  # a real output, not zeros
 
 
-def test_bfloat16_weights_within_bf16_rounding(pool, checkpoints):
-    if pool.config.world_size != 2:
-        pytest.skip("one world is enough for the dtype path")
-    model = pool.load_model(checkpoints["image"], dtype=torch.bfloat16)
+@at_worlds(2)  # one world is enough for the dtype path
+def test_bfloat16_weights_within_bf16_rounding(plain_pool, checkpoints):
+    model = plain_pool.load_model(checkpoints["image"], dtype=torch.bfloat16)
     assert model.info.weight_dtype == "bfloat16" and model.info.compute_dtype == "bfloat16"
     inputs = {name: value.bfloat16() for name, value in toy_inputs(seed=9).items()}
     out = model(inputs["x"], inputs["timestep"], context=inputs["context"], y=inputs["y"])
     expected = reference(checkpoints["image"], dtype="bf16")(**inputs)
     assert_matches(out, expected, rel=3e-2)
-    pool.unload(model)
+    plain_pool.unload(model)
 
 
 def test_cfg_parallel_layout(checkpoints):

@@ -13,9 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sp_runtime.config import SPConfig
 from sp_runtime.families import family_module
-from sp_runtime.pool import WorkerPool
 from sp_runtime.sharding import ShardSpec, model_shards, shard_model, sharded_loading
 from sp_runtime.sharding.layout import ALIGN, block_slots, find_blocks, pack
 from sp_lab.families.synthetic import build_model, write_spec
@@ -32,13 +30,6 @@ def checkpoints(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shard")
     return {family: write_tiny_checkpoint(family, str(folder / f"{family}.safetensors"), seed=5)
             for family in OPTIONS}
-
-
-@pytest.fixture(scope="module", params=[(2, 2, 1), (2, 1, 2)], ids=["u2r2", "u2cfg2"])
-def hybrid_pool(request):
-    ulysses, ring, cfg = request.param
-    with WorkerPool(SPConfig(["cpu"] * 4, ulysses_degree=ulysses, ring_degree=ring, cfg_degree=cfg)) as pool:
-        yield pool
 
 
 # in one process: what each rank reads while loading, against the whole model's blocks
@@ -142,9 +133,10 @@ def test_a_model_loaded_whole_then_sharded_equals_whole(family_pool, tmp_path):
     assert_one_share_per_rank(alone, reference)
 
 
+@pytest.mark.parametrize("layout_pool", ["u2r2", "u2cfg2"], indirect=True)  # the shared pools of family_pools
 @pytest.mark.parametrize("family", OPTIONS)
-def test_sharded_equals_whole_under_ring_and_cfg(hybrid_pool, checkpoints, family):
-    got, want, alone, reference = sharded_and_whole(hybrid_pool, checkpoints[family], family)
+def test_sharded_equals_whole_under_ring_and_cfg(layout_pool, checkpoints, family):
+    got, want, alone, reference = sharded_and_whole(layout_pool[1], checkpoints[family], family)
     assert torch.equal(got, want)
     assert_one_share_per_rank(alone, reference)
 

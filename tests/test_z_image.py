@@ -11,11 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from family_support import FP32_TOL, PARITY_LOG, LocalContext, assert_parity, relative_error
-from sp_runtime.config import SPConfig
 from sp_runtime.families import flux, flux2, qwen_image, qwen_image21, z_image
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.local_ranks import run_distributed
-from sp_runtime.pool import WorkerPool
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, original_state_dict, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
@@ -72,13 +70,15 @@ def test_fp32_parity_every_layout(family_pool, zi_files, zi_references):
         handle.unload()
 
 
-def test_ulysses_x_ring(zi_files, zi_references):
+@pytest.mark.parametrize("layout_pool", ["u2r2"], indirect=True)  # the shared pool of family_pools
+def test_ulysses_x_ring(layout_pool, zi_files, zi_references):
     """Ulysses 2 x Ring 2 (the joint split's uneven shards travel around the ring too)."""
-    with WorkerPool(SPConfig(["cpu"] * 4, ulysses_degree=2, ring_degree=2)) as workers:
-        handle = workers.load_model(zi_files["comfy_prefix"])
-        for name in ("odd_latent_masked", "batch_1"):
-            x, t, inputs = make_cases()[name]
-            assert_parity(handle(x, t, **inputs), zi_references[name], "float32", f"z_image_u2r2/{name}")
+    workers = layout_pool[1]
+    handle = workers.load_model(zi_files["comfy_prefix"])
+    for name in ("odd_latent_masked", "batch_1"):
+        x, t, inputs = make_cases()[name]
+        assert_parity(handle(x, t, **inputs), zi_references[name], "float32", f"z_image_u2r2/{name}")
+    handle.unload()
 
 
 def test_padding_timestep_and_caption_matter(zi_references):
