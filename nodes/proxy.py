@@ -13,7 +13,7 @@ import comfy.patcher_extension
 
 from sp_runtime.families import comfy_host
 from sp_runtime.checkpoints.dtypes import DTYPES
-from sp_runtime.contract import Cancelled, patch_size_2
+from sp_runtime.contract import Cancelled, HostHooks, patch_size_2
 from sp_runtime.lora.patch_set import PatchSet
 
 from . import model_options_policy as policy
@@ -118,14 +118,13 @@ class SPDiffusionModel(torch.nn.Module):
         self._check_options(transformer_options, kwargs.get("control"))
         extra = {key: value for key, value in kwargs.items() if key not in HOST_ONLY_KEYS}
         extra.update(self._rope_input(transformer_options))
-        if self.host is not None and self.host.sampler_inputs is not None:
-            extra.update(self.host.sampler_inputs(transformer_options, extra))
-        packing = self.host is not None and self.host.pack_call is not None
+        hooks = self.host.hooks if self.host is not None else HostHooks()
+        extra.update(hooks.call_inputs(transformer_options, extra))
         try:
-            packed, timestep, extra = self.host.pack_call(x, timestep, extra) if packing else (x, timestep, extra)
+            packed, timestep, extra = hooks.pack(x, timestep, extra)
             out = self.owner.call(self.spec, packed, timestep, context=context, patches=self.weight_patches,
                                   should_cancel=comfy.model_management.processing_interrupted, **extra)
-            return self.host.unpack_output(out, x) if packing else out
+            return hooks.unpack(out, x)
         except Cancelled:
             comfy.model_management.throw_exception_if_processing_interrupted()
             raise comfy.model_management.InterruptProcessingException()

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from sp_runtime.families.ltx2_checkpoint import CONNECTORS
+from sp_runtime.families.ltx2 import CONNECTORS
 from .weights import cast_like_release, randomize_
 
 LTX2_TINY = dict(in_channels=128, out_channels=128, num_attention_heads=3, attention_head_dim=128,
