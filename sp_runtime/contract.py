@@ -72,7 +72,16 @@ class HostHooks:
     """What the host's proxy (nodes/proxy.py) does around one pool call that differs by family: it calls these and
     names no family. The defaults pass the call through; a family subclasses what it needs (LTX-2: packing,
     HunyuanVideo 1.5 SR: sampler inputs) and gives an instance as ComfyHost(hooks=...). Plain Python, no ComfyUI.
+
+    rope_options: what becomes of ScaleROPE's transformer option rope_options: "applied" (the workers get them as
+    the input `rope_options`, sp.rope_options), "ignored" (ComfyUI's model ignores them too) or "refused".
     """
+
+    rope_options = "refused"
+
+    def __init__(self, rope_options: Optional[str] = None):
+        if rope_options is not None:
+            self.rope_options = rope_options
 
     def call_inputs(self, transformer_options: dict, inputs: dict) -> dict:
         """Extra pool inputs taken from the sampler's state, for models whose ComfyUI network reads it there

@@ -80,7 +80,9 @@ def sampler_inputs(transformer_options: dict, inputs: dict) -> dict:
 
 
 class SamplerSigma(HostHooks):
-    """The host hook of HunyuanVideo 1.5: sampler_inputs on every call."""
+    """The host hook of HunyuanVideo 1.5: sampler_inputs on every call; rope_options ignored, as ComfyUI does."""
+
+    rope_options = "ignored"
 
     def call_inputs(self, transformer_options: dict, inputs: dict) -> dict:
         return sampler_inputs(transformer_options, inputs)

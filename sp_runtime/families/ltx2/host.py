@@ -33,7 +33,9 @@ def comfy_attributes(info: ModelInfo) -> dict:
 
 class PackedAudioVideo(HostHooks):
     """ComfyUI's LTXAV call <-> the pool's: both latents packed into one x, both sigmas and the gate sigmas as
-    inputs."""
+    inputs; rope_options ignored, as ComfyUI's LTXAV does."""
+
+    rope_options = "ignored"
 
     def pack(self, x, timestep, inputs: dict) -> tuple:
         """ComfyUI's LTXAV call ([video, audio], (video sigma, audio sigma), ...) -> the pool's, with the gate sigmas
