@@ -1,10 +1,10 @@
 """LTX-2 (audio + video) under sequence parallelism: the pool's video and audio outputs equal, at Ulysses 1-4, Ring 3,
-Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2, on a tiny ComfyUI-layout file (real head sizes 128 / 64, 3 heads each, odd
-token counts, batch 2, audio shorter than the degree, per-token timesteps, I2V, two
-guide frames at ComfyUI's keyframe_idxs positions): diffusers' stock
+Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2 (each case where its path differs: CASES_AT_DEGREE / CASES_AT_LAYOUT), on a
+tiny ComfyUI-layout file (real head sizes 128 / 64, 3 heads each, odd token counts, batch 2, audio shorter than the
+degree, per-token timesteps, I2V, two guide frames at ComfyUI's keyframe_idxs positions): diffusers' stock
 LTX2VideoTransformer3DModel forward on one process (its own connector forward for the prompt) with ComfyUI's two
-choices hooked in (ltx2_reference.comfy_hooks: the cross-modal gates, the video-to-audio norm), which test_ltx2_comfy checks
-against ComfyUI's own LTXAVModel."""
+choices hooked in (sp_lab.references.ltx2.comfy_hooks: the cross-modal gates, the video-to-audio norm), which
+test_ltx2_comfy checks against ComfyUI's own LTXAVModel."""
 from __future__ import annotations
 
 import json
@@ -115,8 +115,11 @@ def check_case(handle, name, references, layout):
     assert_parity(audio, expected_audio, "float32", f"ltx2_audio/{layout}/{name}")
 
 
-# every case at degrees 1 and 2; at 3 and 4 the uneven split, I2V and the audio shorter than the degree
-CASES_AT_DEGREE = {3: ("t2av", "guides"), 4: ("two_audio_tokens", "i2v", "guides")}
+# every case at Ulysses 2; elsewhere the cases whose path differs there: one device, an odd degree, uneven shards with
+# the audio shorter than the degree (4: 12/11/11/11 and 8/8/7/7 video tokens, 2 audio tokens), Ring, the hybrid
+# (guide tokens across four shards) and CFG halves at different sigmas (the gates over the whole call)
+CASES_AT_DEGREE = {1: ("t2av", "i2v"), 3: ("t2av",), 4: ("two_audio_tokens", "i2v")}
+CASES_AT_LAYOUT = {"u1r3": ("t2av",), "u2r2": ("two_audio_tokens", "guides"), "u2cfg2": ("i2v",)}
 
 
 def test_fp32_parity_ulysses(family_pool, ltx2_file, ltx2_references):
@@ -131,7 +134,7 @@ def test_fp32_parity_ulysses(family_pool, ltx2_file, ltx2_references):
 def test_fp32_parity_ring_hybrid_and_cfg(layout_pool, ltx2_file, ltx2_references):
     layout, pool = layout_pool
     handle = pool.load_model(ltx2_file)
-    for name in ("t2av", "two_audio_tokens", "i2v") + (("guides",) if layout == "u2r2" else ()):
+    for name in CASES_AT_LAYOUT[layout]:
         check_case(handle, name, ltx2_references, layout)
     handle.unload()
 
