@@ -1,26 +1,20 @@
-"""LTX-2, 2.3 and 2.5's sequence-parallel PLAN (run by sp.PlanWorker) for ComfyUI's LTXAV call, packed by the host
+"""LTX-2, 2.3 and 2.5's sequence-parallel PLAN (run by sp.PlanWorker) for ComfyUI's LTXAV call as the host packs it
 (host.py).
 
-Pool call: x [B, 1, N] is the video latent [B, 128, F, H, W] and the audio latent [B, 8, T, 16] flattened per item
-and concatenated (input `latent_shapes` gives both shapes); timestep the video sigma [B] or per video token
-[B, Nv]; `audio_timestep` the audio sigma [B] or [B, T] (default: the video's); context the text encoder output
-[B, L, caption_channels] (the connectors run here) or the connectors' output [B, L', 2 x caption_channels]; for
-LTX-2.3 / 2.5 (no caption projection in the model) the text encoder's video and audio features side by side
-[B, L, cross_attention_dim + audio_cross_attention_dim], which the connectors always process; `frame_rate` (default
-25); `a2v_gate_sigma` / `v2a_gate_sigma` the sigmas of the two cross-modal gates (default: the largest audio / video
-sigma of the call; the host passes ComfyUI's, over the whole batch, so CFG halves gate alike); `keyframe_idxs`
-[B, 3, G, 2] the pixel bounds of the last G video tokens, guide frames appended to the video latent (LTXVAddGuide;
-their sigmas are in the per-token timestep). The output is packed like x (guide frames included).
+Pool call: x [B, 1, N], the video latent [B, 128, F, H, W] and the audio latent [B, 8, T, 16] flattened per item and
+concatenated (input `latent_shapes`); timestep the video sigma [B] or per video token; `audio_timestep` [B] or [B, T]
+(default: the video's); context the text encoder output (LTX-2.3 / 2.5: its video and audio features side by side),
+or LTX-2.0's connector output [B, L', 2C]; `frame_rate` (25); `a2v_gate_sigma` / `v2a_gate_sigma` (default: the
+largest audio / video sigma of the call); `keyframe_idxs` [B, 3, G, 2], the pixel bounds of the last G video tokens
+(guide frames appended by LTXVAddGuide). The output is packed like x (guide frames included).
 
-PLAN: stream "video" split (balanced shards; guide tokens are video tokens, their positions sliced with them), each
-rank embedding, modulating and writing its own; stream "audio" replicated (25 tokens per second against thousands
-of video tokens per frame: splitting them would cost an exchange per attention for almost no compute), written by
-sequence rank 0; the prompts through the connectors on every rank; one stage of the custom audio-video block
-(block.py). What ComfyUI's LTXAVModel computes where diffusers differs: the audio-to-video gate from the audio's
-largest sigma of the call and the video-to-audio gate from the video's, video times frame index x (1 / frame_rate),
-q / k norm eps 1e-5 (loading.py), token positions per the file's use_middle_indices_grid /
-causal_temporal_positioning. LTX-2.3 / 2.5 add nothing that crosses tokens (per-token gates, per-item prompt
-modulation from the item's largest sigma, LTX-2.5's keyframe marker per token).
+PLAN: stream "video" split (guide tokens with it), each rank embedding, modulating and writing its own; stream
+"audio" replicated (25 tokens per second against thousands per video frame: an exchange per attention would cost
+more than it saves), written by sequence rank 0; both prompts through the connectors on every rank; one stage of the
+custom audio-video block (block.py). ComfyUI's choices where diffusers differs: the a2v / v2a gates from the other
+stream's largest sigma of the call, video times x (1 / frame_rate), q / k norm eps 1e-5 (loading.py), token
+positions per the file's use_middle_indices_grid / causal_temporal_positioning. LTX-2.3 / 2.5 add nothing that
+crosses tokens (per-token gates, per-item prompt modulation from the item's largest sigma, 2.5's keyframe marker).
 """
 from __future__ import annotations
 
