@@ -11,9 +11,9 @@ import torch
 import comfy.model_management
 import comfy.patcher_extension
 
-from sp_runtime.families import comfy_host
+from sp_runtime.families import FAMILIES, comfy_host
 from sp_runtime.checkpoints.dtypes import DTYPES
-from sp_runtime.contract import Cancelled, patch_size_2
+from sp_runtime.contract import Cancelled, HostHooks, patch_size_2
 from sp_runtime.lora.patch_set import PatchSet
 
 from . import model_options_policy as policy
@@ -21,10 +21,6 @@ from .model_spec import ModelSpec
 from .pool_owner import OWNER
 
 HOST_ONLY_KEYS = ("transformer_options", "control")
-# ScaleROPE's rope_options: families whose workers apply them (sp_runtime.sp.rope_options), and families whose
-# ComfyUI model ignores them (so do the workers: the same picture); any other family is refused
-ROPE_OPTION_FAMILIES = ("wan", "flux", "flux2")
-ROPE_IGNORED_BY_COMFY = ("qwen_image", "hunyuan_video", "hunyuan_video15", "ltx2")
 ROPE_OPTION_KEYS = ("scale_x", "shift_x", "scale_y", "shift_y", "scale_t", "shift_t")
 
 
@@ -84,6 +80,7 @@ class SPDiffusionModel(torch.nn.Module):
         self.out_channels = info.out_channels
         host = comfy_host(info.family)
         self.host = host
+        self.hooks = host.hooks if host is not None else HostHooks()
         for name, value in (host.attributes if host else patch_size_2)(info).items():
             setattr(self, name, value)
         for name, (module, cls, args, kwargs) in (host.helpers if host else {}).items():
@@ -120,15 +117,14 @@ class SPDiffusionModel(torch.nn.Module):
         self._check_options(transformer_options, kwargs.get("control"))
         extra = {key: value for key, value in kwargs.items() if key not in HOST_ONLY_KEYS}
         extra.update(self._rope_input(transformer_options))
-        if self.host is not None and self.host.sampler_inputs is not None:
-            extra.update(self.host.sampler_inputs(transformer_options, extra))
-        packing = self.host is not None and self.host.pack_call is not None
+        hooks = self.hooks
+        extra.update(hooks.call_inputs(transformer_options, extra))
         try:
-            packed, timestep, extra = self.host.pack_call(x, timestep, extra) if packing else (x, timestep, extra)
+            packed, timestep, extra = hooks.pack(x, timestep, extra)
             self.handle = self.owner.serving(self.spec, self.handle, self.weight_patches)
             out = self.handle(packed, timestep, context=context,
                               should_cancel=comfy.model_management.processing_interrupted, **extra)
-            return self.host.unpack_output(out, x) if packing else out
+            return hooks.unpack(out, x)
         except Cancelled:
             comfy.model_management.throw_exception_if_processing_interrupted()
             raise comfy.model_management.InterruptProcessingException()
@@ -152,7 +148,7 @@ class SPDiffusionModel(torch.nn.Module):
 
     def _rope_input(self, transformer_options: dict) -> dict:
         """ScaleROPE's rope_options as the workers' `rope_options` input (only the scales and shifts that differ
-        from identity); refused for families whose workers do not apply it."""
+        from identity), as the family's host hooks say (HostHooks.rope_options): applied, ignored or refused."""
         options = transformer_options.get("rope_options") or {}
         values = {key: float(options.get(key, 1.0 if key.startswith("scale") else 0.0)) for key in ROPE_OPTION_KEYS}
         unknown = sorted(set(options) - set(ROPE_OPTION_KEYS))
@@ -161,12 +157,14 @@ class SPDiffusionModel(torch.nn.Module):
                               f"{', '.join(ROPE_OPTION_KEYS)}); remove the node that sets them")
         if all(values[key] == (1.0 if key.startswith("scale") else 0.0) for key in ROPE_OPTION_KEYS):
             return {}
-        if self.info.family in ROPE_IGNORED_BY_COMFY:
+        if self.hooks.rope_options == "ignored":
             return {}
-        if self.info.family not in ROPE_OPTION_FAMILIES:
+        if self.hooks.rope_options != "applied":
+            applied = [family for family in FAMILIES
+                       if comfy_host(family) is not None and comfy_host(family).hooks.rope_options == "applied"]
             raise SPPoolError(f"ScaleROPE (transformer option rope_options) is not implemented in the Ulysses SP "
                               f"workers for {self.info.family} models yet (implemented for: "
-                              f"{', '.join(ROPE_OPTION_FAMILIES)}); remove the ScaleROPE node")
+                              f"{', '.join(applied)}); remove the ScaleROPE node")
         return {"rope_options": values}
 
 

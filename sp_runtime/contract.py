@@ -115,6 +115,36 @@ def patch_size_2(info: "ModelInfo") -> dict:
     return {"patch_size": 2}
 
 
+class HostHooks:
+    """What the host's proxy (nodes/proxy.py) does around one pool call that differs by family: it calls these and
+    names no family. The defaults pass the call through; a family subclasses what it needs (LTX-2: packing,
+    HunyuanVideo 1.5 SR: sampler inputs) and gives an instance as ComfyHost(hooks=...). Plain Python, no ComfyUI.
+
+    rope_options: what becomes of ScaleROPE's transformer option rope_options: "applied" (the workers get them as
+    the input `rope_options`, sp.rope_options), "ignored" (ComfyUI's model ignores them too) or "refused".
+    """
+
+    rope_options = "refused"
+
+    def __init__(self, rope_options: Optional[str] = None):
+        if rope_options is not None:
+            self.rope_options = rope_options
+
+    def call_inputs(self, transformer_options: dict, inputs: dict) -> dict:
+        """Extra pool inputs taken from the sampler's state, for models whose ComfyUI network reads it there
+        (transformer_options itself stays host-only)."""
+        return {}
+
+    def pack(self, x, timestep, inputs: dict) -> tuple:
+        """ComfyUI's call (x, timestep, inputs) -> the pool's, for models whose call is not the pool's (x a list of
+        latents, timestep a tuple)."""
+        return x, timestep, inputs
+
+    def unpack(self, out: torch.Tensor, x):
+        """The pool's output -> ComfyUI's, shaped like the call's x."""
+        return out
+
+
 @dataclass(frozen=True)
 class ComfyHost:
     """What ComfyUI's host side needs of a family (nodes/comfy_model.py, nodes/proxy.py); plain data, no ComfyUI.
@@ -126,10 +156,7 @@ class ComfyHost:
     attributes: ModelInfo -> plain attributes ComfyUI's model class reads from `diffusion_model`.
     helpers: attribute -> (module, class, args, kwargs) of weightless ComfyUI objects its model class calls on
         `diffusion_model` (e.g. LTX-2's patchifiers); the host builds them (sp_runtime never imports ComfyUI).
-    pack_call / unpack_output: for models whose ComfyUI call is not the pool's (x a list of latents, timestep a
-        tuple): (x, timestep, inputs) -> the pool's (x, timestep, inputs), and (pool output, x) -> ComfyUI's output.
-    sampler_inputs: (transformer_options, inputs) -> extra pool inputs taken from the sampler's state, for models
-        whose ComfyUI network reads it there (HunyuanVideo 1.5 SR: the next sigma); transformer_options stays host-only.
+    hooks: the family's HostHooks (what the proxy does around each call).
     metadata_variants: variants ComfyUI's detection tells only from the file's metadata (Wan Animate 2): where it
         finds another class of the family (a file whose key layout says the variant), the variant's class is used.
     """
@@ -138,9 +165,7 @@ class ComfyHost:
     unet_config: Callable[["ModelInfo"], dict]
     attributes: Callable[["ModelInfo"], dict] = patch_size_2
     helpers: Mapping[str, tuple] = field(default_factory=dict)
-    pack_call: Optional[Callable] = None
-    unpack_output: Optional[Callable] = None
-    sampler_inputs: Optional[Callable[[dict, dict], dict]] = None
+    hooks: HostHooks = HostHooks()
     metadata_variants: tuple[str, ...] = ()
 
     def model_class(self, variant: str) -> Optional[str]:

@@ -1,10 +1,10 @@
 """LTX-2 (audio + video) under sequence parallelism: the pool's video and audio outputs equal, at Ulysses 1-4, Ring 3,
-Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2, on a tiny ComfyUI-layout file (real head sizes 128 / 64, 3 heads each, odd
-token counts, batch 2, audio shorter than the degree, per-token timesteps, I2V, two
-guide frames at ComfyUI's keyframe_idxs positions): diffusers' stock
+Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2 (each case where its path differs: CASES_AT_DEGREE / CASES_AT_LAYOUT), on a
+tiny ComfyUI-layout file (real head sizes 128 / 64, 3 heads each, odd token counts, batch 2, audio shorter than the
+degree, per-token timesteps, I2V, two guide frames at ComfyUI's keyframe_idxs positions): diffusers' stock
 LTX2VideoTransformer3DModel forward on one process (its own connector forward for the prompt) with ComfyUI's two
-choices hooked in (ltx2.comfy_hooks: the cross-modal gates, the video-to-audio norm), which test_ltx2_comfy checks
-against ComfyUI's own LTXAVModel."""
+choices hooked in (sp_lab.references.ltx2.comfy_hooks: the cross-modal gates, the video-to-audio norm), which
+test_ltx2_comfy checks against ComfyUI's own LTXAVModel."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.references import ltx2 as ltx2_reference
 from sp_runtime.families import ltx2
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
@@ -79,8 +80,8 @@ def pool_call(handle, video, audio, sigma, inputs):
     """The call the host makes: both latents packed into x, their shapes in latent_shapes; unpacked again. A case
     with a denoise mask goes through the host's conversion of ComfyUI's call (pack_comfy_call)."""
     if "denoise_mask" in inputs:
-        x, timestep, extra = ltx2.pack_comfy_call([video, audio], sigma, inputs)
-        return ltx2.unpack_comfy_output(handle(x, timestep, **extra), [video, audio])
+        x, timestep, extra = ltx2.COMFY.hooks.pack([video, audio], sigma, inputs)
+        return ltx2.COMFY.hooks.unpack(handle(x, timestep, **extra), [video, audio])
     x = torch.cat([video.flatten(1), audio.flatten(1)], dim=1).unsqueeze(1)
     out = handle(x, sigma, latent_shapes=[list(video.shape), list(audio.shape)], **inputs)
     split = video[0].numel()
@@ -89,8 +90,8 @@ def pool_call(handle, video, audio, sigma, inputs):
 
 def reference(model, video, audio, sigma, inputs, comfy=True):
     sigma, audio_sigma = sigma if isinstance(sigma, tuple) else (sigma, inputs.get("audio_timestep"))
-    return ltx2.reference_forward(model, video, audio, sigma, inputs["context"], audio_sigma,
-                                  inputs.get("frame_rate", ltx2.DEFAULT_FRAME_RATE), comfy=comfy,
+    return ltx2_reference.reference_forward(model, video, audio, sigma, inputs["context"], audio_sigma,
+                                  inputs.get("frame_rate", ltx2_reference.DEFAULT_FRAME_RATE), comfy=comfy,
                                   keyframe_idxs=inputs.get("keyframe_idxs"))
 
 
@@ -114,8 +115,11 @@ def check_case(handle, name, references, layout):
     assert_parity(audio, expected_audio, "float32", f"ltx2_audio/{layout}/{name}")
 
 
-# every case at degrees 1 and 2; at 3 and 4 the uneven split, I2V and the audio shorter than the degree
-CASES_AT_DEGREE = {3: ("t2av", "guides"), 4: ("two_audio_tokens", "i2v", "guides")}
+# every case at Ulysses 2; elsewhere the cases whose path differs there: one device, an odd degree, uneven shards with
+# the audio shorter than the degree (4: 12/11/11/11 and 8/8/7/7 video tokens, 2 audio tokens), Ring, the hybrid
+# (guide tokens across four shards) and CFG halves at different sigmas (the gates over the whole call)
+CASES_AT_DEGREE = {1: ("t2av", "i2v"), 3: ("t2av",), 4: ("two_audio_tokens", "i2v")}
+CASES_AT_LAYOUT = {"u1r3": ("t2av",), "u2r2": ("two_audio_tokens", "guides"), "u2cfg2": ("i2v",)}
 
 
 def test_fp32_parity_ulysses(family_pool, ltx2_file, ltx2_references):
@@ -130,7 +134,7 @@ def test_fp32_parity_ulysses(family_pool, ltx2_file, ltx2_references):
 def test_fp32_parity_ring_hybrid_and_cfg(layout_pool, ltx2_file, ltx2_references):
     layout, pool = layout_pool
     handle = pool.load_model(ltx2_file)
-    for name in ("t2av", "two_audio_tokens", "i2v") + (("guides",) if layout == "u2r2" else ()):
+    for name in CASES_AT_LAYOUT[layout]:
         check_case(handle, name, ltx2_references, layout)
     handle.unload()
 
@@ -162,13 +166,13 @@ def test_guides_that_need_an_attention_mask_are_clear_errors():
         weak = {**inputs, **guide_conds((0, 17), (3, 3), strength=strength)}
         expected = rf"strength \[{strength}, {strength}\].*strength 1.0 and no attention_mask work"
         with pytest.raises(ValueError, match=expected):
-            ltx2.pack_comfy_call([video, audio], sigma, weak)
+            ltx2.COMFY.hooks.pack([video, audio], sigma, weak)
     dilated = inputs["denoise_mask"].clone()
     dilated[:, :, 3:, 1] = -1.0
     with pytest.raises(ValueError, match="reference_downscale_factor"):
-        ltx2.pack_comfy_call([video, audio], sigma, {**inputs, "denoise_mask": dilated})
+        ltx2.COMFY.hooks.pack([video, audio], sigma, {**inputs, "denoise_mask": dilated})
     with pytest.raises(ValueError, match="ref_audio"):
-        ltx2.pack_comfy_call([video, audio], sigma, {"ref_audio": {"tokens": torch.zeros(1)}})
+        ltx2.COMFY.hooks.pack([video, audio], sigma, {"ref_audio": {"tokens": torch.zeros(1)}})
 
 
 def test_the_two_streams_reach_each_other(ltx2_references):
@@ -251,17 +255,17 @@ def test_comfy_call_convention_round_trip(family_pool, ltx2_file, ltx2_reference
         pytest.skip("checked once")
     video, audio, sigma, inputs = make_cases()["t2av"]
     handle = family_pool.load_model(ltx2_file)
-    x, timestep, extra = ltx2.pack_comfy_call([video, audio], (sigma, sigma), {
+    x, timestep, extra = ltx2.COMFY.hooks.pack([video, audio], (sigma, sigma), {
         **inputs, "denoise_mask": torch.ones(2, 1, 3, 5, 3)})
-    outputs = ltx2.unpack_comfy_output(handle(x, timestep, **extra), [video, audio])
+    outputs = ltx2.COMFY.hooks.unpack(handle(x, timestep, **extra), [video, audio])
     for got, expected, what in zip(outputs, ltx2_references["t2av"], ("video", "audio")):
         assert_parity(got, expected, "float32", f"ltx2_{what}/comfy_call")
     with pytest.raises(Exception, match="keyframe_idxs has shape"):
-        x, timestep, extra = ltx2.pack_comfy_call([video, audio], sigma, {**inputs, "keyframe_idxs": torch.zeros(
+        x, timestep, extra = ltx2.COMFY.hooks.pack([video, audio], sigma, {**inputs, "keyframe_idxs": torch.zeros(
             2, 3, 44, 2)})
         handle(x, timestep, **extra)
     with pytest.raises(ValueError, match="both latents"):
-        ltx2.pack_comfy_call([video, audio[:, :, :0]], sigma, {})
+        ltx2.COMFY.hooks.pack([video, audio[:, :, :0]], sigma, {})
     assert ltx2.COMFY.attributes(handle.info)["preprocess_text_embeds"](inputs["context"]) is inputs["context"]
 
 
@@ -272,9 +276,9 @@ def test_the_host_reads_the_video_sigma_per_frame_as_comfyui_does():
     sigma = torch.arange(90.0).reshape(2, 45, 1) / 90
     mask = torch.ones(2, 1, 3, 5, 3)
     mask[1, :, 1, 2:] = 0.5  # item 1 only
-    _, timestep, extra = ltx2.pack_comfy_call([video, audio], (sigma, sigma[:, :7] / 2), {"denoise_mask": mask})
+    _, timestep, extra = ltx2.COMFY.hooks.pack([video, audio], (sigma, sigma[:, :7] / 2), {"denoise_mask": mask})
     frames = sigma.reshape(2, 3, 15)[:, :, :1].expand(-1, -1, 15)
     assert torch.equal(timestep, frames.reshape(2, 45, 1))
     assert (extra["v2a_gate_sigma"], extra["a2v_gate_sigma"]) == (sigma.max(), sigma[:, :7].max() / 2)
     mask[0, :, 2, 0] = 0.5  # now item 0 varies within a frame: every token keeps its own sigma
-    assert ltx2.pack_comfy_call([video, audio], (sigma, sigma[:, :7]), {"denoise_mask": mask})[1] is sigma
+    assert ltx2.COMFY.hooks.pack([video, audio], (sigma, sigma[:, :7]), {"denoise_mask": mask})[1] is sigma

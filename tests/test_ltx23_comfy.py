@@ -14,8 +14,10 @@ import torch
 
 import comfy_support as cs
 from family_support import assert_parity
+from sp_lab.references import ltx2 as ltx2_reference
 from sp_runtime.families import ltx2
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_runtime.families.ltx2 import host as ltx2_host
 from test_ltx23 import FEATURES
 from test_ltx2_comfy import comfy_model as ltx2_comfy_model, guide_conds
 
@@ -108,8 +110,8 @@ def test_pool_equals_comfyuis_ltxav(family_pool, files, expected, release):
         timesteps, reference = expected[release, call]
         inputs = {"context": prompt, "frame_rate": rate, **conds,
                   **({"denoise_mask": mask} if mask is not None else {})}
-        x, timestep, extra = ltx2.pack_comfy_call([video, audio], timesteps, inputs)
-        got = ltx2.unpack_comfy_output(handle(x, timestep, **extra), [video, audio])
+        x, timestep, extra = ltx2.COMFY.hooks.pack([video, audio], timesteps, inputs)
+        got = ltx2.COMFY.hooks.unpack(handle(x, timestep, **extra), [video, audio])
         for output, want, what in zip(got, reference, ("video", "audio")):
             assert_parity(output, want, "float32", f"comfyui_ltx{release}_{what}/u{degree}/{call}")
     handle.unload()
@@ -121,8 +123,8 @@ def test_diffusers_reference_equals_comfyui(expected, release):
     model = build_tiny_model("ltx2", SEED, release=release)
     for call, (video, audio, sigma, mask, prompt, rate, conds) in make_calls().items():
         (video_t, audio_t), reference = expected[release, call]
-        video_t = ltx2.comfy_video_sigma(video_t, video.shape, mask)
-        got = ltx2.reference_forward(model, video, audio, video_t, prompt, audio_t, rate,
+        video_t = ltx2_host.comfy_video_sigma(video_t, video.shape, mask)
+        got = ltx2_reference.reference_forward(model, video, audio, video_t, prompt, audio_t, rate,
                                      keyframe_idxs=conds.get("keyframe_idxs"))
         for output, want, what in zip(got, reference, ("video", "audio")):
             assert_parity(output, want, "float32", f"comfyui_ltx{release}_{what}/diffusers_reference/{call}")

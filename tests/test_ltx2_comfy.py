@@ -5,7 +5,7 @@ image-to-video (first latent frame at sigma 0), an inpainting mask that varies w
 item only with batch items at different sigmas, two strength-1.0 guide frames (LTXVAddGuide's keyframe_idxs and
 guide attention entries, made by ComfyUI's own patchifier), and a file whose config metadata states only sizes
 (ComfyUI's defaults: token starts, no causal time fix, interleaved rope, gate factor 1 / 1000). The diffusers-based
-reference of test_ltx2 (ltx2.reference_forward) is checked against it too. Skips without COMFYUI_PATH, or when that ComfyUI
+reference of test_ltx2 (ltx2_reference.reference_forward) is checked against it too. Skips without COMFYUI_PATH, or when that ComfyUI
 has no LTXAV model (0.3.64 has none)."""
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ import torch
 
 import comfy_support as cs
 from family_support import assert_parity
+from sp_lab.references import ltx2 as ltx2_reference
 from sp_runtime.families import ltx2
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_runtime.families.ltx2 import host as ltx2_host
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 21
@@ -108,7 +110,7 @@ def guide_conds(frames, size):
     bounds = []
     for frame in frames:
         _, corners = SymmetricPatchifier(1, start_end=True).patchify(torch.zeros(1, 128, 1, *size))
-        coords = latent_to_pixel_coords(corners, ltx2.VAE_SCALE_FACTORS, causal_fix=True)
+        coords = latent_to_pixel_coords(corners, ltx2_host.VAE_SCALE_FACTORS, causal_fix=True)
         coords[:, 0] += frame
         bounds.append(coords)
     entries = [{"pre_filter_count": size[0] * size[1], "strength": 1.0, "pixel_mask": None,
@@ -131,11 +133,11 @@ def comfy_call(model, video, audio, sigma, mask, prompt, frame_rate, conds):
 
 
 def pool_call(handle, video, audio, timesteps, mask, prompt, frame_rate, conds):
-    """What the host's proxy does with the same call (ltx2.COMFY's pack_call / unpack_output)."""
+    """What the host's proxy does with the same call (ltx2.COMFY's host hooks pack / unpack)."""
     inputs = {"context": prompt, "frame_rate": frame_rate, **conds,
               **({"denoise_mask": mask} if mask is not None else {})}
-    x, timestep, extra = ltx2.pack_comfy_call([video, audio], timesteps, inputs)
-    return ltx2.unpack_comfy_output(handle(x, timestep, **extra), [video, audio])
+    x, timestep, extra = ltx2.COMFY.hooks.pack([video, audio], timesteps, inputs)
+    return ltx2.COMFY.hooks.unpack(handle(x, timestep, **extra), [video, audio])
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +180,8 @@ def test_diffusers_reference_equals_comfyui(files, expected):
     model = build_tiny_model("ltx2", SEED)
     for call, (video, audio, sigma, mask, prompt, rate, conds) in make_calls().items():
         (video_t, audio_t), reference = expected["release", call]
-        video_t = ltx2.comfy_video_sigma(video_t, video.shape, mask)
-        got = ltx2.reference_forward(model, video, audio, video_t, prompt, audio_t, rate,
+        video_t = ltx2_host.comfy_video_sigma(video_t, video.shape, mask)
+        got = ltx2_reference.reference_forward(model, video, audio, video_t, prompt, audio_t, rate,
                                      keyframe_idxs=conds.get("keyframe_idxs"))
         for output, want, what in zip(got, reference, ("video", "audio")):
             assert_parity(output, want, "float32", f"comfyui_ltx2_{what}/diffusers_reference/{call}")

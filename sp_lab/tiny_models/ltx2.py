@@ -4,7 +4,8 @@ builds them), written as ComfyUI's files are (original key names under `model.di
 `config` metadata stating the sizes, position conventions and, for 2.3 / 2.5, the flags ComfyUI builds its model
 from).
 
-The original-name writer is the inverse of ltx2_checkpoint's key plan, stated on its own so a round trip checks both.
+The original-name writer is the inverse of families/ltx2/keys.py's key plan, stated on its own so a round trip
+checks both.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 
 import torch
 
-from sp_runtime.families.ltx2_checkpoint import CONNECTORS
+from sp_runtime.families.ltx2 import CONNECTORS
 from .weights import cast_like_release, randomize_
 
 LTX2_TINY = dict(in_channels=128, out_channels=128, num_attention_heads=3, attention_head_dim=128,

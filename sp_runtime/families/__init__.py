@@ -12,8 +12,8 @@ A family module (or sub-package) provides, at module level:
         choose_dtypes, build_empty_model, load_weights with the family's key plan) and return a WorkerModel whose
         forward(x, timestep, inputs, out, ctx) is the family's sequence-parallel forward (contract.py). The image
         families and HunyuanVideo return sp.PlanWorker(model, info, PLAN, ...): their forward is PLAN, a sp.Plan
-        (the call's token streams, conditioning, stages of blocks, head) that the executor runs; wan* and ltx2 still
-        define their own workers.
+        (the call's token streams, conditioning, stages of blocks, head) that the executor runs (ltx2 too, a
+        package); wan* still define their own workers.
     COMFY = ComfyHost(...)           ComfyUI's model classes and the attributes its host side reads from
                                      `diffusion_model` (base.ComfyHost); leave it out when ComfyUI cannot use it.
 Optional, each used where present: weight_plan(detection, keys) and original_plan(keys, model_config) (LoRAs by

@@ -16,7 +16,7 @@ import torch
 from ..sp import AttentionSpec, Plan, PlanWorker, Stage, Stream, image_parts, text_stream
 from ..sp.tokens import (ROPE_THETA, TokenGrid, as_list, grid_ids, reference_pack, reference_placements,
                          reference_unpack, rope_axes)
-from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries
+from ..contract import ComfyHost, Detection, HostHooks, LoadRequest, ModelInfo, config_entries
 from ..checkpoints.loading import (KeyPlan, ProgressFn, Transform, WeightDtypes, count_blocks, detected_checkpoint,
                                    find_prefix, layout_keys, load_checkpoint_model, row_split, shape_of, strip_prefix,
                                    swap_halves)
@@ -31,7 +31,7 @@ def _comfy_unet_config(info: ModelInfo) -> dict:
 
 
 COMFY = ComfyHost(model_classes={"schnell": "FluxSchnell", "fill": "FluxInpaint", "": "Flux"},
-                  unet_config=_comfy_unet_config)
+                  unet_config=_comfy_unet_config, hooks=HostHooks(rope_options="applied"))
 PATCH = 2
 MLP_RATIO = 4  # diffusers' Flux blocks hardcode it
 ORIGINAL_ANCHORS = ("double_blocks.0.img_attn.norm.key_norm.scale", "img_in.weight", "txt_in.weight",

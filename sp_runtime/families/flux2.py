@@ -19,7 +19,7 @@ import torch
 from ..sp import AttentionSpec, PlanWorker, Stage
 from ..sp.tokens import TokenGrid, as_list, grid_ids, reference_placements
 from . import flux
-from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries
+from ..contract import ComfyHost, Detection, HostHooks, LoadRequest, ModelInfo, config_entries
 from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, count_blocks, detected_checkpoint, find_prefix,
                                    layout_keys, load_checkpoint_model, shape_of, strip_prefix)
 from ..checkpoints.header import Header, header_config
@@ -34,7 +34,7 @@ def _comfy_unet_config(info: ModelInfo) -> dict:
 
 
 COMFY = ComfyHost(model_classes={"": "Flux2"}, unet_config=_comfy_unet_config,
-                  attributes=lambda info: {"patch_size": PATCH})
+                  attributes=lambda info: {"patch_size": PATCH}, hooks=HostHooks(rope_options="applied"))
 PATCH = 1                  # ComfyUI's Flux.2 takes its 128-channel latents unpatched
 ROPE_THETA = 2000
 REF_INDEX_SCALE = 10       # ComfyUI's ref_index_scale: reference i sits at index 10 * (i + 1)

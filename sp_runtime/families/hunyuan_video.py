@@ -29,7 +29,7 @@ import torch
 from ..sp import AttentionSpec, Plan, PlanWorker, Stage, Stream, project_qkv, text_stream, video_part
 from ..sp.tokens import rope_axes, text_key_mask
 from ..sp.video_tokens import conv_patch_embed
-from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries
+from ..contract import ComfyHost, Detection, HostHooks, LoadRequest, ModelInfo, config_entries
 from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, count_blocks, detected_checkpoint, find_prefix,
                                    layout_keys, load_checkpoint_model, shape_of, strip_prefix)
 from ..checkpoints.header import Header, header_config
@@ -71,7 +71,7 @@ def comfy_attributes(info: ModelInfo) -> dict:
 
 COMFY = ComfyHost(model_classes={"i2v": "HunyuanVideoI2V", "skyreels_i2v": "HunyuanVideoSkyreelsI2V",
                                  "": "HunyuanVideo"},
-                  unet_config=_comfy_unet_config, attributes=comfy_attributes)
+                  unet_config=_comfy_unet_config, attributes=comfy_attributes, hooks=HostHooks(rope_options="ignored"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

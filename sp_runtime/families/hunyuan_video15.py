@@ -13,8 +13,9 @@ dropped from the output; ComfyUI's only node that sets it, HunyuanImageToVideo's
 VAE latent, which 1.5's img_in takes in neither ComfyUI nor here). Returns [B, 32, T, H, W].
 
 The SR model is a meanflow model: ComfyUI adds the embedding of the sampler's next sigma to the timestep's,
-finding it in transformer_options (host-only); the host's `sampler_inputs` hands it to the pool as `timestep_r`
-(x 1000, like timestep) and the worker adds time_embed's second embedding of it, as diffusers' `timestep_r` does.
+finding it in transformer_options (host-only); the host's hook (SamplerSigma: `sampler_inputs`) hands it to the
+pool as `timestep_r` (x 1000, like timestep) and the worker adds time_embed's second embedding of it, as diffusers'
+`timestep_r` does.
 
 PLAN is HunyuanVideo 1.0's (hunyuan_video.PLAN) with its differences: the image stream ([reference, video]) split
 as there; the text stream [SigLIP, ByT5, Qwen tokens], each with its condition-type embedding, replicated; 54
@@ -30,7 +31,7 @@ import torch
 from ..sp import PlanWorker, Stream, text_stream
 from ..sp.tokens import rope_axes
 from . import hunyuan_video
-from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo
+from ..contract import ComfyHost, Detection, HostHooks, LoadRequest, ModelInfo
 from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, count_blocks, detected_checkpoint, find_prefix,
                                    layout_keys, load_checkpoint_model, shape_of, strip_prefix)
 from ..checkpoints.header import Header, header_config
@@ -78,8 +79,17 @@ def sampler_inputs(transformer_options: dict, inputs: dict) -> dict:
     return {"timestep_r": (schedule[found[0] + 1] * 1000).to(torch.float32)}  # 0-D: one value for the batch
 
 
+class SamplerSigma(HostHooks):
+    """The host hook of HunyuanVideo 1.5: sampler_inputs on every call; rope_options ignored, as ComfyUI does."""
+
+    rope_options = "ignored"
+
+    def call_inputs(self, transformer_options: dict, inputs: dict) -> dict:
+        return sampler_inputs(transformer_options, inputs)
+
+
 COMFY = ComfyHost(model_classes={SR: "HunyuanVideo15_SR_Distilled", "": "HunyuanVideo15"},
-                  unet_config=_comfy_unet_config, attributes=comfy_attributes, sampler_inputs=sampler_inputs)
+                  unet_config=_comfy_unet_config, attributes=comfy_attributes, hooks=SamplerSigma())
 
 
 # ---------------------------------------------------------------------------------------------------------------

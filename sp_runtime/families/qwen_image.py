@@ -21,7 +21,7 @@ import torch
 from ..sp import Plan, PlanWorker, Stage, Stream, image_parts, text_stream
 from ..sp.tokens import (ROPE_THETA, TokenGrid, as_list, grid_ids, reference_pack, reference_placements,
                          reference_unpack, rope_axes, text_key_mask)
-from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries
+from ..contract import ComfyHost, Detection, HostHooks, LoadRequest, ModelInfo, config_entries
 from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, count_blocks, detected_checkpoint, find_prefix,
                                    identity_plan, load_checkpoint_model, shape_of, strip_prefix)
 from ..checkpoints.header import Header, header_config
@@ -34,7 +34,8 @@ def _comfy_unet_config(info: ModelInfo) -> dict:
     return {"in_channels": info.in_channels * 4}  # ComfyUI counts packed 2x2 patch features
 
 
-COMFY = ComfyHost(model_classes={"": "QwenImage"}, unet_config=_comfy_unet_config)
+COMFY = ComfyHost(model_classes={"": "QwenImage"}, unet_config=_comfy_unet_config,
+                  hooks=HostHooks(rope_options="ignored"))
 PATCH = 2
 ANCHORS = ("txt_norm.weight", "img_in.weight", "txt_in.weight", "transformer_blocks.0.attn.norm_q.weight",
            "proj_out.weight")

@@ -28,7 +28,7 @@ import torch
 from ..attention import SeqShards, local_attention, sp_attention
 from ..groups import SeqParallel
 from ..sp.rope_options import is_identity, rotary_axis, scaled_positions
-from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries, patch_size_2
+from ..contract import ComfyHost, Detection, HostHooks, LoadRequest, ModelInfo, config_entries, patch_size_2
 from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, build_empty_model, choose_dtypes,
                                    detected_checkpoint, load_weights)
 from ..checkpoints.header import Header, header_config
@@ -71,7 +71,8 @@ COMFY = ComfyHost(model_classes={"i2v": "WAN21_I2V", "flf2v": "WAN21_I2V", "ti2v
                                  "camera_2.2": "WAN22_Camera", "humo": "WAN21_HuMo", "s2v": "WAN22_S2V",
                                  "animate": "WAN22_Animate", "animate2": "WAN_Animate2",
                                  "": "WAN21_T2V"},
-                  unet_config=_comfy_unet_config, attributes=_comfy_attributes, metadata_variants=("animate2",))
+                  unet_config=_comfy_unet_config, attributes=_comfy_attributes, metadata_variants=("animate2",),
+                  hooks=HostHooks(rope_options="applied"))
 INFO_KEYS = ("patch_size", "num_layers", "text_dim", "ffn_dim", "freq_dim", "image_dim", "pos_embed_seq_len",
              "vace_layers", "vace_in_channels", "camera_in_channels")
 EXTRA_MODULE_KEYS = ("ref_in_channels", "camera_in_channels", "camera_residual_blocks", "audio_in_features",

@@ -7,6 +7,7 @@ weight sharding and runtime options (sharding/, model_options), which hook every
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -68,6 +69,8 @@ class PlanWorker:
         self.model, self.info, self.plan, self.dtypes = model, info, plan, dtypes
         self.options = options or {}
         for stage in plan.stages:
+            if stage.attention is None:  # a custom block attends itself
+                continue
             processor = SPAttnProcessor(stage.attention)
             for block in getattr(model, stage.blocks):
                 for module in block.modules():
@@ -86,14 +89,21 @@ class PlanWorker:
         for stage in plan.stages:
             if stage.before is not None:
                 stage.before(call)
-            with current_geometry(_geometry(call, stage)):
+            geometry = nullcontext() if stage.attention is None else current_geometry(_geometry(call, stage))
+            with geometry:
                 for block in getattr(self.model, stage.blocks):
                     ctx.check_cancel()
                     stage.run(block, call)
-        tokens = plan.head(call)
-        if plan.output_tokens is not None:
-            tokens = plan.output_tokens(call, tokens)
-        _write(out, tokens, call.shards[plan.output])
+        names, tokens = plan.output, plan.head(call)
+        if isinstance(names, str):
+            names, tokens = (names,), (tokens,)
+        for name, stream_tokens in zip(names, tokens):
+            shard = call.shards[name]
+            if shard.shards is None and call.seq.rank != 0:  # a replicated stream: one rank writes it
+                continue
+            if plan.output_tokens is not None:
+                stream_tokens = plan.output_tokens(call, stream_tokens)
+            _write(out, stream_tokens, shard)
 
 
 def _shard(stream: Stream, seq, rope, device) -> Shard:

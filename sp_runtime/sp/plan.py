@@ -114,13 +114,16 @@ class AttentionSpec:
 class Stage:
     """A ModuleList of blocks run in turn: run(block, call) updates the call's states (attributes named after the
     streams); attends: the split stream(s) the attention spans (a tuple: their rank-wise union, each rank's parts
-    in stream order), text: the replicated stream joined to it (or None); before(call): runs once first."""
+    in stream order), text: the replicated stream joined to it (or None); before(call): runs once first.
+    attention=None declares a custom block (the documented escape, e.g. LTX-2's audio-video block): the executor
+    sets no processor and makes no geometry current; the block attends through attention.sp_attention itself, with
+    the shards of call.shards."""
 
     blocks: str
     run: Callable[[torch.nn.Module, Any], None]
     attends: Union[str, tuple[str, ...]] = "image"
     text: Optional[str] = "text"
-    attention: AttentionSpec = AttentionSpec()
+    attention: Optional[AttentionSpec] = AttentionSpec()
     before: Optional[Callable[[Any], None]] = None
 
 
@@ -130,7 +133,8 @@ class Plan:
 
     check(call): refuse what the plan cannot serve, by name. layout(call) -> [Stream]. condition(call): the
     per-call conditioning (time embedding, ...), set on the call. head(call) -> this rank's tokens of the `output`
-    stream. rope(config) -> (axes, theta) of the rotary tables (diffusers' FluxPosEmbed) for the parts' ids, or
+    stream (a tuple of names: a tuple of their tokens, in that order; a replicated output stream is written by
+    sequence rank 0 only). rope(config) -> (axes, theta) of the rotary tables (diffusers' FluxPosEmbed) for the parts' ids, or
     None. output_tokens(call, tokens): what becomes of the output tokens before they are unpatchified (e.g.
     Z-Image's feature order and sign).
     """
@@ -141,5 +145,5 @@ class Plan:
     stages: Sequence[Stage]
     head: Callable[[Any], torch.Tensor]
     rope: Optional[Callable[[Any], tuple[Sequence[int], float]]] = None
-    output: str = "image"
+    output: Union[str, tuple[str, ...]] = "image"
     output_tokens: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None

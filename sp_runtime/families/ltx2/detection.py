@@ -1,7 +1,6 @@
-"""LTX-2, 2.3 and 2.5 checkpoints: detection from the header (shapes plus the release's `config` metadata) and the
-ComfyUI / original key names -> diffusers' LTX2VideoTransformer3DModel plus the two text-embedding connectors ComfyUI
-keeps inside the diffusion model (diffusers' converter drops them; we keep them as `*_embeddings_connector`
-submodules).
+"""LTX-2, 2.3 and 2.5 detection from the header alone: shapes plus the release's `config` metadata -> diffusers'
+LTX2VideoTransformer3DModel config, the sizes of the two text connectors ComfyUI keeps inside the diffusion model and
+how ComfyUI places the video tokens.
 
 The releases differ by tensors present: 2.3 adds per-head attention gates (`to_gate_logits`), the prompt
 cross-attention AdaLN (9 block modulations, `prompt_scale_shift_table`, `prompt_adaln_single`) and drops the caption
@@ -11,11 +10,11 @@ projection (its text encoder projects per modality, so the connectors take 4096 
 from __future__ import annotations
 
 import json
-from typing import Iterable, Optional
+from typing import Optional
 
-from ..contract import Detection
-from ..checkpoints.loading import KeyPlan, count_blocks, find_prefix, shape_of, strip_prefix
-from ..checkpoints.header import Header
+from ...checkpoints.header import Header
+from ...checkpoints.loading import count_blocks, find_prefix, shape_of, strip_prefix
+from ...contract import Detection
 
 FAMILY = "ltx2"
 ANCHORS = ("av_ca_a2v_gate_adaln_single.emb.timestep_embedder.linear_1.weight", "audio_patchify_proj.weight",
@@ -33,8 +32,6 @@ RELEASE_DEFAULTS = {
     "causal_temporal_positioning": False, "connector_num_attention_heads": 30, "connector_attention_head_dim": 128,
 }
 ROPE_THETA = 10000.0
-# original names diffusers' converter leaves alone (LTX-2.3 / 2.5 additions) -> diffusers' names
-NEWER_RENAMES = (("audio_prompt_adaln_single.", "audio_prompt_adaln."), ("prompt_adaln_single.", "prompt_adaln."))
 
 
 def detect(header: Header) -> Optional[Detection]:
@@ -140,31 +137,3 @@ def connector_config(keys: dict, release: dict, name: str) -> dict:
             "num_layers": count_blocks(keys, f"{name}.transformer_1d_blocks"), "num_learnable_registers": registers,
             "rope_type": release.get("rope_type", "split"),
             "gated_attention": f"{name}.transformer_1d_blocks.0.attn1.to_gate_logits.weight" in keys}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Key plan
-
-def ltx2_key_plan(keys: Iterable[str]) -> KeyPlan:
-    """Original-layout key (prefix stripped) -> [(model key, None)]: the transformer's through diffusers' own
-    converter (it only renames, so a {key: key} dict gives the mapping), the connectors' by their block names."""
-    from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
-    keys = list(keys)
-    transformer = [key for key in keys if not key.startswith(CONNECTORS)]
-    renamed = convert_ltx2_transformer_to_diffusers({key: key for key in transformer})
-    plan = {original: [(_renamed_newer(model_key), None)] for model_key, original in renamed.items()}
-    plan.update({key: [(connector_key(key), None)] for key in keys if key.startswith(CONNECTORS)})
-    return plan
-
-
-def _renamed_newer(key: str) -> str:
-    for original, diffusers_name in NEWER_RENAMES:
-        if key.startswith(original):
-            return diffusers_name + key[len(original):]
-    return key
-
-
-def connector_key(key: str) -> str:
-    """ComfyUI's Embeddings1DConnector names -> diffusers' LTX2ConnectorTransformer1d names."""
-    return (key.replace(".transformer_1d_blocks.", ".transformer_blocks.")
-            .replace(".q_norm.", ".norm_q.").replace(".k_norm.", ".norm_k."))
