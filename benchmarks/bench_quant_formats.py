@@ -21,6 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from sp_lab.references.flux import reference_forward as flux_reference  # noqa: E402
 from sp_runtime.cli.machine import describe_machine, median_time, write_json  # noqa: E402
 from sp_runtime.families import flux  # noqa: E402
 from sp_runtime.formats import weight_bytes  # noqa: E402
@@ -68,10 +69,10 @@ def measure(folder: str, name: str, fmt: str, only, call, original_out, repeats:
     write_quantized("flux", path, reference, fmt, seed=0, only=only, **SIZE)
     x, t, inputs = call
     quantized = flux.load_model(path)[0]
-    out = flux.reference_forward(quantized, x, t, **inputs)
+    out = flux_reference(quantized, x, t, **inputs)
     bf16 = flux.load_model(reference, "bf16")[0]
     fp32 = flux.load_model(reference, "fp32")[0]
-    bf16_out, fp32_out = (flux.reference_forward(model, x, t, **inputs) for model in (bf16, fp32))
+    bf16_out, fp32_out = (flux_reference(model, x, t, **inputs) for model in (bf16, fp32))
     result = {
         "file_mib": os.path.getsize(path) / MIB,
         "weights_mib": weight_bytes(quantized) / MIB,
@@ -80,8 +81,8 @@ def measure(folder: str, name: str, fmt: str, only, call, original_out, repeats:
         "error_vs_dequantized_fp32": relative(out, fp32_out),
         "bf16_reference_error_vs_fp32": relative(bf16_out, fp32_out),  # bf16 compute itself, for scale
         "quantization_error_fp32": relative(fp32_out, original_out),  # the file's weights vs the unquantized
-        "call_ms": 1000 * median_time(lambda: flux.reference_forward(quantized, x, t, **inputs), repeats),
-        "bf16_call_ms": 1000 * median_time(lambda: flux.reference_forward(bf16, x, t, **inputs), repeats),
+        "call_ms": 1000 * median_time(lambda: flux_reference(quantized, x, t, **inputs), repeats),
+        "bf16_call_ms": 1000 * median_time(lambda: flux_reference(bf16, x, t, **inputs), repeats),
     }
     result["memory_ratio_vs_bf16"] = result["weights_mib"] / result["bf16_weights_mib"]
     print(f"{name:>14}: weights {result['weights_mib']:.1f} MiB ({result['memory_ratio_vs_bf16']:.2f}x bf16), "
@@ -98,7 +99,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as folder, torch.no_grad():
         original = write_tiny_checkpoint("flux", os.path.join(folder, "original.safetensors"), seed=0, **SIZE)
-        original_out = flux.reference_forward(flux.load_model(original, "fp32")[0], *call[:2], **call[2])
+        original_out = flux_reference(flux.load_model(original, "fp32")[0], *call[:2], **call[2])
         for name, (fmt, only) in FORMATS.items():
             results[name] = measure(folder, name, fmt, only, call, original_out, args.repeats)
     write_json(args.out, {"machine": describe_machine(), "model": {"family": "flux", **SIZE}, "tokens": 256,

@@ -8,8 +8,9 @@ from typing import Optional, Union
 
 from .checkpoints.header import FAMILY_METADATA_KEY, Header, read_checkpoint_header
 from .contract import Detection
-from .families import FAMILIES, family_module
+from .families import FAMILIES, descriptions, families, family, gguf_architectures, signatures
 from .formats.detect import plain_view
+from .formats.gguf_file import METADATA_ARCHITECTURE
 
 # This project's own test / benchmark families: a file naming one in its metadata would make every worker build what
 # the metadata asks for (the synthetic family draws random weights of any size). They load only in a process that
@@ -18,12 +19,10 @@ INTERNAL_FAMILIES = ("toy", "synthetic")
 INTERNAL_FAMILIES_ENV = "ULYSSES_SP_INTERNAL_FAMILIES"
 
 # Signature keys of model families (and non-model files) that no registered family handles, for the error message.
-# Consulted only when no registered family recognised the file: a newly registered family needs no change here.
+# Consulted only when no registered family recognised the file, after the registered families' own signatures
+# (Family.signatures): a newly registered family needs no change here.
 OTHER_KINDS = {
-    "Flux.2": ("double_stream_modulation_img.lin.weight", "single_stream_modulation.lin.weight"),
     "Chroma": ("distilled_guidance_layer.in_proj.weight", "distilled_guidance_layer.in_proj.bias"),
-    "Qwen-Image 2.1": ("txt_in.text_norm.weight",),
-    "Wan": ("head.modulation", "condition_embedder.time_proj.weight"),
     "HunyuanImage 2.1": ("byt5_in.fc1.weight",),
     "SD3 / SD3.5": ("joint_blocks.0.context_block.attn.qkv.weight",),
     "SDXL / SD1.x UNet": ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
@@ -61,17 +60,13 @@ def detect(checkpoint: Union[str, Header], allow_internal: Optional[bool] = None
                              f"loads only in test and benchmark runs ({INTERNAL_FAMILIES_ENV}=1), never from a "
                              f"file's word; a downloaded model does not need it, so this file is not a real model")
         return _detect_named(header, named)
-    supported = []
     view = plain_view(header)
-    for family in FAMILIES:
-        module = family_module(family)
-        if module.DESCRIPTION:
-            supported.append(module.DESCRIPTION)
-        detection = module.detect(view)
+    for entry in families():
+        detection = entry.detect(view)
         if detection is not None:
             return _with_quantization(detection, header)
     raise ValueError(f"{header.path!r}: no supported model family recognised. {describe_unknown(header)} "
-                     f"Supported: {'; '.join(supported)}")
+                     f"Supported: {'; '.join(descriptions())}")
 
 
 def _with_quantization(detection: Detection, header: Header) -> Detection:
@@ -81,15 +76,15 @@ def _with_quantization(detection: Detection, header: Header) -> Detection:
     return replace(detection, quant=quant.summary()) if quant else detection
 
 
-def _detect_named(header: Header, family: str) -> Detection:
+def _detect_named(header: Header, name: str) -> Detection:
     """Our own checkpoints (toy, synthetic specs) name their family in the metadata."""
-    if family not in FAMILIES:
-        raise ValueError(f"{header.path!r} names the model family {family!r} in its metadata "
+    if name not in FAMILIES:
+        raise ValueError(f"{header.path!r} names the model family {name!r} in its metadata "
                          f"({FAMILY_METADATA_KEY}), which this version of ulysses-sp does not know (known: "
                          f"{', '.join(FAMILIES)}); write the file again with a known family")
-    detection = family_module(family).detect(header)
+    detection = family(name).detect(header)
     if detection is None:
-        raise ValueError(f"{header.path!r} names the model family {family!r} but is not a valid {family} file")
+        raise ValueError(f"{header.path!r} names the model family {name!r} but is not a valid {name} file")
     return detection
 
 
@@ -97,8 +92,13 @@ def describe_unknown(header: Header) -> str:
     """What an unrecognised checkpoint looks like: a known other family, or a summary of its tensors."""
     if not header.tensors:
         return "The file holds no tensors."
-    for kind, signatures in OTHER_KINDS.items():
-        hits = [key for key in header.tensors if key.endswith(signatures)]
+    for kind, keys in signatures().items():
+        hits = [key for key in header.tensors if key.endswith(keys)]
+        if hits:
+            return (f"It looks like {kind} (it has {hits[0]!r}), but lacks tensors every such file has: it is "
+                    f"incomplete, or a variant this version cannot run.")
+    for kind, keys in OTHER_KINDS.items():
+        hits = [key for key in header.tensors if key.endswith(keys)]
         if hits:
             return f"It looks like {kind} (it has {hits[0]!r}), which is not supported."
     groups: dict[str, int] = {}
@@ -106,5 +106,14 @@ def describe_unknown(header: Header) -> str:
         stem = key.split(".", 1)[0]
         groups[stem] = groups.get(stem, 0) + 1
     top = ", ".join(f"{stem} ({count})" for stem, count in sorted(groups.items(), key=lambda g: -g[1])[:8])
-    return f"It holds {len(header.tensors)} tensors, grouped as: {top}; e.g. {sorted(header.tensors)[:3]}."
+    return (f"It holds {len(header.tensors)} tensors, grouped as: {top}; e.g. {sorted(header.tensors)[:3]}."
+            f"{_gguf_note(header)}")
+
+
+def _gguf_note(header: Header) -> str:
+    """For a GGUF file of an architecture no registered family reads: which ones they read."""
+    architecture, known = header.metadata.get(METADATA_ARCHITECTURE), gguf_architectures()
+    if not architecture or architecture in known:
+        return ""
+    return f" Its GGUF architecture is {architecture!r}; GGUF files of {', '.join(sorted(known))} load here."
 

@@ -9,7 +9,7 @@ import torch
 
 from sp_lab.cli import demo_training, shapes
 from sp_lab.cli.presets import get_preset
-from sp_runtime.families.qwen_image import reference_forward
+from sp_lab.references.qwen_image import reference_forward
 
 # a few seconds on 2 cores: 2 blocks of width 64, 16x16-pixel pictures (16 tokens)
 SMALL = demo_training.Recipe(size=dict(num_layers=2, num_attention_heads=4, attention_head_dim=16,

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from family_support import FP32_TOL, assert_parity, merge_rank_outputs, relative_error, run_family_cases
-from sp_runtime.families import flux, qwen_image
+from sp_lab.references.flux import reference_forward as flux_reference
+from sp_lab.references.qwen_image import reference_forward as qwen_image_reference
+from sp_runtime.families import flux
 from sp_runtime.local_ranks import run_distributed
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
 
@@ -64,7 +66,7 @@ def references(files):
     """Stock diffusers outputs: fp32 from in-memory models (independent of our loader and key conversion);
     low precision from the same file loaded in-process with the same dtype policy."""
     def run(model, cases):
-        return {name: flux.reference_forward(model, *case[:2], **case[2]) for name, case in cases.items()}
+        return {name: flux_reference(model, *case[:2], **case[2]) for name, case in cases.items()}
     refs = {"float32": run(build_tiny_model("flux", SEED), make_cases()),
             "schnell": run(build_tiny_model("flux", SEED, guidance_embeds=False), _variant_cases("schnell")),
             "fill": run(build_tiny_model("flux", SEED, in_channels=384, out_channels=64), _variant_cases("fill"))}
@@ -121,7 +123,7 @@ def test_without_guidance_the_term_is_left_out(family_pool, files):
     silent.time_text_embed.guidance_embedder.linear_2.bias.zero_()
     x, t, inputs = make_cases()["odd_latent"]
     inputs = {**inputs, "guidance": None}
-    expected = flux.reference_forward(silent, x, t, **{**inputs, "guidance": torch.tensor([1.0, 1.0])})
+    expected = flux_reference(silent, x, t, **{**inputs, "guidance": torch.tensor([1.0, 1.0])})
     out = family_pool.load_model(files["original"])(x, t, **inputs)
     assert_parity(out, expected, "float32", "no guidance")
 
@@ -132,7 +134,7 @@ def test_the_references_and_guidance_matter(references):
     assert relative_error(fp32["kontext_index"], fp32["kontext_uxo"]) > 1e-3
     model = build_tiny_model("flux", SEED)
     x, t, inputs = make_cases()["kontext_offset"]
-    no_refs = flux.reference_forward(model, x, t, **{k: v for k, v in inputs.items() if k != "ref_latents"})
+    no_refs = flux_reference(model, x, t, **{k: v for k, v in inputs.items() if k != "ref_latents"})
     assert relative_error(no_refs, fp32["kontext_offset"]) > 100 * FP32_TOL
 
 
@@ -200,7 +202,7 @@ def test_cfg_parallel_splits_the_batch(files, references, tmp_path):
     results = run_distributed(run_family_cases, 2, {"cfg_degree": 2}, loads, timeout=240)
     merged = [merge_rank_outputs([rank[load][0] for rank in results]) for load in range(2)]
     assert_parity(merged[0], references["float32"]["kontext_offset"], "float32", "cfg2/flux")
-    expected = qwen_image.reference_forward(build_tiny_model("qwen_image", SEED), qwen_case[0], t, **qwen_case[2])
+    expected = qwen_image_reference(build_tiny_model("qwen_image", SEED), qwen_case[0], t, **qwen_case[2])
     assert_parity(merged[1], expected, "float32", "cfg2/qwen")
 
 

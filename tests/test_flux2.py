@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.references.flux2 import reference_forward as flux2_reference
 from sp_runtime.families import flux, flux2, qwen_image21
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
@@ -48,7 +49,7 @@ def f2_files(tmp_path_factory):
 def f2_references():
     """Stock diffusers outputs from in-memory models (independent of our loader, key plan and SP forward)."""
     models = {"dev": build_tiny_model("flux2", SEED), "klein": build_tiny_model("flux2", SEED, variant="klein")}
-    return {variant: {name: flux2.reference_forward(model, *case[:2], **case[2])
+    return {variant: {name: flux2_reference(model, *case[:2], **case[2])
                       for name, case in make_cases().items()} for variant, model in models.items()}
 
 
@@ -75,7 +76,7 @@ def test_references_guidance_and_placement_matter(f2_references):
     assert relative_error(dev["two_refs_index"], dev["refs_offset"]) > 100 * FP32_TOL
     model = build_tiny_model("flux2", SEED)
     x, t, inputs = make_cases()["t2i"]
-    other = flux2.reference_forward(model, x, t, **{**inputs, "guidance": torch.tensor([1.0, 1.0])})
+    other = flux2_reference(model, x, t, **{**inputs, "guidance": torch.tensor([1.0, 1.0])})
     assert relative_error(other, dev["t2i"]) > 100 * FP32_TOL
     assert relative_error(klein["t2i"], dev["t2i"]) > 100 * FP32_TOL
 

@@ -10,6 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from family_support import assert_parity, at_worlds, relative_error
+from sp_lab.references import reference_forward
+from sp_lab.references.flux import reference_forward as flux_reference
+from sp_lab.references.z_image import reference_forward as z_image_reference
 from sp_lab.tiny_models.quant_files import FORMATS, write_quantized
 from sp_runtime.families import flux, qwen_image, wan, z_image
 from sp_runtime.checkpoints.header import read_header
@@ -76,7 +79,7 @@ def references(quant_files):
         for dtype, bf16 in (("fp32", False), ("bf16", True)):
             model = module.load_model(reference, dtype, options=options)[0]
             x, t, inputs = make_case(family, bf16_timesteps=bf16)
-            refs[family, fmt, dtype] = module.reference_forward(model, x, t, **inputs)
+            refs[family, fmt, dtype] = reference_forward(family)(model, x, t, **inputs)
     return refs
 
 
@@ -134,8 +137,8 @@ def test_z_image_fused_qkv_splits_while_quantized(tmp_path, only):
     model = z_image.load_model(path)[0]
     assert isinstance(model.layers[0].attention.to_k, QuantLinear)
     x, t, inputs = make_case("z_image", bf16_timesteps=True)
-    expected = z_image.reference_forward(z_image.load_model(reference, "bf16")[0], x, t, **inputs)
-    assert_parity(z_image.reference_forward(model, x, t, **inputs), expected, "bfloat16", f"quant_qkv_split/{only}")
+    expected = z_image_reference(z_image.load_model(reference, "bf16")[0], x, t, **inputs)
+    assert_parity(z_image_reference(model, x, t, **inputs), expected, "bfloat16", f"quant_qkv_split/{only}")
 
 
 def _stored_bytes(path: str) -> int:
@@ -219,10 +222,10 @@ def test_lora_on_quantized_layers_is_exact_and_comes_off_bitwise(plain_pool, qua
         handle.set_loras([[str(tmp_path / "lora.safetensors"), strength]])
         patched = handle(x, t, **inputs).clone()
         assert relative_error(patched, plain) > 1e-2  # the LoRA matters
-        expected = flux.reference_forward(references["merged", reference_dtype], x, t, **inputs)
+        expected = flux_reference(references["merged", reference_dtype], x, t, **inputs)
         assert_parity(patched, expected, tolerance, f"quant_lora/{dtype}")
         handle.set_loras([[str(tmp_path / "lora.safetensors"), strength]], patches=patches)
-        expected = flux.reference_forward(references["patched", reference_dtype], x, t, **inputs)
+        expected = flux_reference(references["patched", reference_dtype], x, t, **inputs)
         assert_parity(handle(x, t, **inputs), expected, tolerance, f"quant_patches/{dtype}")
         handle.set_loras([])
         assert torch.equal(handle(x, t, **inputs), plain)

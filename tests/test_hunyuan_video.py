@@ -13,6 +13,8 @@ import torch
 
 from family_support import FP32_TOL, LocalContext, assert_parity, merge_rank_outputs, relative_error, run_family_cases
 from sp_runtime.config import SPConfig
+from sp_lab.references.hunyuan_video import reference_forward as hunyuan_video_reference
+from sp_lab.references.hunyuan_video15 import reference_forward as hunyuan_video15_reference
 from sp_runtime.families import hunyuan_video, hunyuan_video15
 from sp_runtime.checkpoints.header import Header, read_checkpoint_header
 from sp_runtime.groups import build_groups
@@ -155,17 +157,17 @@ def test_the_cases_exercise_what_they_claim(hv_references):
     tokens, the reference latent and the SR model's timestep_r each change the output."""
     t2v, refs = build_tiny_model(SEED), hv_references
     x, t, inputs = CASES["t2v"]()["105_tokens"]
-    other = hunyuan_video.reference_forward(t2v, x, t, **{**inputs, "guidance": torch.tensor([1.0, 1.0])})
+    other = hunyuan_video_reference(t2v, x, t, **{**inputs, "guidance": torch.tensor([1.0, 1.0])})
     assert relative_error(other, refs["t2v"]["105_tokens"]) > 100 * FP32_TOL
-    plain = hunyuan_video.reference_forward(build_tiny_model(SEED, variant="no_guidance"), x, t,
+    plain = hunyuan_video_reference(build_tiny_model(SEED, variant="no_guidance"), x, t,
                                             **{k: v for k, v in inputs.items() if k != "guidance"})
     assert relative_error(plain[:, :, 1:], refs["replace"]["105_tokens"][:, :, 1:]) > 100 * FP32_TOL
     x, t, inputs = CASES["v15"]()["i2v_glyphs"]
-    text_only = hunyuan_video15.reference_forward(build_tiny_model(SEED, "1.5"), x, t, inputs["context"])
+    text_only = hunyuan_video15_reference(build_tiny_model(SEED, "1.5"), x, t, inputs["context"])
     assert relative_error(text_only, refs["v15"]["i2v_glyphs"]) > 100 * FP32_TOL
     assert relative_error(refs["v15"]["105_tokens"], refs["v15"]["ref_latent"]) > 100 * FP32_TOL
     x, t, inputs = sr_cases()["105_tokens"]
-    no_r = hunyuan_video15.reference_forward(build_tiny_model(SEED, "1.5", "sr"), x, t, inputs["context"])
+    no_r = hunyuan_video15_reference(build_tiny_model(SEED, "1.5", "sr"), x, t, inputs["context"])
     assert relative_error(no_r, refs["v15_sr"]["105_tokens"]) > 100 * FP32_TOL
 
 

@@ -8,6 +8,7 @@ import torch
 
 from family_support import FP32_TOL, LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
+from sp_lab.references.qwen_image import reference_forward as qwen_image_reference
 from sp_runtime.families import qwen_image
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.sp.tokens import TokenGrid, reference_pack
@@ -61,14 +62,14 @@ def references(files):
     """Stock diffusers outputs: fp32 from the in-memory model (independent of our loader and key handling);
     low precision from the same file loaded in-process with the same dtype policy."""
     fp32 = build_tiny_model("qwen_image", SEED)
-    refs = {"float32": {name: qwen_image.reference_forward(fp32, *case[:2], **case[2])
+    refs = {"float32": {name: qwen_image_reference(fp32, *case[:2], **case[2])
                         for name, case in make_cases().items()}}
     edit = build_tiny_model("qwen_image", SEED, zero_cond_t=True)
-    refs["edit_2511"] = {name: qwen_image.reference_forward(edit, *case[:2], **case[2])
+    refs["edit_2511"] = {name: qwen_image_reference(edit, *case[:2], **case[2])
                          for name, case in make_cases().items()}
     for dtype in LOW_PRECISION:
         model = qwen_image.load_model(files[dtype])[0]
-        refs[dtype] = {name: qwen_image.reference_forward(model, *case[:2], **case[2])
+        refs[dtype] = {name: qwen_image_reference(model, *case[:2], **case[2])
                        for name, case in _low_precision_cases(dtype).items()}
     return refs
 
@@ -129,7 +130,7 @@ def test_the_mask_and_the_references_matter(references):
     cases = make_cases()
     fp32 = build_tiny_model("qwen_image", SEED)
     x, t, inputs = cases["35_tokens_masked"]
-    unmasked = qwen_image.reference_forward(fp32, x, t, inputs["context"])
+    unmasked = qwen_image_reference(fp32, x, t, inputs["context"])
     assert relative_error(unmasked[1:], references["float32"]["35_tokens_masked"][1:]) > 100 * FP32_TOL
     assert relative_error(unmasked[:1], references["float32"]["35_tokens_masked"][:1]) <= FP32_TOL
     assert relative_error(references["float32"]["edit_offset"], references["float32"]["edit_two_refs"]) > 1e-3

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.references.qwen_image21 import reference_forward as qwen_image21_reference
 from sp_runtime.families import flux, qwen_image, qwen_image21
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
@@ -52,7 +53,7 @@ def q21_files(tmp_path_factory):
 def q21_references():
     """Stock diffusers outputs from the in-memory model (independent of our loader, key plan and SP forward)."""
     model = build_tiny_model("qwen_image21", SEED)
-    return {name: qwen_image21.reference_forward(model, *case[:2], **case[2]) for name, case in make_cases().items()}
+    return {name: qwen_image21_reference(model, *case[:2], **case[2]) for name, case in make_cases().items()}
 
 
 def test_fp32_parity_every_layout(family_pool, q21_files, q21_references):
@@ -72,11 +73,11 @@ def test_the_mask_the_slots_and_the_references_matter(q21_references):
     """Guards against a test that cannot fail: masking, slot positions and references change the output."""
     model = build_tiny_model("qwen_image21", SEED)
     x, t, inputs = make_cases()["edit_slots_masked"]
-    unmasked = qwen_image21.reference_forward(model, x, t, **{**inputs, "attention_mask": None})
+    unmasked = qwen_image21_reference(model, x, t, **{**inputs, "attention_mask": None})
     want = q21_references["edit_slots_masked"]
     assert relative_error(unmasked[1:], want[1:]) > 100 * FP32_TOL
     assert relative_error(unmasked[:1], want[:1]) <= FP32_TOL
-    moved = qwen_image21.reference_forward(model, x, t, **{**inputs, "image_slots": [4, 4]})
+    moved = qwen_image21_reference(model, x, t, **{**inputs, "image_slots": [4, 4]})
     assert relative_error(moved, want) > 100 * FP32_TOL
     assert relative_error(q21_references["t2i"], want) > 100 * FP32_TOL
 

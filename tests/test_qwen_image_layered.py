@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.references.qwen_image import reference_forward as qwen_image_reference
 from sp_runtime.families import qwen_image
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
@@ -54,7 +55,7 @@ def layered_model():
 @pytest.fixture(scope="session")
 def layered_references(layered_model):
     """diffusers' forward on the in-memory model (independent of our loader and SP forward)."""
-    return {name: qwen_image.reference_forward(layered_model, *case[:2], **case[2])
+    return {name: qwen_image_reference(layered_model, *case[:2], **case[2])
             for name, case in make_cases().items()}
 
 
@@ -76,9 +77,9 @@ def test_the_condition_the_flag_and_the_frames_matter(layered_model, layered_ref
     want = layered_references["condition_negative_index"]
     for changed in ({"additional_t_cond": torch.tensor([0, 0])}, {"ref_latents_method": "index"},
                     {"ref_latents": None}):
-        other = qwen_image.reference_forward(layered_model, x, t, **{**inputs, **changed})
+        other = qwen_image_reference(layered_model, x, t, **{**inputs, **changed})
         assert relative_error(other, want) > 100 * FP32_TOL, changed
-    alone = qwen_image.reference_forward(layered_model, x[:, :, :1], t, **inputs)
+    alone = qwen_image_reference(layered_model, x[:, :, :1], t, **inputs)
     assert relative_error(alone, want[:, :, :1]) > 100 * FP32_TOL  # the other layer frames are attended
 
 

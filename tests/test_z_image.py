@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from family_support import FP32_TOL, PARITY_LOG, LocalContext, assert_parity, relative_error
+from sp_lab.references.z_image import reference_forward as z_image_reference
 from sp_runtime.families import flux, flux2, qwen_image, qwen_image21, z_image
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.local_ranks import run_distributed
@@ -53,7 +54,7 @@ def zi_files(tmp_path_factory):
 def zi_references():
     """Stock diffusers outputs from the in-memory model (independent of our loader, key plan and SP forward)."""
     model = build_tiny_model("z_image", SEED)
-    return {name: z_image.reference_forward(model, *case[:2], **case[2]) for name, case in make_cases().items()}
+    return {name: z_image_reference(model, *case[:2], **case[2]) for name, case in make_cases().items()}
 
 
 def test_fp32_parity_every_layout(family_pool, zi_files, zi_references):
@@ -88,14 +89,14 @@ def test_padding_timestep_and_caption_matter(zi_references):
     x, t, inputs = make_cases()["t2i"]
     want = zi_references["t2i"]
     model.cap_pad_token.mul_(2)
-    assert relative_error(z_image.reference_forward(model, x, t, **inputs), want) > 100 * FP32_TOL
+    assert relative_error(z_image_reference(model, x, t, **inputs), want) > 100 * FP32_TOL
     model.cap_pad_token.div_(2)
-    assert relative_error(z_image.reference_forward(model, x, t.flip(0), **inputs), want) > 100 * FP32_TOL
+    assert relative_error(z_image_reference(model, x, t.flip(0), **inputs), want) > 100 * FP32_TOL
     shorter = inputs["context"][:, :8]
-    assert relative_error(z_image.reference_forward(model, x, t, shorter), want) > 100 * FP32_TOL
+    assert relative_error(z_image_reference(model, x, t, shorter), want) > 100 * FP32_TOL
     x, t, inputs = make_cases()["odd_latent_masked"]
     zero_padded = torch.nn.functional.pad(x, (0, 1, 0, 1))
-    other = z_image.reference_forward(model, zero_padded, t, **inputs)[..., :9, :13]
+    other = z_image_reference(model, zero_padded, t, **inputs)[..., :9, :13]
     assert relative_error(other, zi_references["odd_latent_masked"]) > 100 * FP32_TOL
 
 

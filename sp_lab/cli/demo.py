@@ -277,14 +277,15 @@ class _Demo:
 
 def _reference_model(preset: Preset, family: str, path: str, device: torch.device, seed: int):
     """The model on one device in this process, and its family's single-process reference forward."""
-    from sp_runtime.families import family_module
-    module = family_module(family)
+    from sp_runtime.families import family as registered
+
+    from ..references import reference_forward
     if preset.synthetic:
         from ..families.synthetic import build_model
         model, _ = build_model(family, diffusers_config(preset), preset.dtype, device, seed)
     else:
-        model = module.load_model(path, "default", device)[0]
-    return model, module.reference_forward
+        model = registered(family).load_model(path, "default", device)[0]
+    return model, reference_forward(family)
 
 
 def _training_progress():

@@ -74,15 +74,15 @@ def _cp_rank(rank: int, devices: list[str], path: str, dtype: str, noise: torch.
 
 
 def _load(path: str, dtype: str, device: torch.device):
-    from sp_runtime.families import family_module
     from sp_runtime.detection import detect
+    from sp_runtime.families import family
     detection = detect(path)
     if detection.family == "synthetic":
         from ..families.synthetic import build_model
         spec = detection.config
         chosen = spec.get("dtype", "bfloat16") if dtype == "default" else dtype
         return build_model(spec["family"], spec["config"], chosen, device, int(spec.get("seed", 0)))[0]
-    return family_module(detection.family).load_model(path, dtype, device)[0]
+    return family(detection.family).load_model(path, dtype, device)[0]
 
 
 def native_inputs(family: str, model, noise: torch.Tensor, conditioning: dict, device: torch.device) -> dict:

@@ -220,23 +220,24 @@ def _package_versions() -> dict:
 def _correctness(suite: Suite) -> dict:
     """World 1 through the pool vs diffusers' stock forward in this process, tiny Qwen-Image and Flux."""
     from sp_runtime.config import SPConfig
-    from sp_runtime.families import flux, qwen_image
+    from sp_runtime.families import family as registered
     from sp_runtime.pool import WorkerPool
+    from ..references import reference_forward
     from ..tiny_models import write_tiny_checkpoint
     device = suite.devices[0]
     rows = []
-    families = {"qwen_image": qwen_image, "flux": flux}
     with WorkerPool(SPConfig([device])) as pool:
-        for family, module in families.items():
+        for family in ("qwen_image", "flux"):
+            reference = reference_forward(family)
             path = write_tiny_checkpoint(family, os.path.join(suite.scratch, f"{family}.safetensors"), seed=1)
             for dtype in ("float32", "bfloat16"):
                 handle = pool.load_model(path, dtype)
-                model = module.load_model(path, dtype, torch.device(device))[0]
+                model = registered(family).load_model(path, dtype, torch.device(device))[0]
                 worst_call = None
                 # three calls with new noise and new conditioning of the same shapes: the workers' device cache
                 # (inputs cast and copied to the GPU) must follow the new inputs, never serve a cached copy
                 for seed in CORRECTNESS_SEEDS:
-                    row = _correctness_call(handle, model, module, family, dtype, seed)
+                    row = _correctness_call(handle, model, reference, family, dtype, seed)
                     worst_call = row if worst_call is None or row["relative"] > worst_call["relative"] else worst_call
                 del model
                 rows.append({key: value for key, value in worst_call.items() if key != "relative"})
@@ -253,7 +254,7 @@ def _correctness(suite: Suite) -> dict:
 CORRECTNESS_SEEDS = (2, 3, 4)
 
 
-def _correctness_call(handle, model, module, family: str, dtype: str, seed: int) -> dict:
+def _correctness_call(handle, model, reference_forward, family: str, dtype: str, seed: int) -> dict:
     """One pool call on seeded inputs against the reference forward of the same inputs."""
     from .sampling import make_workload, model_timestep
     workload = make_workload(family, handle.info.config, handle.info.in_channels, 56, 72, batch=2,
@@ -264,7 +265,7 @@ def _correctness_call(handle, model, module, family: str, dtype: str, seed: int)
         inputs["attention_mask"][1, 5:] = 0
     t = model_timestep(family, 0.5, 2)  # bf16-exact
     ours = handle(workload.noise, t, **inputs)
-    reference = module.reference_forward(model, workload.noise, t, **inputs)
+    reference = reference_forward(model, workload.noise, t, **inputs)
     scale = max(1.0, float(reference.abs().max()))
     difference = float((ours.float() - reference.float()).abs().max())
     limit = 1e-5 if dtype == "float32" else 2e-2

@@ -1,24 +1,10 @@
-"""Model families, found by name through FAMILIES: adding a family is adding its module and one line below (or
-register_family at run time); docs/ADDING_A_FAMILY.md is the checklist.
+"""The model families: a registry of Family objects (family.py), each declared by one package
+(`sp_runtime/families/<name>/`, module-level `FAMILY = Family(...)`); docs/ADDING_A_FAMILY.md is the checklist.
 
-A family module (or sub-package) provides, at module level:
-    FAMILY = "name"                  its key in FAMILIES (and ModelInfo.family)
-    DESCRIPTION = "..."              named in "supported: ..." errors ("" for internal families: toy, synthetic)
-    detect(header) -> Detection | None
-        From a header.Header alone (no weights read, no diffusers import: this runs in the ComfyUI process);
-        None when the file is another family; ValueError naming the file for a variant it cannot run.
-    load(request, detection, device, groups, progress) -> WorkerModel
-        Worker side: build the model on `device` (diffusers imported here), read the weights (checkpoints/loading:
-        choose_dtypes, build_empty_model, load_weights with the family's key plan) and return a WorkerModel whose
-        forward(x, timestep, inputs, out, ctx) is the family's sequence-parallel forward (contract.py). The image
-        families and HunyuanVideo return sp.PlanWorker(model, info, PLAN, ...): their forward is PLAN, a sp.Plan
-        (the call's token streams, conditioning, stages of blocks, head) that the executor runs (ltx2 too, a
-        package); wan* still define their own workers.
-    COMFY = ComfyHost(...)           ComfyUI's model classes and the attributes its host side reads from
-                                     `diffusion_model` (base.ComfyHost); leave it out when ComfyUI cannot use it.
-Optional, each used where present: weight_plan(detection, keys) and original_plan(keys, model_config) (LoRAs by
-original / ComfyUI key names), load_model(path, dtype, device) and reference_forward(...) (single-device runs of
-the CLI demo and the tests). The detectors are tried in the order of FAMILIES.
+FAMILIES maps each name to its module, imported only when the family is asked for (detection runs in the ComfyUI
+process: a family's package imports no diffusers at import time). The detectors are tried in this order. Every other
+table is derived from the Family objects: the supported kinds (`descriptions`), the GGUF architectures
+(`gguf_architectures`), the key signatures named for files no detector takes (`signatures`), ComfyUI's classes.
 """
 from __future__ import annotations
 
@@ -28,6 +14,7 @@ from types import ModuleType
 from typing import Optional
 
 from ..contract import ComfyHost
+from .family import Family
 
 FAMILIES = {
     "qwen_image": "sp_runtime.families.qwen_image",
@@ -66,14 +53,46 @@ for _item in filter(None, os.environ.get(EXTRA_FAMILIES_ENV, "").split(",")):
     FAMILIES.setdefault(*_item.split("=", 1))
 
 
-def family_module(family: str) -> ModuleType:
-    """The module of a registered family; ValueError naming the known ones otherwise."""
-    if family not in FAMILIES:
-        raise ValueError(f"model family {family!r} is not known to this version of ulysses-sp (known: "
+def family_module(name: str) -> ModuleType:
+    """The package (or module) that declares a registered family; ValueError naming the known ones otherwise."""
+    if name not in FAMILIES:
+        raise ValueError(f"model family {name!r} is not known to this version of ulysses-sp (known: "
                          f"{', '.join(FAMILIES)})")
-    return importlib.import_module(FAMILIES[family])
+    return importlib.import_module(FAMILIES[name])
 
 
-def comfy_host(family: str) -> Optional[ComfyHost]:
+def family(name: str) -> Family:
+    """A registered family's Family object; ValueError naming the known ones otherwise."""
+    declared = Family.of(family_module(name))
+    if declared.name != name:
+        raise ValueError(f"{FAMILIES[name]} is registered as {name!r} but declares the family {declared.name!r}")
+    return declared
+
+
+def families() -> list[Family]:
+    """Every registered family, in detection order."""
+    return [family(name) for name in FAMILIES]
+
+
+def descriptions() -> list[str]:
+    """The supported kinds of model, as error messages list them (internal families have none)."""
+    return [entry.description for entry in families() if entry.description]
+
+
+def gguf_architectures() -> dict[str, list[str]]:
+    """GGUF `general.architecture` -> the families whose files carry it."""
+    found: dict[str, list[str]] = {}
+    for entry in families():
+        for architecture in entry.gguf_architectures:
+            found.setdefault(architecture, []).append(entry.name)
+    return found
+
+
+def signatures() -> dict[str, tuple[str, ...]]:
+    """Description -> key suffixes only that family's files hold (see Family.signatures)."""
+    return {entry.description: entry.signatures for entry in families() if entry.signatures}
+
+
+def comfy_host(name: str) -> Optional[ComfyHost]:
     """The family's ComfyUI host-side description, or None when ComfyUI has no model class for it."""
-    return getattr(family_module(family), "COMFY", None)
+    return family(name).comfy

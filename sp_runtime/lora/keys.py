@@ -1,7 +1,7 @@
 """Where a LoRA module lands in a loaded diffusers model: the LoRA's module name, in any of the naming schemes
 ComfyUI accepts for the family, resolved to model parameters through the family's own checkpoint key plan.
 
-A name is tried as the model's own (diffusers) name, then as an original / ComfyUI name through the family module's
+A name is tried as the model's own (diffusers) name, then as an original / ComfyUI name through the family's
 `original_plan`, the plan it loads original-layout checkpoints with (Qwen-Image's ComfyUI names are diffusers'), so a
 fused Flux `img_attn.qkv` LoRA is split into to_q / to_k / to_v exactly as the weights were.
 Prefixes (comfy/lora.py `model_lora_keys_unet`): `diffusion_model.`, `transformer.`, `base_model.model.`, none;
@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from ..families import FAMILIES, family_module
+from .. import families
 from ..contract import Detection
 from ..checkpoints.loading import KeyPlan, Transform
 
@@ -27,7 +27,7 @@ UNDERSCORED_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
 # per name pattern, e.g. 8 for "double_blocks_N_img_attn_qkv"); a crafted one is refused at once, not after hours
 MAX_DECODE_LOOKUPS = 4096
 PlanFn = Callable[[Iterable[str]], dict]
-WeightPlanFn = Callable[[Detection, Iterable[str]], Optional[KeyPlan]]  # a family module's weight_plan
+WeightPlanFn = Callable[[Detection, Iterable[str]], Optional[KeyPlan]]  # a Family's weight_plan
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,13 @@ class Target:
 
 
 def family_plans(family: str, model: torch.nn.Module) -> tuple[PlanFn, WeightPlanFn]:
-    """The family module's plans: from original (ComfyUI / reference release) key names to `model`'s parameters,
+    """The family's plans: from original (ComfyUI / reference release) key names to `model`'s parameters,
     and the weight_plan its loader reads checkpoints with."""
-    module = family_module(family) if family in FAMILIES else None
-    if not hasattr(module, "weight_plan"):
-        supported = [name for name in FAMILIES if hasattr(family_module(name), "weight_plan")]
+    entry = families.family(family) if family in families.FAMILIES else None
+    if entry is None or entry.weight_plan is None:
+        supported = [found.name for found in families.families() if found.weight_plan is not None]
         raise ValueError(f"LoRA is not supported for {family!r} models (supported: {', '.join(supported)})")
-    return (lambda keys: module.original_plan(keys, model.config)), module.weight_plan
+    return (lambda keys: entry.original_plan(keys, model.config)), entry.weight_plan
 
 
 class KeyResolver:

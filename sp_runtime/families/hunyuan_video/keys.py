@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from ..checkpoints.loading import KeyPlan, Transform, row_split, swap_halves
+from ...checkpoints.loading import KeyPlan, Transform, row_split, swap_halves
+from ...contract import Detection
 
 # ComfyUI's renames of Tencent's module names, in its order (substring replacements)
 COMFY_RENAMES = (
@@ -88,6 +89,23 @@ def comfy_name(key: str) -> str:
         key = key.replace(old, new)
     return key
 
+
+
+def comfy_names(tensors: dict) -> dict:
+    """Header entries under ComfyUI's module names (Tencent's renamed)."""
+    return {comfy_name(key): value for key, value in tensors.items()}
+
+
+def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
+    """How a HunyuanVideo 1.0 checkpoint's keys (prefix stripped) become parameters: Tencent / ComfyUI names through
+    original_plan, diffusers names as they are (None)."""
+    return original_plan(keys, detection.config) if detection.layout == "original" else None
+
+
+def original_plan(keys: Iterable[str], config) -> KeyPlan:
+    """Tencent / ComfyUI key names -> parameters of the 1.0 model of `config` (LoRAs use these names too)."""
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    return hunyuan_key_plan(keys, hidden, int(hidden * config["mlp_ratio"]), "time_text_embed")
 
 def hunyuan_key_plan(keys: Iterable[str], hidden: int, mlp_hidden: int, time_module: str) -> KeyPlan:
     """Tencent / ComfyUI key (no prefix) -> [(diffusers key, transform)] for every key the model has.

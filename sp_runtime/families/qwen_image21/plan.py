@@ -1,155 +1,18 @@
-"""Qwen-Image 2.1 under Ulysses SP: detection from the header, loading into diffusers' QwenImage21Transformer2DModel,
-and ComfyUI's `diffusion_model(x, timestep, context, ref_latents, image_slots)` (ComfyUI's comfy/ldm/qwen_image21).
-
-2.1 is single-stream: text, reference latents (spliced into the text at their `image_slots`) and the target latent
-form one sequence under a block-causal mask (text causal, each image block bidirectional, every block sees all that
-precedes it). The whole joint sequence is split over the ranks and everything but attention is token-local (text and
-references modulate from t = 0, the target from t); the mask goes to sp_attention as a SegmentMask, applied exactly
-segment by segment where a rank holds the whole sequence for its heads (Ulysses), per query block x key block under
-Ring and the hybrid.
-"""
+"""Qwen-Image 2.1's sequence-parallel plan: one joint sequence (ComfyUI's build_sequence: the text split at the image
+slots, the references, then the target) split whole over the ranks; everything but attention is token-local (text
+and references modulate from t = 0, the target from t); the block-causal mask goes to sp_attention as a SegmentMask,
+exact under Ulysses, Ring and their hybrid."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
-from ..attention import Segment, SegmentMask
-from ..sp import Output, Part, Plan, PlanWorker, Stage, Stream
-from ..sp.tokens import ROPE_THETA, TokenGrid, as_list, rope_axes, text_key_mask
-from ..contract import ComfyHost, Detection, LoadRequest, ModelInfo, config_entries
-from ..checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, count_blocks, detected_checkpoint, find_prefix,
-                                   load_checkpoint_model, row_split, shape_of, strip_prefix)
-from ..checkpoints.header import Header, header_config
+from ...attention import Segment, SegmentMask
+from ...sp import Output, Part, Plan, Stage, Stream
+from ...sp.tokens import ROPE_THETA, TokenGrid, as_list, text_key_mask
 
-FAMILY = "qwen_image21"
-DESCRIPTION = "Qwen-Image 2.1 (t2i, turbo, edit)"
-
-
-def _comfy_unet_config(info: ModelInfo) -> dict:
-    return {"image_model": "qwen_image21", "in_channels": info.in_channels, "out_channels": info.out_channels}
-
-
-COMFY = ComfyHost(model_classes={"": "QwenImage21"}, unet_config=_comfy_unet_config,
-                  attributes=lambda info: {"patch_size": 1})  # 2.1 takes latents unpatched
-ANCHORS = ("img_in.weight", "txt_in.in_layer.weight", "txt_in.text_norm.weight", "modulation.1.weight",
-           "transformer_blocks.0.attn.norm_q.weight", "norm_out.linear.weight", "proj_out.weight")
-FUSED_MLP = "img_mlp.gate_up"  # ComfyUI's files: [gate; up] rows in one tensor, diffusers' gate_layer and proj
-CONFIG_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim", "num_attention_heads",
-               "context_in_dim", "mlp_ratio", "axes_dims_rope", "causal_condition")
-CLASS_NAME = "QwenImage21Transformer2DModel"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Detection
-
-def detect(header: Header) -> Optional[Detection]:
-    """Qwen-Image 2.1 from its header alone (no weights read); None when the file is another family."""
-    folder_config = header_config(header)
-    if folder_config is not None and folder_config.get("_class_name") != CLASS_NAME:
-        return None
-    prefix = find_prefix(header.tensors, ANCHORS)
-    if prefix is None:
-        return None
-    keys = strip_prefix(header.tensors, prefix)
-    fused = f"transformer_blocks.0.{FUSED_MLP}.weight" in keys
-    if folder_config:
-        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
-        config["axes_dims_rope"] = tuple(config.get("axes_dims_rope", (16, 56, 56)))
-    else:
-        config = architecture(keys, fused)
-    return Detection(family=FAMILY, variant="image", layout="original" if fused else "diffusers", prefix=prefix,
-                     config=config, files=header.source.files)
-
-
-def architecture(keys: dict, fused: bool) -> dict:
-    """QwenImage21Transformer2DModel config from header shapes (keys without prefix)."""
-    hidden, in_channels = shape_of(keys, "img_in.weight")
-    head_dim = shape_of(keys, "transformer_blocks.0.attn.norm_q.weight")[0]
-    if hidden % head_dim:
-        raise ValueError(f"Qwen-Image 2.1 width {hidden} is not a multiple of its head size {head_dim}")
-    mlp_rows = (shape_of(keys, f"transformer_blocks.0.{FUSED_MLP}.weight")[0] // 2 if fused
-                else shape_of(keys, "transformer_blocks.0.img_mlp.proj.weight")[0])
-    if mlp_rows % hidden:
-        raise ValueError(f"Qwen-Image 2.1 MLP width {mlp_rows} is not a multiple of its width {hidden}")
-    return {
-        "patch_size": 1,
-        "in_channels": in_channels,
-        "out_channels": shape_of(keys, "proj_out.weight")[0],
-        "num_layers": count_blocks(keys, "transformer_blocks"),
-        "attention_head_dim": head_dim,
-        "num_attention_heads": hidden // head_dim,
-        "context_in_dim": shape_of(keys, "txt_in.in_layer.weight")[1],
-        "mlp_ratio": mlp_rows // hidden,
-        "axes_dims_rope": rope_axes(head_dim),
-        "causal_condition": True,
-    }
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Key plan: ComfyUI's names are diffusers' except the fused SwiGLU input (gate rows first)
-
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """How a checkpoint's keys (prefix stripped) become parameters: ComfyUI files through original_plan, diffusers
-    layouts as they are (None)."""
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
-
-
-def original_plan(keys: Iterable[str], config) -> KeyPlan:
-    """ComfyUI key names -> parameters (LoRAs use these names too); the fused MLP splits into gate_layer, proj."""
-    rows = config["mlp_ratio"] * config["num_attention_heads"] * config["attention_head_dim"]
-    plan = {}
-    for key in keys:
-        module, _, kind = key.rpartition(".")
-        if module.endswith(FUSED_MLP):
-            stem = module[:-len("gate_up")]
-            plan[key] = row_split(stem, ("gate_layer", "proj"), kind, (rows, rows))
-        else:
-            plan[key] = [(key, None)]
-    return plan
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Loading
-
-def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
-               detection: Optional[Detection] = None, options: Optional[dict] = None,
-               progress: Optional[ProgressFn] = None, header: Optional[Header] = None
-               ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
-    """A diffusers QwenImage21Transformer2DModel with the checkpoint's weights (stock attention processors)."""
-    from diffusers import QwenImage21Transformer2DModel
-
-    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "Qwen-Image 2.1")
-    config = dict(detection.config)
-    if options and "axes_dims_rope" in options:
-        config["axes_dims_rope"] = tuple(options["axes_dims_rope"])
-    plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-    model, dtypes = load_checkpoint_model(QwenImage21Transformer2DModel, config,
-                                          header, detection, dtype, device, plan, progress)
-    return model, detection, dtypes
-
-
-def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> PlanWorker:
-    """The pool's entry point: load on this worker's device, the executor running PLAN."""
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
-                                          request.header)
-    return worker_from_model(model, detection, dtypes, request.options)
-
-
-def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
-                      ) -> PlanWorker:
-    config = model.config
-    info = ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
-                     out_channels=config.out_channels or config.in_channels, x_ndim=4,
-                     config=config_entries(config, CONFIG_KEYS), weight_dtype=dtypes.storage_name,
-                     compute_dtype=dtypes.compute_name)
-    return PlanWorker(model, info, PLAN, dtypes, options)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The joint sequence (ComfyUI's build_sequence): text split at the image slots, references, then the target
 
 @dataclass
 class JointLayout:
@@ -198,11 +61,6 @@ def _image_ids(height: int, width: int, target_hw: tuple[int, int], frame: int) 
     return ids.reshape(-1, 3)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Sequence-parallel plan: the whole joint sequence split; everything but attention is token-local (text and
-# references modulate from t = 0, the target from t); the block-causal mask goes to sp_attention (SegmentMask), exact
-# under Ulysses, Ring and their hybrid
-
 def check(call) -> None:
     config, x, inputs = call.config, call.x, call.inputs
     for name in ("control", "additional_t_cond"):
@@ -222,11 +80,11 @@ def check(call) -> None:
 
 def layout(call) -> list[Stream]:
     context, refs = call.input("context"), as_list(call.inputs.get("ref_latents"))
-    joint = joint_layout(tuple(call.x.shape[-2:]), context.shape[1], refs, _slots(call.inputs.get("image_slots")),
+    joint = joint_layout(tuple(call.x.shape[-2:]), context.shape[1], refs, slot_list(call.inputs.get("image_slots")),
                          call.device)
     latents = iter([*(call.ctx.to_device(f"ref_latents.{n}", ref, call.dtype) for n, ref in enumerate(refs)),
                     call.input("x")])
-    parts, start = [], 0
+    parts = []
     for (kind, value), segment in zip(joint.parts, joint.segments):
         ids = joint.ids[segment.start:segment.end]
         if kind == "text":
@@ -256,7 +114,7 @@ PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims_ro
             output="sequence")
 
 
-def _slots(value) -> list[int]:
+def slot_list(value) -> list[int]:
     return [int(slot) for slot in (value.tolist() if isinstance(value, torch.Tensor) else as_list(value))]
 
 
@@ -276,79 +134,3 @@ def _key_valid(inputs: dict, batch: int, text_len: int, layout: JointLayout, dev
         if kind == "text":
             valid[:, segment.start:segment.end] = keep[:, value[0]:value[1]]
     return valid.to(device)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Single-process reference (tests, demo): diffusers' stock forward and processor, fed in its own convention
-
-def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
-                      ref_latents=None, image_slots=None, attention_mask: Optional[torch.Tensor] = None,
-                      dtype: str = "default", **_ignored) -> torch.Tensor:
-    """ComfyUI's Qwen-Image 2.1 diffusion_model(...) computed by diffusers' own forward on one process.
-
-    diffusers takes the text with placeholder slots (4 latent tokens each) where images go and the target's slots
-    last; it cannot place half-token positions, so its rotary table is replaced by one at ComfyUI's position ids.
-    Token counts of every image must be multiples of 4 (diffusers' slots), which ComfyUI does not need.
-    """
-    model = model_or_path
-    if not isinstance(model, torch.nn.Module):
-        model = load_model(model_or_path, dtype)[0]
-    compute, device = model.proj_out.weight.dtype, model.proj_out.weight.device
-    batch, _, height, width = x.shape
-    refs = [ref.expand(batch, *ref.shape[1:]) for ref in as_list(ref_latents)]
-    slots = (_slots(image_slots) + [context.shape[1]] * len(refs))[:len(refs)]
-    pieces, flags, mask_pieces = [], [], []
-    keep = torch.ones(batch, context.shape[1], dtype=torch.bool) if attention_mask is None else \
-        text_key_mask(attention_mask, batch, context.shape[1])
-    keep = torch.ones(batch, context.shape[1], dtype=torch.bool) if keep is None else keep
-    for start, end, image in zip([0, *slots], [*slots, context.shape[1]], [*refs, None]):
-        pieces.append(context[:, start:end])
-        mask_pieces.append(keep[:, start:end])
-        flags += [False] * (end - start)
-        if image is not None:
-            count = _slot_count(image.shape[-2:])
-            pieces.append(context.new_zeros(batch, count, context.shape[2]))
-            mask_pieces.append(torch.ones(batch, count, dtype=torch.bool))
-            flags += [True] * count
-    img_mask = torch.tensor(flags + [True] * _slot_count((height, width)))[None].expand(batch, -1)
-    latents = torch.cat([image.flatten(2).transpose(1, 2) for image in [*refs, x]], dim=1)
-    layout = joint_layout((height, width), context.shape[1], as_list(ref_latents), slots, torch.device("cpu"))
-    saved = model.pos_embed
-    model.pos_embed = _ComfyRope(model.config.axes_dims_rope, layout.ids)
-    sigma = timestep.reshape(-1).expand(batch).float()
-    try:
-        with torch.no_grad():
-            tokens = model(hidden_states=latents.to(device, compute),
-                           encoder_hidden_states=torch.cat(pieces, dim=1).to(device, compute),
-                           timestep=((sigma * 1000).to(compute) / 1000).to(device, compute),
-                           img_shapes=[[(1, *image.shape[-2:]) for image in [*refs, x]]] * batch,
-                           img_mask=img_mask.to(device),
-                           encoder_hidden_states_mask=None if attention_mask is None else
-                           torch.cat(mask_pieces, dim=1).to(device), return_dict=False)[0]
-    finally:
-        model.pos_embed = saved
-    return tokens[:, -height * width:].transpose(1, 2).reshape(x.shape).to(x.dtype).cpu()
-
-
-def _slot_count(hw) -> int:
-    tokens = int(hw[0]) * int(hw[1])
-    if tokens % 4:
-        raise ValueError(f"diffusers' Qwen-Image 2.1 needs image token counts divisible by 4; got {tuple(hw)}")
-    return tokens // 4
-
-
-class _ComfyRope(torch.nn.Module):
-    """Stands in for diffusers' QwenImage21Rope: complex rotary factors at ComfyUI's (fractional) position ids,
-    angles in float64 as ComfyUI's EmbedND."""
-
-    def __init__(self, axes, ids: torch.Tensor):
-        super().__init__()
-        self.axes, self.ids = list(axes), ids
-
-    def forward(self, img_shapes, image_pad_mask, device):
-        factors = []
-        for axis, dim in enumerate(self.axes):
-            inverse = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-            angles = torch.outer(self.ids[:, axis].double(), inverse)
-            factors.append(torch.polar(torch.ones_like(angles), angles).to(torch.complex64))
-        return torch.cat(factors, dim=-1).to(device)

@@ -1,0 +1,55 @@
+"""The Family object: everything the pool, the host and the LoRA code need of one model family, in one value.
+
+A family package declares `FAMILY = Family(...)` in its __init__ (docs/ADDING_A_FAMILY.md); the registry
+(sp_runtime.families) maps names to such packages and derives every other table from their Family objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class Family:
+    """name: its key in the registry and ModelInfo.family.
+    description: named in "supported: ..." messages ("" for internal families: toy, synthetic).
+    detect(header) -> Detection | None: from the header alone (no weights read, no diffusers import: it runs in the
+        ComfyUI process); None when the file is another family; ValueError naming the file for a variant it cannot run.
+    load(request, detection, device, groups, progress) -> WorkerModel: worker side, diffusers imported there.
+    comfy: ComfyUI's model classes and what its host side reads (base.ComfyHost); None when ComfyUI cannot use it.
+    weight_plan(detection, keys) / original_plan(keys, config): checkpoint and LoRA key plans (None: no LoRAs).
+    load_model(path, dtype, device, ...) -> (model, detection, dtypes): the diffusers model on one device (CLI,
+        the lab's references).
+    gguf_architectures: `general.architecture` values of its GGUF files, as ComfyUI-GGUF writes them.
+    signatures: key suffixes only its files hold: a file that has one and is not detected is named as this family's
+        (incomplete, or a variant this version cannot run) instead of being summarised as unknown.
+    """
+
+    name: str
+    description: str
+    detect: Callable[[Any], Any]
+    load: Callable[..., Any]
+    comfy: Optional[Any] = None
+    weight_plan: Optional[Callable] = None
+    original_plan: Optional[Callable] = None
+    load_model: Optional[Callable] = None
+    gguf_architectures: tuple[str, ...] = ()
+    signatures: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, module: ModuleType) -> "Family":
+        """The family a registered module declares: its FAMILY object, or (a family written as module-level
+        names: FAMILY = "name", DESCRIPTION, detect, load, optional COMFY, weight_plan, original_plan, load_model,
+        GGUF_ARCHITECTURES, SIGNATURES) one built from those names."""
+        declared = getattr(module, "FAMILY", None)
+        if isinstance(declared, Family):
+            return declared
+        if not isinstance(declared, str):
+            raise ValueError(f"{module.__name__} is registered as a model family but declares no FAMILY")
+        return cls(name=declared, description=module.DESCRIPTION, detect=module.detect, load=module.load,
+                   comfy=getattr(module, "COMFY", None), weight_plan=getattr(module, "weight_plan", None),
+                   original_plan=getattr(module, "original_plan", None),
+                   load_model=getattr(module, "load_model", None),
+                   gguf_architectures=tuple(getattr(module, "GGUF_ARCHITECTURES", ())),
+                   signatures=tuple(getattr(module, "SIGNATURES", ())))

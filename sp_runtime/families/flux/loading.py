@@ -1,0 +1,53 @@
+"""Flux.1 loading: diffusers' FluxTransformer2DModel with the checkpoint's weights, and the worker running PLAN."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...checkpoints.header import Header
+from ...checkpoints.loading import ProgressFn, WeightDtypes, detected_checkpoint, load_checkpoint_model, strip_prefix
+from ...contract import Detection, LoadRequest, ModelInfo, config_entries
+from ...sp import PlanWorker
+from .detection import CONFIG_KEYS, NAME, PATCH, detect
+from .keys import weight_plan
+from .plan import PLAN
+
+
+def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
+               detection: Optional[Detection] = None, options: Optional[dict] = None,
+               progress: Optional[ProgressFn] = None, header: Optional[Header] = None
+               ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
+    """A diffusers FluxTransformer2DModel with the checkpoint's weights (stock attention processors)."""
+    from diffusers import FluxTransformer2DModel
+
+    header, detection = detected_checkpoint(path, header, detection, detect, NAME, "Flux.1")
+    config = dict(detection.config)
+    if options and "axes_dims_rope" in options:
+        config["axes_dims_rope"] = tuple(options["axes_dims_rope"])
+    plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
+    model, dtypes = load_checkpoint_model(FluxTransformer2DModel, config,
+                                          header, detection, dtype, device, plan, progress)
+    return model, detection, dtypes
+
+
+def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
+         ) -> PlanWorker:
+    """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
+    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
+                                          request.header)
+    return worker_from_model(model, detection, dtypes, request.options)
+
+
+def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
+                      ) -> PlanWorker:
+    """The worker around a built model (load(), synthetic models): the executor running PLAN."""
+    return PlanWorker(model, model_info(model, detection, dtypes), PLAN, dtypes, options)
+
+
+def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
+    config = model.config
+    return ModelInfo(family=NAME, variant=detection.variant, in_channels=config.in_channels // (PATCH * PATCH),
+                     out_channels=model.proj_out.out_features // (PATCH * PATCH), x_ndim=4,
+                     config=config_entries(config, CONFIG_KEYS),
+                     weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)

@@ -1,0 +1,83 @@
+"""Flux.2 detection from a header alone (no weights read, no diffusers): key layout, prefix, variant (dev, klein) and
+the Flux2Transformer2DModel config."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ...checkpoints.header import Header, header_config
+from ...checkpoints.loading import count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
+from ...contract import Detection
+
+NAME = "flux2"
+PATCH = 1                  # ComfyUI's Flux.2 takes its 128-channel latents unpatched
+ROPE_THETA = 2000
+ORIGINAL_ANCHORS = ("double_stream_modulation_img.lin.weight", "img_in.weight", "txt_in.weight",
+                    "time_in.in_layer.weight", "double_blocks.0.img_attn.norm.key_norm.scale",
+                    "final_layer.linear.weight")
+DIFFUSERS_ANCHORS = ("double_stream_modulation_img.linear.weight", "x_embedder.weight", "context_embedder.weight",
+                     "transformer_blocks.0.attn.norm_k.weight", "proj_out.weight")
+CLASS_NAME = "Flux2Transformer2DModel"
+CONFIG_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "num_single_layers", "attention_head_dim",
+               "num_attention_heads", "joint_attention_dim", "mlp_ratio", "axes_dims_rope", "rope_theta",
+               "guidance_embeds")
+# Flux2Transformer2DModel arguments a diffusers folder's config.json may set away from the released value (the
+# original layout's files fix them at diffusers' defaults)
+FOLDER_ONLY_KEYS = ("timestep_guidance_channels", "eps")
+# Where a header shows each architecture fact: (original key, diffusers key), prefix stripped
+ARCHITECTURE_KEYS = {
+    "embed": ("img_in.weight", "x_embedder.weight"),
+    "head_norm": ("double_blocks.0.img_attn.norm.key_norm.scale", "transformer_blocks.0.attn.norm_k.weight"),
+    "mlp": ("double_blocks.0.img_mlp.0.weight", "transformer_blocks.0.ff.linear_in.weight"),
+    "out": ("final_layer.linear.weight", "proj_out.weight"),
+    "double_blocks": ("double_blocks", "transformer_blocks"),
+    "single_blocks": ("single_blocks", "single_transformer_blocks"),
+    "text": ("txt_in.weight", "context_embedder.weight"),
+    "guidance": ("guidance_in.in_layer.weight", "time_guidance_embed.guidance_embedder.linear_1.weight"),
+}
+
+
+def detect(header: Header) -> Optional[Detection]:
+    """Flux.2 from its header alone (no weights read); None when the file is another family."""
+    folder_config = header_config(header)
+    if folder_config is not None:
+        if folder_config.get("_class_name") != CLASS_NAME:
+            return None
+        config = {key: folder_config[key] for key in CONFIG_KEYS + FOLDER_ONLY_KEYS if key in folder_config}
+        config["axes_dims_rope"] = tuple(config.get("axes_dims_rope", (32, 32, 32, 32)))
+        config["out_channels"] = config.get("out_channels") or config["in_channels"]
+        return _detection(header, "diffusers", "", config)
+    for layout, anchors in (("original", ORIGINAL_ANCHORS), ("diffusers", DIFFUSERS_ANCHORS)):
+        prefix = find_prefix(header.tensors, anchors)
+        if prefix is not None:
+            return _detection(header, layout, prefix, architecture(strip_prefix(header.tensors, prefix), layout))
+    return None
+
+
+def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
+    variant = "dev" if config.get("guidance_embeds", True) else "klein"
+    return Detection(family=NAME, variant=variant, layout=layout, prefix=prefix, config=config,
+                     files=header.source.files)
+
+
+def architecture(keys: dict, layout: str) -> dict:
+    """Flux2Transformer2DModel config from a header in the "original" or "diffusers" key layout."""
+    names = layout_keys(ARCHITECTURE_KEYS, layout)
+    hidden, in_channels = shape_of(keys, names["embed"])
+    head_dim = shape_of(keys, names["head_norm"])[0]
+    if hidden % head_dim or head_dim % 8:
+        raise ValueError(f"Flux.2 width {hidden} / head size {head_dim} do not fit a 4-axis rotary embedding")
+    mlp_rows = shape_of(keys, names["mlp"])[0]  # SwiGLU: gate and value rows
+    return {
+        "patch_size": 1,
+        "in_channels": in_channels,
+        "out_channels": shape_of(keys, names["out"])[0],
+        "num_layers": count_blocks(keys, names["double_blocks"]),
+        "num_single_layers": count_blocks(keys, names["single_blocks"]),
+        "attention_head_dim": head_dim,
+        "num_attention_heads": hidden // head_dim,
+        "joint_attention_dim": shape_of(keys, names["text"])[1],
+        "mlp_ratio": mlp_rows / (2 * hidden),
+        "axes_dims_rope": (head_dim // 4,) * 4,  # (32, 32, 32, 32) at the real head size 128
+        "rope_theta": ROPE_THETA,
+        "guidance_embeds": names["guidance"] in keys,
+    }

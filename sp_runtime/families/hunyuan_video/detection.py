@@ -1,0 +1,84 @@
+"""HunyuanVideo 1.0 detection from a header alone (no weights read, no diffusers): key layout (Tencent / ComfyUI or
+diffusers), prefix, variant (by input channels, as ComfyUI's supported_models) and the
+HunyuanVideoTransformer3DModel config; HunyuanVideo 1.5 and HunyuanImage 2.1 files are left to others."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ...checkpoints.header import Header, header_config
+from ...checkpoints.loading import count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
+from ...contract import Detection
+from ...sp.tokens import rope_axes
+from .keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_names
+
+NAME = "hunyuan_video"
+ROPE_THETA = 256
+VARIANTS = {16: "t2v", 33: "i2v", 32: "skyreels_i2v"}  # by input channels, as ComfyUI's supported_models
+CONFIG_KEYS = ("in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "num_layers",
+               "num_single_layers", "num_refiner_layers", "mlp_ratio", "patch_size", "patch_size_t",
+               "guidance_embeds", "text_embed_dim", "pooled_projection_dim", "rope_axes_dim")
+# ComfyUI's module names (after keys.comfy_name) and diffusers' of the facts a header shows
+ARCHITECTURE_KEYS = {
+    **SHARED_ARCHITECTURE_KEYS,
+    "pooled": ("vector_in.in_layer.weight", "time_text_embed.text_embedder.linear_1.weight"),
+    "guidance": ("guidance_in.in_layer.weight", "time_text_embed.guidance_embedder.linear_1.weight"),
+}
+ORIGINAL_ANCHORS = (f"{REFINER_STEM}.0.norm1.weight", "img_in.proj.weight", "final_layer.linear.weight")
+DIFFUSERS_ANCHORS = ("context_embedder.token_refiner.refiner_blocks.0.norm1.weight", "x_embedder.proj.weight",
+                     "time_text_embed.timestep_embedder.linear_1.weight", "proj_out.weight")
+VERSION_15_KEYS = ("cond_type_embedding.weight", "cond_type_embed.weight")  # HunyuanVideo 1.5 (its own family)
+
+
+def detect(header: Header) -> Optional[Detection]:
+    """HunyuanVideo 1.0 from its header alone; None for other files (HunyuanVideo 1.5, HunyuanImage 2.1 ...)."""
+    if any(key.endswith(VERSION_15_KEYS) for key in header.tensors):
+        return None
+    folder_config = header_config(header)
+    if folder_config is not None:
+        if folder_config.get("_class_name") != "HunyuanVideoTransformer3DModel":
+            return None
+        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
+        return _detection(header, "diffusers", "", {**config, "rope_axes_dim": tuple(config["rope_axes_dim"])})
+    for layout, anchors in (("original", ORIGINAL_ANCHORS), ("diffusers", DIFFUSERS_ANCHORS)):
+        prefix = find_prefix(header.tensors, anchors)
+        if prefix is not None:
+            keys = comfy_names(strip_prefix(header.tensors, prefix)) if layout == "original" else \
+                strip_prefix(header.tensors, prefix)
+            config = architecture(keys, layout)
+            return None if config is None else _detection(header, layout, prefix, config)
+    return None
+
+
+def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
+    return Detection(family=NAME, variant=VARIANTS.get(config["in_channels"], ""), layout=layout, prefix=prefix,
+                     config=config, files=header.source.files)
+
+
+def architecture(keys: dict, layout: str) -> Optional[dict]:
+    """HunyuanVideoTransformer3DModel config from a header (keys without prefix, ComfyUI or diffusers names);
+    None for a 2-D patch (HunyuanImage 2.1)."""
+    names = layout_keys(ARCHITECTURE_KEYS, layout)
+    embed = shape_of(keys, names["embed"])
+    if len(embed) != 5:
+        return None
+    hidden, in_channels, patch_t, patch, patch_w = embed
+    head_dim = shape_of(keys, names["head_norm"])[0]
+    if patch != patch_w or hidden % head_dim:
+        raise ValueError(f"HunyuanVideo patch {embed[2:]} / width {hidden} with head size {head_dim}: unsupported "
+                         f"variant")
+    return {
+        "in_channels": in_channels,
+        "out_channels": shape_of(keys, names["out"])[0] // (patch_t * patch * patch),
+        "num_attention_heads": hidden // head_dim,
+        "attention_head_dim": head_dim,
+        "num_layers": count_blocks(keys, names["double_blocks"]),
+        "num_single_layers": count_blocks(keys, names["single_blocks"]),
+        "num_refiner_layers": count_blocks(keys, names["refiner_blocks"]),
+        "mlp_ratio": shape_of(keys, names["mlp"])[0] / hidden,
+        "patch_size": patch,
+        "patch_size_t": patch_t,
+        "guidance_embeds": names["guidance"] in keys,
+        "text_embed_dim": shape_of(keys, names["text"])[1],
+        "pooled_projection_dim": shape_of(keys, names["pooled"])[1],
+        "rope_axes_dim": rope_axes(head_dim),
+    }

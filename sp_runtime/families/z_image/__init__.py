@@ -1,0 +1,20 @@
+"""Z-Image (base, turbo): ComfyUI's `diffusion_model(x, timestep, context, num_tokens, attention_mask)` (NextDiT in
+comfy/ldm/lumina with Z-Image's options: 32-token padding with learned pad tokens, theta 256, t = 1 - sigma, output
+negated) on diffusers' ZImageTransformer2DModel.
+
+Plan (plan.py): the caption and the image tokens are two streams, each padded to 32 and split over the ranks on its
+own; `context_refiner` and `noise_refiner` attend within one stream, `layers` over both (each rank's caption shard,
+then its image shard; nothing is masked, so the order changes nothing). Ulysses pads heads to the degree.
+"""
+from ..family import Family
+from .detection import CONFIG_KEYS, NAME, PAD_MULTIPLE, PATCH, architecture, detect
+from .host import COMFY
+from .keys import original_plan, weight_plan
+from .loading import load, load_model
+from .plan import PLAN
+
+FAMILY = Family(NAME, "Z-Image (base, turbo)", detect, load, COMFY, weight_plan, original_plan, load_model,
+                gguf_architectures=("lumina2",))
+
+__all__ = ["FAMILY", "CONFIG_KEYS", "COMFY", "NAME", "PAD_MULTIPLE", "PATCH", "PLAN", "architecture", "detect", "load",
+           "load_model", "original_plan", "weight_plan"]
