@@ -17,7 +17,7 @@ class Family:
     detect(header) -> Detection | None: from the header alone (no weights read, no diffusers import: it runs in the
         ComfyUI process); None when the file is another family; ValueError naming the file for a variant it cannot run.
     load(request, detection, device, groups, progress) -> WorkerModel: worker side, diffusers imported there.
-    comfy: ComfyUI's model classes and what its host side reads (base.ComfyHost); None when ComfyUI cannot use it.
+    comfy: ComfyUI's model classes and what its host side reads (contract.ComfyHost); None when ComfyUI cannot use it.
     weight_plan(detection, keys) / original_plan(keys, config): checkpoint and LoRA key plans (None: no LoRAs).
     load_model(path, dtype, device, ...) -> (model, detection, dtypes): the diffusers model on one device (CLI,
         the lab's references).
