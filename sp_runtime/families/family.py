@@ -53,3 +53,13 @@ class Family:
                    load_model=getattr(module, "load_model", None),
                    gguf_architectures=tuple(getattr(module, "GGUF_ARCHITECTURES", ())),
                    signatures=tuple(getattr(module, "SIGNATURES", ())))
+
+
+def pool_load(load_model: Callable, worker_from_model: Callable) -> Callable:
+    """The pool's entry point (Family.load) of a family whose worker wraps its single-device model: load_model on this
+    worker's device, then worker_from_model(model, detection, dtypes, options)."""
+    def load(request, detection, device, groups, progress):
+        model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options,
+                                              progress, request.header)
+        return worker_from_model(model, detection, dtypes, request.options)
+    return load

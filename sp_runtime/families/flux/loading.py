@@ -7,8 +7,9 @@ import torch
 
 from ...checkpoints.header import Header
 from ...checkpoints.loading import ProgressFn, WeightDtypes, detected_checkpoint, load_checkpoint_model, strip_prefix
-from ...contract import Detection, LoadRequest, ModelInfo, config_entries
+from ...contract import Detection, ModelInfo, config_entries
 from ...sp import PlanWorker
+from ..family import pool_load
 from .detection import CONFIG_KEYS, NAME, PATCH, detect
 from .keys import weight_plan
 from .plan import PLAN
@@ -31,12 +32,6 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     return model, detection, dtypes
 
 
-def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> PlanWorker:
-    """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
-                                          request.header)
-    return worker_from_model(model, detection, dtypes, request.options)
 
 
 def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
@@ -51,3 +46,6 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
                      out_channels=model.proj_out.out_features // (PATCH * PATCH), x_ndim=4,
                      config=config_entries(config, CONFIG_KEYS),
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+
+
+load = pool_load(load_model, worker_from_model)

@@ -8,8 +8,9 @@ import torch
 
 from ...checkpoints.header import Header
 from ...checkpoints.loading import ProgressFn, WeightDtypes, detected_checkpoint, load_checkpoint_model, strip_prefix
-from ...contract import Detection, LoadRequest, ModelInfo, config_entries
+from ...contract import Detection, ModelInfo, config_entries
 from ...sp import PlanWorker
+from ..family import pool_load
 from .detection import CONFIG_KEYS, NAME, detect
 from .keys import weight_plan
 from .plan import PLAN
@@ -31,12 +32,9 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     return model, detection, dtypes
 
 
-def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> PlanWorker:
-    """The pool's entry point: load on this worker's device, the executor running PLAN."""
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
-                                          request.header)
-    return PlanWorker(model, model_info(model, detection, dtypes), PLAN, dtypes, request.options)
+def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
+                      ) -> PlanWorker:
+    return PlanWorker(model, model_info(model, detection, dtypes), PLAN, dtypes, options)
 
 
 def model_info(model, detection: Detection, dtypes: WeightDtypes, config_keys=CONFIG_KEYS) -> ModelInfo:
@@ -45,3 +43,6 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes, config_keys=CO
     return ModelInfo(family=detection.family, variant=detection.variant, in_channels=config.in_channels,
                      out_channels=config.out_channels, x_ndim=5, config=config_entries(config, config_keys),
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+
+
+load = pool_load(load_model, worker_from_model)

@@ -8,8 +8,9 @@ import torch
 
 from ...checkpoints.header import Header
 from ...checkpoints.loading import ProgressFn, WeightDtypes, detected_checkpoint, load_checkpoint_model, strip_prefix
-from ...contract import Detection, LoadRequest
+from ...contract import Detection
 from ...sp import PlanWorker
+from ..family import pool_load
 from ..hunyuan_video import model_info
 from .detection import CONFIG_KEYS, NAME, detect
 from .keys import weight_plan
@@ -30,9 +31,9 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     return model, detection, dtypes
 
 
-def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> PlanWorker:
-    """The pool's entry point: load on this worker's device, the executor running PLAN."""
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
-                                          request.header)
-    return PlanWorker(model, model_info(model, detection, dtypes, CONFIG_KEYS), PLAN, dtypes, request.options)
+def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
+                      ) -> PlanWorker:
+    return PlanWorker(model, model_info(model, detection, dtypes, CONFIG_KEYS), PLAN, dtypes, options)
+
+
+load = pool_load(load_model, worker_from_model)

@@ -9,8 +9,9 @@ import torch
 
 from ...checkpoints.header import Header
 from ...checkpoints.loading import ProgressFn, WeightDtypes, detected_checkpoint, load_checkpoint_model, strip_prefix
-from ...contract import Detection, LoadRequest, ModelInfo, config_entries
+from ...contract import Detection, ModelInfo, config_entries
 from ...sp import PlanWorker
+from ..family import pool_load
 from .detection import (CONFIG_KEYS, EDIT_2511_MARKER, NAME, PATCH, VARIANT_EDIT_2511, VARIANT_IMAGE,
                         VARIANT_LAYERED, detect)
 from .keys import weight_plan
@@ -47,12 +48,6 @@ def _with_options(detection: Detection, options: dict) -> Detection:
     return replace(detection, variant=variant, config=config)
 
 
-def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> PlanWorker:
-    """The pool's entry point: load on this worker's device and switch attention to sequence parallel."""
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
-                                          request.header)
-    return worker_from_model(model, detection, dtypes, request.options)
 
 
 def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
@@ -67,3 +62,6 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
                      out_channels=config.out_channels, x_ndim=5,
                      config=config_entries(config, CONFIG_KEYS),
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+
+
+load = pool_load(load_model, worker_from_model)

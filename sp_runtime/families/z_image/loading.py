@@ -7,8 +7,9 @@ import torch
 
 from ...checkpoints.header import Header
 from ...checkpoints.loading import ProgressFn, WeightDtypes, detected_checkpoint, load_checkpoint_model, strip_prefix
-from ...contract import Detection, LoadRequest, ModelInfo, config_entries
+from ...contract import Detection, ModelInfo, config_entries
 from ...sp import PlanWorker
+from ..family import pool_load
 from .detection import CONFIG_KEYS, NAME, UNUSED, detect
 from .keys import weight_plan
 from .plan import PLAN
@@ -28,13 +29,13 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     return model, detection, dtypes
 
 
-def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> PlanWorker:
-    """The pool's entry point: load on this worker's device, the executor running PLAN."""
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
-                                          request.header)
+def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
+                      ) -> PlanWorker:
     config = model.config
     info = ModelInfo(family=NAME, variant=detection.variant, in_channels=config.in_channels,
                      out_channels=config.in_channels, x_ndim=4, config=config_entries(config, CONFIG_KEYS),
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
-    return PlanWorker(model, info, PLAN, dtypes)
+    return PlanWorker(model, info, PLAN, dtypes, options)
+
+
+load = pool_load(load_model, worker_from_model)
