@@ -18,7 +18,7 @@ from .loading import load, load_model
 from .plan import PLAN
 
 FAMILY = Family(NAME, "HunyuanVideo 1.5 (480p / 720p, T2V, I2V, 1080p super-resolution)", detect, load, COMFY,
-                weight_plan, original_plan, load_model,
+                weight_plan, original_plan, load_model, gguf_architectures=("hyvid",),  # ComfyUI-GGUF: Tencent's keys
                 signatures=("cond_type_embedding.weight", "cond_type_embed.weight"))
 
 __all__ = ["FAMILY", "CONFIG_KEYS", "COMFY", "NAME", "PLAN", "SR", "architecture", "detect", "load", "load_model",
