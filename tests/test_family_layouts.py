@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from family_support import assert_parity
-from sp_runtime.families import flux, qwen_image, wan
+from sp_lab.references import reference_forward
 from sp_lab.tiny_models import build_tiny_model, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared layout pools (u1r3, u2r2, u2cfg2)
 
 SEED = 5
-FAMILIES = {"qwen_image": qwen_image, "flux": flux, "wan": wan}
+FAMILIES = ("qwen_image", "flux", "wan")
 
 
 def make_cases(family: str) -> dict:
@@ -47,9 +47,9 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references():
     refs = {}
-    for family, module in FAMILIES.items():
+    for family in FAMILIES:
         model = build_tiny_model(family, SEED)
-        refs[family] = {name: module.reference_forward(model, x, t, **inputs)
+        refs[family] = {name: reference_forward(family)(model, x, t, **inputs)
                         for name, (x, t, inputs) in make_cases(family).items()}
     return refs
 

@@ -1,1 +1,22 @@
-"""Single-device reference forwards per family: the independent side of every parity test (not product code)."""
+"""Single-device reference forwards per family: the independent side of every parity test (not product code).
+
+`sp_lab.references.<family>.reference_forward(model, x, timestep, **inputs)` computes ComfyUI's
+`diffusion_model(x, timestep, **inputs)` with diffusers' stock forward on one device.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+
+def reference_forward(family: str) -> Callable:
+    """The family's reference forward; a family whose reference has not moved here yet (Wan and LTX-2, while they
+    are ported to packages) still holds it in its own module."""
+    name = f"{__name__}.{family}"
+    try:
+        return importlib.import_module(name).reference_forward
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+    from sp_runtime.families import family_module
+    return family_module(family).reference_forward
