@@ -96,20 +96,6 @@ class LoadRequest:
                    None if detection is None else Detection.from_dict(detection))
 
 
-@dataclass(frozen=True)
-class Loading:
-    """What a family's load varies in, as data; pool/loading.load_declared does the rest the same way for every
-    family (the dtypes the request means, the empty model, the weights read once through the key plan, ModelInfo,
-    the executor's PlanWorker). A family module declaring LOADING needs no load() of its own."""
-
-    model_class: str                    # the diffusers class, e.g. "ZImageTransformer2DModel"
-    weight_plan: Callable               # (detection, checkpoint keys without the prefix) -> KeyPlan (None: identity)
-    info: Callable                      # (model, detection, WeightDtypes) -> ModelInfo
-    plan: Any                           # the family's sp.Plan
-    config: Optional[Callable] = None   # (detection, load options) -> the model config (None: detection.config)
-    ignore: tuple[str, ...] = ()        # checkpoint keys that carry no weights (markers)
-
-
 def patch_size_2(info: "ModelInfo") -> dict:
     """ComfyUI's Flux / Qwen-Image latent patch (diffusers' Flux config says 1), read from diffusion_model."""
     return {"patch_size": 2}

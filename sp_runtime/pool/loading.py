@@ -2,11 +2,11 @@
 runtime options applied to what it built."""
 from ..checkpoints.header import read_checkpoint_header
 from ..detection import detect
-from ..families import family_module
+from ..families import family
 
 
 def load_worker_model(request, device, groups, progress):
-    """Worker side: the worker of the family the host detected (its declared Loading, else its load()), sharded,
+    """Worker side: the worker of the family the host detected (its Family's load), sharded,
     weighed and given its kernels and runtime options. A request without its detection (made by a test, not the
     pool) is detected here; internal families are allowed since the host refuses them (pool._request_for)."""
     import torch
@@ -18,11 +18,8 @@ def load_worker_model(request, device, groups, progress):
     detection = request.detection or detect(header, allow_internal=True)  # the pool's requests carry it
     world = groups.config.world_size if groups is not None else 1
     shard = ShardSpec(groups.rank, world) if shard_option(request.options) and world > 1 else None
-    family = family_module(detection.family)
-    loading = getattr(family, "LOADING", None)
     with sharded_loading(shard):  # blocks read straight into this rank's shards
-        worker = load_declared(loading, request, header, detection, device, progress) if loading else \
-            family.load(request, detection, device, groups, progress)
+        worker = family(detection.family).load(request, detection, device, groups, progress)
     if shard is not None:
         worker = shard_worker(worker, shard.rank, shard.world)  # shards a model its family loaded whole
     if isinstance(getattr(worker, "model", None), torch.nn.Module):
@@ -32,16 +29,3 @@ def load_worker_model(request, device, groups, progress):
                                                    request.options.get("quant_kernels"))
     return with_runtime_options(worker, request.options)
 
-
-def load_declared(loading, request, header, detection, device, progress):
-    """The worker of a family that declares its Loading (sp_runtime.contract): its diffusers model built empty, the
-    checkpoint's weights read into it through the family's key plan, and the executor running its plan."""
-    import diffusers
-
-    from ..checkpoints.loading import load_checkpoint_model, strip_prefix
-    from ..sp import PlanWorker
-    config = loading.config(detection, request.options) if loading.config else detection.config
-    plan = loading.weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-    model, dtypes = load_checkpoint_model(getattr(diffusers, loading.model_class), config, header, detection,
-                                          request.dtype, device, plan, progress, loading.ignore)
-    return PlanWorker(model, loading.info(model, detection, dtypes), loading.plan, dtypes, request.options)
