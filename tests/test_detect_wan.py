@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from sp_runtime.families import wan
 from sp_runtime.checkpoints.header import Header, read_checkpoint_header
 from sp_runtime.detection import detect
-from sp_runtime.families.wan_checkpoint import HEAD_DIM_METADATA_KEY, detect as detect_header
+from sp_runtime.families.wan.detect import HEAD_DIM_METADATA_KEY, detect as detect_header
 from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_lab.tiny_models.wan import build_tiny_model, original_state_dict, tiny_config
 

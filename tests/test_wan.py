@@ -9,6 +9,7 @@ import torch
 
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
+from sp_lab.references.wan import reference_forward
 from sp_runtime.families import wan
 from sp_runtime.sp.video_tokens import VideoGrid, pad_to_patch_3d
 from sp_runtime.pool import WorkerPool
@@ -101,7 +102,7 @@ def references(files):
 
 
 def _outputs(model, cases: dict) -> dict:
-    return {name: wan.reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in cases.items()}
+    return {name: reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in cases.items()}
 
 
 def _low_precision_cases() -> dict:
@@ -148,14 +149,14 @@ def test_the_cases_exercise_what_they_claim(references):
     precision each change the output."""
     ti2v = build_tiny_model("wan", SEED, variant="ti2v")
     x, t, inputs = VARIANT_CASES["ti2v"]()["45_tokens"]
-    shared = wan.reference_forward(ti2v, x, t[:, -1], **inputs)
+    shared = reference_forward(ti2v, x, t[:, -1], **inputs)
     assert relative_error(shared, references["ti2v"]["45_tokens"]) > 1e-3
     i2v = build_tiny_model("wan", SEED, variant="i2v")
     x, t, inputs = VARIANT_CASES["i2v"]()["45_tokens"]
-    other_clip = wan.reference_forward(i2v, x, t, inputs["context"], clip_fea=torch.zeros_like(inputs["clip_fea"]))
+    other_clip = reference_forward(i2v, x, t, inputs["context"], clip_fea=torch.zeros_like(inputs["clip_fea"]))
     assert relative_error(other_clip, references["i2v"]["45_tokens"]) > 1e-3
     x, t, inputs = make_cases()["time_dim_concat"]
-    alone = wan.reference_forward(build_tiny_model("wan", SEED), x, t, inputs["context"])
+    alone = reference_forward(build_tiny_model("wan", SEED), x, t, inputs["context"])
     assert relative_error(alone, references["t2v"]["time_dim_concat"]) > 1e-3
     assert relative_error(references["bfloat16"]["45_tokens"], references["t2v"]["45_tokens"]) > 1e-4
 
@@ -181,7 +182,7 @@ def test_key_plan_equals_diffusers_converter():
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-    from sp_runtime.families.wan_checkpoint import wan_key_plan
+    from sp_runtime.families.wan.keys import wan_key_plan
     with init_empty_weights():
         full = WanTransformer3DModel(num_attention_heads=40, attention_head_dim=128, in_channels=36, ffn_dim=13824,
                                      num_layers=40, image_dim=1280, added_kv_proj_dim=5120)
