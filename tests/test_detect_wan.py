@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from sp_runtime.families import wan
 from sp_runtime.checkpoints.header import Header, read_checkpoint_header
 from sp_runtime.detection import detect
-from sp_runtime.families.wan_checkpoint import HEAD_DIM_METADATA_KEY, detect as detect_header
+from sp_runtime.families.wan.detect import HEAD_DIM_METADATA_KEY, detect as detect_header
 from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_lab.tiny_models.wan import build_tiny_model, original_state_dict, tiny_config
 
@@ -182,3 +182,21 @@ def test_other_families_are_not_taken_for_wan(tmp_path):
     path = write_tiny_checkpoint("flux", str(tmp_path / "flux.safetensors"))
     assert detect_header(read_checkpoint_header(path)) is None
     assert detect(path).family == "flux"
+
+
+def test_the_base_imports_no_variant():
+    """Wan's base modules (detection, key plan, loading, plan, host) never import a variant: each variant module
+    registers a wan.variants.Variant, which the base reads."""
+    import ast
+    import pathlib
+    from sp_runtime.families.wan.variants import REGISTRY
+    folder = pathlib.Path(wan.__file__).parent
+    variant_modules = {variant.check.__module__.rsplit(".", 1)[-1] for variant in REGISTRY if variant.check} | {
+        variant.layout.__module__.rsplit(".", 1)[-1] for variant in REGISTRY if variant.layout}
+    assert {"vace", "s2v", "humo", "animate", "animate2", "camera", "fun"} <= variant_modules
+    for base in ("detect", "keys", "load", "plan", "host", "variants"):
+        tree = ast.parse((folder / f"{base}.py").read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1
+                    for alias in node.names} | {node.module for node in ast.walk(tree)
+                                                if isinstance(node, ast.ImportFrom) and node.level == 1}
+        assert not imported & variant_modules, (base, imported & variant_modules)

@@ -9,12 +9,13 @@ import torch
 
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
+from sp_lab.references.wan import reference_forward
 from sp_runtime.families import wan
 from sp_runtime.sp.video_tokens import VideoGrid, pad_to_patch_3d
-from sp_runtime.pool import WorkerPool
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
 from sp_lab.tiny_models.wan import original_state_dict
 
+pytest_plugins = ["family_pools"]  # the shared per-degree and per-layout worker pools
 SEED = 3
 TEXT_DIM = 32
 # name -> (write_tiny_checkpoint arguments, load options)
@@ -101,7 +102,7 @@ def references(files):
 
 
 def _outputs(model, cases: dict) -> dict:
-    return {name: wan.reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in cases.items()}
+    return {name: reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in cases.items()}
 
 
 def _low_precision_cases() -> dict:
@@ -111,30 +112,42 @@ def _low_precision_cases() -> dict:
     return cases
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"degree{p}")
-def pool(request):
-    with WorkerPool(SPConfig(["cpu"] * request.param)) as workers:
-        yield workers
+def _degree(pool) -> int:
+    return len(pool.config.devices)
 
 
-def test_fp32_parity_every_layout(pool, files, references):
+def test_fp32_parity_every_layout(family_pool, files, references):
+    """Every case at every degree from the original file; the other file layouts (a loader matter, not a split
+    one) at degree 2."""
     for layout, (_, options) in T2V_FILES.items():
-        handle = pool.load_model(files[layout], **options)
+        if layout != "original" and _degree(family_pool) != 2:
+            continue
+        handle = family_pool.load_model(files[layout], **options)
         assert (handle.info.family, handle.info.variant, handle.info.weight_dtype) == ("wan", "t2v", "float32")
         assert handle.info.config["dim"] == 96 and handle.info.config["num_heads"] == 6
         for name, (x, t, inputs) in make_cases().items():
             assert_parity(handle(x, t, **inputs), references["t2v"][name], "float32", f"{layout}/{name}")
 
 
+# the cases whose token split differs from T2V's: per-frame timesteps (TI2V) and heads the degree does not divide
+SPLIT_CASES = {"ti2v": None, "heads3": ("45_tokens", "1_token_batch_1")}
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANT_CASES))
-def test_fp32_parity_variants(pool, files, references, variant):
+def test_fp32_parity_variants(family_pool, files, references, variant):
     """I2V with clip_fea, FLF2V, A14B-style I2V, TI2V 5B-style per-frame timesteps, 3 heads on up to 4 ranks."""
-    handle = pool.load_model(files[variant])
+    handle = family_pool.load_model(files[variant])
+    names = SPLIT_CASES.get(variant, ("45_tokens",))
     for name, (x, t, inputs) in VARIANT_CASES[variant]().items():
-        assert_parity(handle(x, t, **inputs), references[variant][name], "float32", f"{variant}/{name}")
+        if names is None or name in names:
+            assert_parity(handle(x, t, **inputs), references[variant][name], "float32", f"{variant}/{name}")
 
 
-def test_low_precision_storage(pool, files, references):
+def test_low_precision_storage(family_pool, files, references):
+    """Storage precision does not depend on the split: checked at degree 2."""
+    if _degree(family_pool) != 2:
+        pytest.skip("checked at degree 2 (suite time)")
+    pool = family_pool
     for dtype in LOW_PRECISION:
         handle = pool.load_model(files[dtype])
         assert handle.info.weight_dtype == dtype
@@ -148,28 +161,27 @@ def test_the_cases_exercise_what_they_claim(references):
     precision each change the output."""
     ti2v = build_tiny_model("wan", SEED, variant="ti2v")
     x, t, inputs = VARIANT_CASES["ti2v"]()["45_tokens"]
-    shared = wan.reference_forward(ti2v, x, t[:, -1], **inputs)
+    shared = reference_forward(ti2v, x, t[:, -1], **inputs)
     assert relative_error(shared, references["ti2v"]["45_tokens"]) > 1e-3
     i2v = build_tiny_model("wan", SEED, variant="i2v")
     x, t, inputs = VARIANT_CASES["i2v"]()["45_tokens"]
-    other_clip = wan.reference_forward(i2v, x, t, inputs["context"], clip_fea=torch.zeros_like(inputs["clip_fea"]))
+    other_clip = reference_forward(i2v, x, t, inputs["context"], clip_fea=torch.zeros_like(inputs["clip_fea"]))
     assert relative_error(other_clip, references["i2v"]["45_tokens"]) > 1e-3
     x, t, inputs = make_cases()["time_dim_concat"]
-    alone = wan.reference_forward(build_tiny_model("wan", SEED), x, t, inputs["context"])
+    alone = reference_forward(build_tiny_model("wan", SEED), x, t, inputs["context"])
     assert relative_error(alone, references["t2v"]["time_dim_concat"]) > 1e-3
     assert relative_error(references["bfloat16"]["45_tokens"], references["t2v"]["45_tokens"]) > 1e-4
 
 
-@pytest.mark.parametrize("layout", [dict(ulysses_degree=2, ring_degree=2), dict(ring_degree=2, cfg_degree=2)],
-                         ids=["u2r2", "r2cfg2"])
-def test_ring_and_cfg_layouts(files, references, layout):
-    """Ulysses x Ring (hybrid attention) and Ring inside CFG halves, incl. an odd batch over all ranks."""
-    with WorkerPool(SPConfig(["cpu"] * 4, **layout)) as workers:
-        handle = workers.load_model(files["ti2v"])
-        cases = VARIANT_CASES["ti2v"]()
-        for name in ("45_tokens", "1_token_batch_1", "time_dim_concat"):
-            x, t, inputs = cases[name]
-            assert_parity(handle(x, t, **inputs), references["ti2v"][name], "float32", f"{layout}/{name}")
+def test_ring_and_cfg_layouts(layout_pool, files, references):
+    """Ring only, Ulysses x Ring (hybrid attention) and Ulysses inside CFG halves, incl. an odd batch over all
+    ranks."""
+    layout, pool = layout_pool
+    handle = pool.load_model(files["ti2v"])
+    cases = VARIANT_CASES["ti2v"]()
+    for name in ("45_tokens", "1_token_batch_1", "time_dim_concat"):
+        x, t, inputs = cases[name]
+        assert_parity(handle(x, t, **inputs), references["ti2v"][name], "float32", f"{layout}/{name}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -181,7 +193,7 @@ def test_key_plan_equals_diffusers_converter():
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-    from sp_runtime.families.wan_checkpoint import wan_key_plan
+    from sp_runtime.families.wan.keys import wan_key_plan
     with init_empty_weights():
         full = WanTransformer3DModel(num_attention_heads=40, attention_head_dim=128, in_channels=36, ffn_dim=13824,
                                      num_layers=40, image_dim=1280, added_kv_proj_dim=5120)
@@ -311,7 +323,7 @@ def comfyui():
     return import_comfy()
 
 
-def test_comfyui_parity(comfyui, pool, tmp_path):
+def test_comfyui_parity(comfyui, family_pool, tmp_path):
     import comfy.ldm.wan.model as comfy_wan
     import comfy.ops
     from safetensors.torch import save_file
@@ -322,7 +334,7 @@ def test_comfyui_parity(comfyui, pool, tmp_path):
         randomize_(model, SEED + 1)
         path = str(tmp_path / f"comfy_wan_{kind}.safetensors")
         save_file({COMFY_PREFIX + key: value.contiguous() for key, value in model.state_dict().items()}, path)
-        handle = pool.load_model(path, head_dim=16)
+        handle = family_pool.load_model(path, head_dim=16)
         for name, (x, t, inputs) in cases().items():
             calls = [inputs] + ([{k: v for k, v in inputs.items() if k != "clip_fea"}] if "clip_fea" in inputs
                                 else [])  # ComfyUI's image models without clip_fea: the image branch reads text

@@ -11,6 +11,7 @@ import torch
 import comfy_support as cs
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
+from sp_lab.references.wan import reference_forward
 from sp_runtime.families import wan
 from sp_runtime.contract import LoadRequest
 from sp_runtime.detection import detect
@@ -68,7 +69,7 @@ def path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(model):
-    return {name: wan.reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in make_cases().items()}
+    return {name: reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in make_cases().items()}
 
 
 def test_fp32_parity(family_pool, path, references):
@@ -80,10 +81,10 @@ def test_fp32_parity(family_pool, path, references):
 
 def test_the_face_and_the_pose_change_the_output(model, references):
     x, t, inputs = make_cases()["face_and_pose_padded"]
-    faceless = wan.reference_forward(model, x, t, **{**inputs, "face_pixel_values": None})
+    faceless = reference_forward(model, x, t, **{**inputs, "face_pixel_values": None})
     assert relative_error(faceless, references["face_and_pose_padded"]) > 1e-3
     x, t, inputs = make_cases()["pose_without_face"]
-    still = wan.reference_forward(model, x, t, **{**inputs, "pose_latents": torch.zeros_like(inputs["pose_latents"])})
+    still = reference_forward(model, x, t, **{**inputs, "pose_latents": torch.zeros_like(inputs["pose_latents"])})
     assert relative_error(still, references["pose_without_face"]) > 1e-3
 
 
@@ -124,7 +125,7 @@ def test_key_plan_equals_diffusers_converter(model):
     """Our per-tensor plan gives what diffusers' converter gives (the blur kernels, fixed buffers that diffusers
     rebuilds and its converter leaves unconverted, are read past), and that is the model's own state."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-    from sp_runtime.families.wan_checkpoint import wan_key_plan
+    from sp_runtime.families.wan.keys import wan_key_plan
     original = original_state_dict("wan", model)
     expected = convert_wan_transformer_to_diffusers({COMFY_PREFIX + k: v for k, v in original.items()})
     kernels = {key for key in expected if key.endswith(".kernel")}

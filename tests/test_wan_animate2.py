@@ -17,13 +17,14 @@ import torch
 import comfy_support as cs
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
+from sp_lab.references.wan import reference_forward
 from sp_runtime.families import wan
 from sp_runtime.contract import LoadRequest
 from sp_runtime.detection import detect
 from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.checkpoints.header import read_checkpoint_header
-from sp_runtime.families.wan_checkpoint import wan_key_plan
-from sp_runtime.families.wan_common import WanSinusoid, wrap_pad
+from sp_runtime.families.wan.keys import wan_key_plan
+from sp_lab.references.wan import WanSinusoid, wrap_pad
 from sp_runtime.groups import ParallelGroups, SeqParallel
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, original_state_dict, write_tiny_checkpoint
 
@@ -84,7 +85,7 @@ def diffusers_model(config, original: dict):
         text_dim=config.text_dim, num_heads=config.num_attention_heads, num_layers=config.num_layers,
         in_dim=config.in_channels, out_dim=config.out_channels)
     reference.load_state_dict(convert_wan_animate_2_transformer_to_diffusers(dict(original)), strict=True)
-    reference.timesteps_proj = WanSinusoid(config.freq_dim)  # Wan's own sinusoid, as ComfyUI (see wan_common)
+    reference.timesteps_proj = WanSinusoid(config.freq_dim)  # Wan's own sinusoid, as ComfyUI (see sp_lab.references.wan)
     return reference.eval()
 
 
@@ -137,7 +138,7 @@ def references(model, diffusers_animate2):
     out = {name: diffusers_forward(diffusers_animate2, x, t, inputs) for name, (x, t, inputs) in cases.items()
            if "pose_latents" in inputs}
     x, t, inputs = cases["no_pose"]
-    out["no_pose"] = wan.reference_forward(model, x, t, **inputs)  # diffusers' WanTransformer3DModel (I2V)
+    out["no_pose"] = reference_forward(model, x, t, **inputs)  # diffusers' WanTransformer3DModel (I2V)
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
-from sp_runtime.families import wan
+from sp_lab.references.wan import reference_forward
 from sp_runtime.contract import LoadRequest
 from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.groups import ParallelGroups, SeqParallel
@@ -57,7 +57,7 @@ def references():
         model = build_tiny_model("wan", seed, variant=variant)
         refs[variant] = {}
         for case, (x, t, inputs) in make_cases(variant).items():
-            refs[variant][case] = wan.reference_forward(model, x, t, **inputs)
+            refs[variant][case] = reference_forward(model, x, t, **inputs)
     return refs
 
 
@@ -72,7 +72,7 @@ def test_fp32_parity(family_pool, files, references):
 def test_the_conditions_change_the_output(references):
     x, t, inputs = make_cases("camera_2.2")["45_tokens"]
     model = build_tiny_model("wan", MODELS["camera_2.2"][0], variant="camera_2.2")
-    without = wan.reference_forward(model, x, t, inputs["context"])
+    without = reference_forward(model, x, t, inputs["context"])
     assert relative_error(without, references["camera_2.2"]["45_tokens"]) > 1e-3
 
 

@@ -11,7 +11,7 @@ import torch
 
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
-from sp_runtime.families import wan
+from sp_lab.references.wan import reference_forward
 from sp_runtime.contract import LoadRequest
 from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.groups import ParallelGroups, SeqParallel
@@ -68,7 +68,7 @@ def references():
     refs = {}
     for name, (variant, seed, *_rest, size) in MODELS.items():
         model = build_tiny_model("wan", seed, variant=variant, **size)
-        refs[name] = {case: wan.reference_forward(model, x, t, **inputs)
+        refs[name] = {case: reference_forward(model, x, t, **inputs)
                       for case, (x, t, inputs) in make_cases(name).items()}
     return refs
 
@@ -91,7 +91,7 @@ def test_fp32_parity_with_both_experts_in_one_pool(family_pool, files, reference
 def test_the_reference_changes_the_output(references):
     model = build_tiny_model("wan", 7, variant="fun_control")
     x, t, inputs = make_cases("fun_control")["45_tokens"]
-    other = wan.reference_forward(model, x, t, **{**inputs, "reference_latent": torch.zeros_like(
+    other = reference_forward(model, x, t, **{**inputs, "reference_latent": torch.zeros_like(
         inputs["reference_latent"])})
     assert relative_error(other, references["fun_control"]["45_tokens"]) > 1e-3
 

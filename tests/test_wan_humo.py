@@ -1,6 +1,6 @@
 """Wan HuMo under Ulysses SP: ComfyUI's audio_embed (frame-local audio cross-attention in every block) and
 reference_latent (appended frames, zero audio) equal a single-process diffusers forward with the audio step hooked
-in (wan.reference_forward with wan_humo.audio_reference_hooks: whole-sequence attention regrouped per frame as
+in (sp_lab.references.wan.reference_forward with audio_reference_hooks: whole-sequence attention regrouped per frame as
 ComfyUI does), at degrees 1-4
 (3 heads), token ranges that split frames, padded sizes, batch 2; a bad audio_embed is named."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
-from sp_runtime.families import wan
+from sp_lab.references.wan import reference_forward
 from sp_runtime.contract import LoadRequest
 from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.groups import ParallelGroups, SeqParallel
@@ -54,7 +54,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def references(model):
-    return {name: wan.reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in make_cases().items()}
+    return {name: reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in make_cases().items()}
 
 
 def test_fp32_parity(family_pool, path, references):
@@ -66,10 +66,10 @@ def test_fp32_parity(family_pool, path, references):
 
 def test_the_audio_and_the_reference_change_the_output(model, references):
     x, t, inputs = make_cases()["reference_frame"]
-    silent = wan.reference_forward(model, x, t, inputs["context"], audio_embed=torch.zeros_like(inputs["audio_embed"]),
+    silent = reference_forward(model, x, t, inputs["context"], audio_embed=torch.zeros_like(inputs["audio_embed"]),
                                    reference_latent=inputs["reference_latent"])
     assert relative_error(silent, references["reference_frame"]) > 1e-3
-    alone = wan.reference_forward(model, x, t, inputs["context"], audio_embed=inputs["audio_embed"])
+    alone = reference_forward(model, x, t, inputs["context"], audio_embed=inputs["audio_embed"])
     assert relative_error(alone, references["reference_frame"]) > 1e-3
 
 

@@ -1,7 +1,7 @@
 """Wan 2.2 S2V under Ulysses SP: ComfyUI's audio_embed (audio injected after blocks 0 and 4, frame by frame),
 reference_latent and reference_motion (extra tokens with their own, partly fractional and negative, rotary
 positions and timestep 0) and control_video equal a single-process run of diffusers' stock blocks over the whole
-sequence (wan_s2v.reference_forward) at degrees 1-4 (3 heads of 128), token ranges that split frames, padded sizes,
+sequence (sp_lab.references.wan.s2v_reference_forward) at degrees 1-4 (3 heads of 128), token ranges that split frames, padded sizes,
 batch 2; and ComfyUI's own WanModel_S2V on the same weights where COMFYUI_PATH is set. Bad inputs are named."""
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import torch
 
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
-from sp_runtime.families import wan
+from sp_lab.references.wan import reference_forward
 from sp_runtime.contract import LoadRequest
 from sp_runtime.detection import detect
 from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.checkpoints.header import Header
-from sp_runtime.families.wan_checkpoint import detect as detect_header
-from sp_runtime.families.wan_s2v import attach_s2v_modules
+from sp_runtime.families.wan.detect import detect as detect_header
+from sp_runtime.families.wan.s2v import attach as attach_s2v
 from sp_runtime.groups import ParallelGroups, SeqParallel
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 from sp_lab.tiny_models.wan import S2V_TINY, original_state_dict
@@ -75,7 +75,7 @@ def worker(path):
 
 @pytest.fixture(scope="module")
 def references(model):
-    return {name: wan.reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in make_cases().items()}
+    return {name: reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in make_cases().items()}
 
 
 def test_detection(path, tmp_path):
@@ -95,7 +95,7 @@ def test_the_released_header_is_classified():
                     inject_layers=[0, 4, 8, 12, 16, 20, 24, 27, 30, 33, 36, 39])
     with init_empty_weights():
         model = WanTransformer3DModel(attention_head_dim=128, num_attention_heads=40, ffn_dim=13824, num_layers=40)
-        attach_s2v_modules(model, released)
+        attach_s2v(model, {"s2v": released})
     header = Header("s2v_14B.safetensors", {COMFY_PREFIX + key: ("BF16", tuple(value.shape))
                                             for key, value in original_state_dict(model).items()})
     found = detect_header(header)
@@ -112,7 +112,7 @@ def test_fp32_parity(family_pool, path, references):
 def test_every_input_changes_the_output(model, references):
     x, t, inputs = make_cases()["everything"]
     for name in ("audio_embed", "reference_latent", "reference_motion", "control_video"):
-        without = wan.reference_forward(model, x, t, **{k: v for k, v in inputs.items() if k != name})
+        without = reference_forward(model, x, t, **{k: v for k, v in inputs.items() if k != name})
         assert relative_error(without, references["everything"]) > 1e-3, name
 
 

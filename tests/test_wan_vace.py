@@ -8,7 +8,7 @@ import torch
 
 from family_support import LocalContext, assert_parity, relative_error
 from sp_runtime.config import SPConfig
-from sp_runtime.families import wan
+from sp_lab.references.wan import reference_forward
 from sp_runtime.contract import LoadRequest
 from sp_runtime.pool.loading import load_worker_model
 from sp_runtime.groups import ParallelGroups, SeqParallel
@@ -63,9 +63,9 @@ def model():
 @pytest.fixture(scope="module")
 def references(model):
     """diffusers' stock forward on in-memory weights (independent of our loader, key plan and SP forward)."""
-    refs = {name: wan.reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in make_cases().items()}
+    refs = {name: reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in make_cases().items()}
     for name, ((x, t, inputs), (hint, strength)) in two_hint_cases().items():
-        refs[name] = wan.reference_forward(model, x, t, inputs["context"], vace_context=hint, vace_strength=strength)
+        refs[name] = reference_forward(model, x, t, inputs["context"], vace_context=hint, vace_strength=strength)
     return refs
 
 
@@ -84,11 +84,11 @@ def test_fp32_parity(family_pool, files, references):
 def test_the_cases_exercise_what_they_claim(model, references):
     """The hint, its strength and the second hint video each change the output."""
     x, t, inputs = make_cases()["45_tokens"]
-    without = wan.reference_forward(model, x, t, inputs["context"], vace_context=inputs["vace_context"],
+    without = reference_forward(model, x, t, inputs["context"], vace_context=inputs["vace_context"],
                                     vace_strength=[0.0])
     assert relative_error(without, references["45_tokens"]) > 1e-3
     (x, t, inputs), _ = two_hint_cases()["same_twice"]
-    once = wan.reference_forward(model, x, t, inputs["context"], vace_context=inputs["vace_context"][:, :1],
+    once = reference_forward(model, x, t, inputs["context"], vace_context=inputs["vace_context"][:, :1],
                                  vace_strength=[0.5])
     assert relative_error(once, references["same_twice"]) > 1e-3
 
@@ -99,7 +99,8 @@ def test_key_plan_equals_diffusers_converter():
     from accelerate import init_empty_weights
     from diffusers import WanVACETransformer3DModel
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-    from sp_runtime.families.wan_checkpoint import vace_architecture, wan_key_plan
+    from sp_runtime.families.wan.keys import wan_key_plan
+    from sp_runtime.families.wan.vace import architecture as vace_architecture
     with init_empty_weights():
         full = WanVACETransformer3DModel(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30,
                                          vace_layers=list(range(0, 30, 2)))
@@ -111,7 +112,7 @@ def test_key_plan_equals_diffusers_converter():
         ours = {target: original[source] for source, targets in plan.items() for target, _ in targets}
         assert ours.keys() == expected.keys() == model.state_dict().keys()
         shapes = {key: (None, tuple(value.shape)) for key, value in original.items()}  # header entries
-        assert vace_architecture(shapes, model.config.num_layers) == {
+        assert vace_architecture(shapes, "original", {"num_layers": model.config.num_layers}) == {
             "vace_layers": list(model.config.vace_layers), "vace_in_channels": 96}
 
 

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from family_support import assert_parity, relative_error
+from sp_lab.references.wan import reference_forward
 from sp_runtime.families import wan
 from sp_lab.tiny_models.quant_files import write_quantized
 from test_wan_animate import make_cases as animate_cases
@@ -66,7 +67,7 @@ def references(quant_files):
             if bf16 and fmt not in VARIANTS[variant][1]:
                 continue
             x, t, inputs = call(variant, bf16)
-            refs[variant, fmt, dtype] = wan.reference_forward(wan.load_model(reference, dtype)[0], x, t, **inputs)
+            refs[variant, fmt, dtype] = reference_forward(wan.load_model(reference, dtype)[0], x, t, **inputs)
     return refs
 
 
@@ -139,7 +140,7 @@ def test_lora_on_the_extra_modules_of_a_quantized_model(family_pool, quant_files
     assert not summary.get("skipped"), summary
     patched = handle(x, t, **inputs).clone()
     assert relative_error(patched, plain) > 1e-3  # the LoRA matters
-    expected = wan.reference_forward(wan.load_model(str(tmp_path / "merged.safetensors"), "fp32")[0], x, t, **inputs)
+    expected = reference_forward(wan.load_model(str(tmp_path / "merged.safetensors"), "fp32")[0], x, t, **inputs)
     assert_parity(patched, expected, "float32", f"quant_lora/{variant}")
     handle.set_loras([])
     assert handle(x, t, **inputs).equal(plain)

@@ -49,7 +49,7 @@ def family_worker(family: str, model, config: dict, dtypes):
         variant = module.variant_of(config)
     else:
         from sp_runtime.families import wan as module
-        from sp_runtime.families.wan_checkpoint import variant_of
+        from sp_runtime.families.wan import variant_of
         variant = variant_of(config)
     detection = Detection(family=family, variant=variant, layout="diffusers", config=config)
     return module.worker_from_model(model, detection, dtypes, {})

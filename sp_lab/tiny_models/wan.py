@@ -16,7 +16,7 @@ instead of [B, 25, 1024, 4T]) and animate (WanAnimateTransformer3DModel: i2v wit
 and the real-size motion encoder and face encoder, whose widths ComfyUI fixes) and animate2 (Wan Animate 2: i2v's
 weights, its files saying model_type animate2 in their metadata as ComfyUI's do). Defaults: 6 heads (4 ranks do not divide
 them) of size 16, 2 blocks. Files state their head size in the safetensors metadata key
-`ulysses_sp.head_dim` (wan_checkpoint.HEAD_DIM_METADATA_KEY) unless head_dim_metadata=False, in which case loading
+`ulysses_sp.head_dim` (wan.detect.HEAD_DIM_METADATA_KEY) unless head_dim_metadata=False, in which case loading
 needs the option head_dim=16. The original-layout writer is the inverse of the loader's key plan, written
 separately so a round trip checks both.
 """
@@ -111,7 +111,7 @@ def _unit_motion_weights(model, seed: int) -> None:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator))
 
 
-# ----- diffusers -> original (Wan / ComfyUI) names: the inverse of wan_checkpoint's plan, stated on its own -----
+# ----- diffusers -> original (Wan / ComfyUI) names: the inverse of wan.keys, stated on its own -----
 _TOP = {
     "condition_embedder.text_embedder.linear_1": "text_embedding.0",
     "condition_embedder.text_embedder.linear_2": "text_embedding.2",
@@ -217,8 +217,8 @@ def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "flo
     """Build a tiny Wan and save it (see sp_lab.tiny_models.write_tiny_checkpoint); variant defaults to t2v."""
     from safetensors.torch import save_file
 
-    from sp_runtime.families.wan_animate2 import MODEL_TYPE
-    from sp_runtime.families.wan_checkpoint import HEAD_DIM_METADATA_KEY
+    from sp_runtime.families.wan.animate2 import MODEL_TYPE
+    from sp_runtime.families.wan.detect import HEAD_DIM_METADATA_KEY
     model = build_tiny_model(seed, variant or "t2v", **size)
     if layout == "diffusers_folder":
         save_folder(model, path, dtype, max_shard_size)

@@ -25,7 +25,9 @@ class SequenceMask(Protocol):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: Optional[float]) -> torch.Tensor:
-        """Masked attention of the whole sequence [B, h, S, D] (where one rank holds it all: one device, Ulysses)."""
+        """Masked attention of the whole sequence [B, h, S, D] (where one rank holds it all: one device, Ulysses).
+        A mask with `with_extra = True` also gets any extra keys / values, after the sequence's (key [B, h, S + E,
+        D]); otherwise those are attended under block()."""
 
 
 @dataclass
@@ -43,7 +45,7 @@ def whole_attention(mask: Optional[SequenceMask], query, key, value, scale):
     """Attention of a whole sequence [B, h, S, D] over its keys, plus any extra keys after them, under `mask`."""
     if mask is None:
         return attend(query, key, value, None, scale)
-    if key.shape[2] == query.shape[2]:
+    if key.shape[2] == query.shape[2] or getattr(mask, "with_extra", False):
         return mask.attend(query, key, value, scale)
     return attend(query, key, value, mask.block((0, query.shape[2]), (0, key.shape[2]), query.device), scale)
 

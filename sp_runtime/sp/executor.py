@@ -15,6 +15,7 @@ import torch
 
 from ..attention import SeqShards
 from .plan import Part, Plan, Stream
+from .cross import LocalCrossAttention
 from .processor import Geometry, SPAttnProcessor, current_geometry
 from .tokens import rotary
 
@@ -71,11 +72,12 @@ class PlanWorker:
         for stage in plan.stages:
             if stage.attention is None:  # a custom block attends itself
                 continue
-            processor = SPAttnProcessor(stage.attention)
-            for block in getattr(model, stage.blocks):
-                for module in block.modules():
-                    if hasattr(module, "set_processor") and hasattr(module, "processor"):
-                        module.set_processor(processor)
+            processor, local = SPAttnProcessor(stage.attention), LocalCrossAttention()
+            for name in (stage.blocks, *stage.also):
+                for block in getattr(model, name, None) or ():
+                    for path, module in block.named_modules():
+                        if hasattr(module, "set_processor") and hasattr(module, "processor"):
+                            module.set_processor(local if path in stage.local else processor)
 
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
                 ctx) -> None:

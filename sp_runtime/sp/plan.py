@@ -117,7 +117,10 @@ class Stage:
     in stream order), text: the replicated stream joined to it (or None); before(call): runs once first.
     attention=None declares a custom block (the documented escape, e.g. LTX-2's audio-video block): the executor
     sets no processor and makes no geometry current; the block attends through attention.sp_attention itself, with
-    the shards of call.shards."""
+    the shards of call.shards.
+    local: attention modules of each block (by name inside the block) that attend locally to a replicated
+    sp.cross.Context passed as their encoder_hidden_states; also: more ModuleLists whose blocks the stage's run
+    calls (e.g. Wan VACE's hint blocks), their attention set up like the stage's."""
 
     blocks: str
     run: Callable[[torch.nn.Module, Any], None]
@@ -125,6 +128,8 @@ class Stage:
     text: Optional[str] = "text"
     attention: Optional[AttentionSpec] = AttentionSpec()
     before: Optional[Callable[[Any], None]] = None
+    local: tuple[str, ...] = ()
+    also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,14 @@
-"""Wan 2.2 Animate under Ulysses SP, in diffusers' WanAnimateTransformer3DModel: ComfyUI's `pose_latents`
-[B, 16, T - 1, H, W] (pose video latents, added per token to frames 1.. of x; frame 0 is the reference image's
-latent) and `face_pixel_values` [B, 3, F, 512, 512] (face video, through the motion and face encoders to 5 motion
-tokens per latent frame, attended by the face adapter after main blocks 0, 5, 10, ...).
+"""Wan 2.2 Animate in diffusers' WanAnimateTransformer3DModel: ComfyUI's `pose_latents` [B, 16, T - 1, H, W] (pose
+video latents, added per token to frames 1.. of x; frame 0 is the reference image's latent) and `face_pixel_values`
+[B, 3, F, 512, 512] (face video, through the motion and face encoders to 5 motion tokens per latent frame, attended
+by the face adapter after main blocks 0, 5, 10, ...).
 
-SP plan: the pose tokens lie on the video's own token grid, so every rank patch-embeds only the pose patches of its
+Under SP the pose tokens lie on the video's own token grid, so every rank patch-embeds only the pose patches of its
 tokens. The motion tokens are few (5 per frame) and each video token attends only to its own frame's, so every rank
-holds them all and attends its tokens frame by frame: a shard boundary inside a frame splits that frame's queries,
-never its keys, so the result is exact without exchanging tokens. Making them: the motion encoder (a StyleGAN-style
-conv net, ~25 GFLOP per 512 x 512 face frame, 77 frames per batch item) is the one heavy part that is not per
-token, so the ranks share the face frames out, encode their share and all-gather the 512-wide motion vectors (a few
-hundred KB); the face encoder after it (three small temporal convs) runs on every rank.
+holds them all and attends its tokens frame by frame: exact without exchanging tokens. The motion encoder (a
+StyleGAN-style conv net, ~25 GFLOP per 512 x 512 face frame) is the one heavy part that is not per token, so the
+ranks share the face frames out, encode their share and all-gather the 512-wide motion vectors; the face encoder
+after it (three small temporal convs) runs on every rank.
 
 Original (ComfyUI) key names of the Animate modules map to diffusers' here (animate_key_targets), as diffusers'
 convert_wan_transformer_to_diffusers does for a whole state dict: linear1_kv splits into to_k / to_v, the motion
@@ -19,16 +18,15 @@ past.
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..attention import gather_rows, local_attention
-from ..groups import SeqParallel
-from ..checkpoints.loading import shape_of
-from ..sp.video_tokens import VideoGrid, conv_patch_embed, frame_runs, pad_to_patch_3d
+from ...attention import gather_rows, local_attention
+from ...groups import SeqParallel
+from ...sp.video_tokens import VideoGrid, conv_patch_embed, frame_runs, pad_to_patch_3d
+from ...checkpoints.loading import shape_of
+from .variants import Variant, register
 
 ANIMATE_MODULES = ("pose_patch_embedding.", "face_adapter.", "face_encoder.", "motion_encoder.")
 FACE_EVERY = 5  # ComfyUI and diffusers: a face adapter block after main blocks 0, 5, 10, ...
@@ -97,9 +95,9 @@ def _motion_conv_targets(key: str) -> Optional[list]:
              _channel_bias if rest.endswith("bias") else None)]
 
 
-def animate_architecture(keys: dict, layout: str, num_layers: int, in_channels: int) -> dict:
+def animate_architecture(keys: dict, layout: str, config: dict) -> dict:
     """WanAnimateTransformer3DModel's Animate settings from the header (keys without prefix)."""
-    original = layout == "original"
+    original, num_layers, in_channels = layout == "original", config["num_layers"], config["in_channels"]
     pose_channels = shape_of(keys, "pose_patch_embedding.weight")[1]
     direction = shape_of(keys, "motion_encoder.dec.direction.weight" if original
                          else "motion_encoder.motion_synthesis_weight")
@@ -118,68 +116,6 @@ def animate_architecture(keys: dict, layout: str, num_layers: int, in_channels: 
             "motion_style_dim": style, "face_encoder_hidden_dim": hidden, "face_encoder_num_heads": conv1[0] // hidden}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The sequence-parallel forward's Animate steps
-
-def add_pose_tokens(model, inputs: dict, grid: VideoGrid, lo: int, hi: int, hidden: torch.Tensor, ctx,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """hidden [b, n, dim] (tokens [lo, hi)) with the pose latents' embeddings added as ComfyUI does: pose frame j
-    onto video frame j + 1, for the frames both have."""
-    pose = inputs.get("pose_latents")
-    if pose is None:
-        return hidden
-    pose = pad_to_patch_3d(ctx.to_device("pose_latents", pose, torch.float32), tuple(model.config.patch_size))
-    pose_grid = VideoGrid(pose.shape[2] // grid.patch[0], grid.rows, grid.cols, grid.patch)
-    first = max(lo, grid.per_frame)
-    stop = min(hi, (1 + min(pose_grid.frames, grid.frames - 1)) * grid.per_frame)
-    if stop <= first:
-        return hidden
-    patches = pose_grid.patches(pose, first - grid.per_frame, stop - grid.per_frame)
-    hidden = hidden.clone()
-    hidden[:, first - lo:stop - lo] += conv_patch_embed(model.pose_patch_embedding, patches, dtype)
-    return hidden
-
-
-@dataclass
-class FaceMotion:
-    """Every frame's motion tokens (replicated) and where this rank's tokens start."""
-
-    tokens: torch.Tensor       # [b, frames, 5, dim]
-    first: int                 # this rank's first token
-    per_frame: int             # tokens per latent frame
-
-    def add(self, model, index: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states after main block `index`, with the face adapter's output added where one follows it."""
-        if index % FACE_EVERY:
-            return hidden
-        return hidden + self.attend(model.face_adapter[index // FACE_EVERY], hidden)
-
-    def attend(self, adapter, hidden: torch.Tensor) -> torch.Tensor:
-        """The face adapter's output for this rank's tokens, each attending to its own frame's motion tokens."""
-        heads = adapter.heads
-        query = adapter.norm_q(adapter.to_q(adapter.pre_norm_q(hidden)).unflatten(2, (heads, -1)))
-        motion = adapter.pre_norm_kv(self.tokens.expand(hidden.shape[0], *self.tokens.shape[1:]))
-        key = adapter.norm_k(adapter.to_k(motion).unflatten(-1, (heads, -1)))
-        value = adapter.to_v(motion).unflatten(-1, (heads, -1))
-        parts = [local_attention(query[:, start:stop], key[:, frame], value[:, frame])
-                 for frame, start, stop in frame_runs(self.first, hidden.shape[1], self.per_frame)]
-        out = torch.cat(parts, dim=1) if parts else query
-        return adapter.to_out(out.flatten(2, 3).type_as(hidden))
-
-
-def prepare_face(model, inputs: dict, grid: VideoGrid, lo: int, seq: SeqParallel, ctx, dtype: torch.dtype
-                 ) -> Optional[FaceMotion]:
-    """The motion tokens of every latent frame, or None without face_pixel_values (ComfyUI then adds no face)."""
-    face = inputs.get("face_pixel_values")
-    if face is None:
-        return None
-    tokens = motion_tokens(model, ctx.to_device("face_pixel_values", face, dtype), seq)
-    if tokens.shape[1] < grid.frames:  # ComfyUI: zero motion for frames beyond the face video's, extra ones dropped
-        tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], grid.frames - tokens.shape[1],
-                                                     *tokens.shape[2:])], dim=1)
-    return FaceMotion(tokens[:, :grid.frames], lo, grid.per_frame)
-
-
 def motion_tokens(model, face: torch.Tensor, seq: SeqParallel) -> torch.Tensor:
     """face video [B, 3, F, 512, 512] -> motion tokens [B, 1 + frames', 5, dim]: the motion encoder per face frame
     (this rank's share, in batches as ComfyUI), all-gathered, the face encoder over time, and a zero frame first (the
@@ -196,7 +132,11 @@ def motion_tokens(model, face: torch.Tensor, seq: SeqParallel) -> torch.Tensor:
     return torch.cat([torch.zeros_like(tokens[:, :1]), tokens], dim=1)
 
 
-def check_animate_inputs(config, x: torch.Tensor, inputs: dict) -> None:
+# ---------------------------------------------------------------------------------------------------------------
+# The call: pose tokens onto this rank's video tokens, the face adapter after every FACE_EVERY-th block
+
+def check(call) -> None:
+    config, x, inputs = call.config, call.x, call.inputs
     pose, face = inputs.get("pose_latents"), inputs.get("face_pixel_values")
     if pose is not None and (pose.dim() != 5 or pose.shape[1] != config.latent_channels
                              or pose.shape[3:] != x.shape[3:]):
@@ -209,46 +149,60 @@ def check_animate_inputs(config, x: torch.Tensor, inputs: dict) -> None:
                          f"gives it)")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Single-device reference (wan.reference_forward): diffusers' stock WanAnimateTransformer3DModel.forward
-
-def diffusers_arguments(model, pose_latents: Optional[torch.Tensor], face_pixel_values: Optional[torch.Tensor],
-                        frames: int) -> dict:
-    """diffusers' pose_hidden_states / face_pixel_values for an x of `frames` latent frames. diffusers needs both,
-    with exactly frames - 1 pose frames and 4 * (frames - 2) + 1 face frames (so the motion tokens cover every
-    frame); without a face video use no_face_reference()."""
-    device, compute = model.scale_shift_table.device, model.scale_shift_table.dtype
-    if pose_latents is None or pose_latents.shape[2] != frames - 1:
-        raise ValueError(f"the diffusers reference of Wan Animate needs pose_latents of {frames - 1} frames")
-    face = face_pixel_values
-    if face is None:
-        face = torch.zeros(pose_latents.shape[0], 3, 1, 1, 1)
-    elif face.shape[2] != 4 * (frames - 2) + 1:
-        raise ValueError(f"the diffusers reference of Wan Animate needs {4 * (frames - 2) + 1} face frames")
-    return {"pose_hidden_states": pose_latents.to(device, compute), "face_pixel_values": face.to(device, compute)}
-
-
-@contextmanager
-def no_face_reference(model, active: bool):
-    """While open (when active), the stock forward runs as ComfyUI's without face_pixel_values: the face adapter
-    adds nothing (its modules return zeros; the motion encoder is skipped)."""
-    if not active:
-        yield
+def embed(call) -> None:
+    """The pose latents' embeddings added as ComfyUI does: pose frame j onto video frame j + 1, for the frames both
+    have."""
+    if call.inputs.get("pose_latents") is None:
         return
-    saved = model.motion_encoder, model.face_adapter
-    width = model.config.motion_encoder_dim
-    model.motion_encoder = _Zeros(lambda images: images.new_zeros(images.shape[0], width))
-    model.face_adapter = torch.nn.ModuleList([_Zeros(torch.zeros_like)] * len(saved[1]))
-    try:
-        yield
-    finally:
-        model.motion_encoder, model.face_adapter = saved
+    shard = call.shards["video"]
+    lo, hi, grid = shard.lo, shard.hi, shard.stream.parts[0].output.grid
+    pose = pad_to_patch_3d(call.input("pose_latents", torch.float32), tuple(call.config.patch_size))
+    pose_grid = VideoGrid(pose.shape[2] // grid.patch[0], grid.rows, grid.cols, grid.patch)
+    first = max(lo, grid.per_frame)
+    stop = min(hi, (1 + min(pose_grid.frames, grid.frames - 1)) * grid.per_frame)
+    if stop <= first:
+        return
+    patches = pose_grid.patches(pose, first - grid.per_frame, stop - grid.per_frame)
+    hidden = call.video.clone()
+    hidden[:, first - lo:stop - lo] += conv_patch_embed(call.model.pose_patch_embedding, patches, call.dtype)
+    call.video = hidden
 
 
-class _Zeros(torch.nn.Module):
-    def __init__(self, make):
-        super().__init__()
-        self.make = make
+def prepare(call) -> None:
+    """The motion tokens of every latent frame [b, frames, 5, dim], or None without face_pixel_values (ComfyUI then
+    adds no face)."""
+    call.face_motion = None
+    if call.inputs.get("face_pixel_values") is None:
+        return
+    frames = call.shards["video"].stream.parts[0].output.grid.frames
+    tokens = motion_tokens(call.model, call.input("face_pixel_values"), call.seq)
+    if tokens.shape[1] < frames:  # ComfyUI: zero motion for frames beyond the face video's, extra ones dropped
+        tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], frames - tokens.shape[1], *tokens.shape[2:])],
+                           dim=1)
+    call.face_motion = tokens[:, :frames]
 
-    def forward(self, first: torch.Tensor, *_) -> torch.Tensor:
-        return self.make(first)
+
+def after(call, index: int, block) -> None:
+    """The face adapter's output added after main blocks 0, 5, 10, ...: each of this rank's tokens attends to its own
+    frame's motion tokens."""
+    if call.face_motion is None or index % FACE_EVERY:
+        return
+    adapter, hidden, shard = call.model.face_adapter[index // FACE_EVERY], call.video, call.shards["video"]
+    heads = adapter.heads
+    query = adapter.norm_q(adapter.to_q(adapter.pre_norm_q(hidden)).unflatten(2, (heads, -1)))
+    motion = adapter.pre_norm_kv(call.face_motion.expand(hidden.shape[0], *call.face_motion.shape[1:]))
+    key = adapter.norm_k(adapter.to_k(motion).unflatten(-1, (heads, -1)))
+    value = adapter.to_v(motion).unflatten(-1, (heads, -1))
+    parts = [local_attention(query[:, start:stop], key[:, frame], value[:, frame]) for frame, start, stop in
+             frame_runs(shard.lo, hidden.shape[1], shard.stream.parts[0].output.grid.per_frame)]
+    out = torch.cat(parts, dim=1) if parts else query
+    call.video = hidden + adapter.to_out(out.flatten(2, 3).type_as(hidden))
+
+
+ANIMATE = register(Variant(
+    "animate", applies=lambda model, variant: getattr(model, "face_adapter", None) is not None,
+    anchor=ANIMATE_MODULES, architecture=animate_architecture,
+    variant=lambda config: "animate" if config.get("motion_encoder_dim") else None,
+    key_targets=animate_key_targets, mapped_keys=ANIMATE_MODULES, model_class="WanAnimateTransformer3DModel",
+    comfy={"animate": "WAN22_Animate"}, inputs={"animate": ("face_pixel_values", "pose_latents")},
+    rope_options=False, check=check, embed=embed, prepare=prepare, after=after))

@@ -1,26 +1,25 @@
-"""Wan HuMo under Ulysses SP: ComfyUI's `audio_embed` [B, T, window, blocks, channels] projected to 16 audio tokens per
-latent frame (`audio_proj`), and a frame-local audio cross-attention in every block (`audio_cross_attn_wrapper`,
-between the text cross-attention and the FFN); `reference_latent` frames are appended to the video's as
-time_dim_concat's are (ComfyUI's HumoWanModel), with zero audio.
+"""Wan HuMo: ComfyUI's `audio_embed` [B, T, window, blocks, channels] projected to 16 audio tokens per latent frame
+(`audio_proj`), and a frame-local audio cross-attention in every block (`audio_cross_attn_wrapper`, between the text
+cross-attention and the FFN); `reference_latent` frames follow the video's as time_dim_concat's do (ComfyUI's
+HumoWanModel), with zero audio.
 
 diffusers has no HuMo, so the modules are stated here with ComfyUI's names (the checkpoint keys load as they are) and
 the block runs through humo_block (diffusers' WanTransformerBlock order with the audio step added). Each video token
-attends only to the 16 audio tokens of its own latent frame, so under SP the audio tokens are replicated (they are
-few) and every rank attends its tokens frame by frame: no communication.
+attends only to the 16 audio tokens of its own latent frame, so the audio tokens are replicated (they are few) and
+every rank attends its tokens frame by frame: no communication.
 """
 from __future__ import annotations
-
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
 
-from ..attention import local_attention
-from ..sp.video_tokens import frame_runs
+from ...attention import local_attention
+from ...sp.video_tokens import frame_runs
+from ...checkpoints.loading import shape_of
+from .variants import Variant, register
 
 AUDIO_TOKENS = 16  # per latent frame, as ComfyUI's WanT2VCrossAttentionGather reshapes them
+AUDIO, BLOCK_AUDIO = "audio_proj", "audio_cross_attn_wrapper"  # the same names in both layouts
 
 
 class _Layer(nn.Module):
@@ -70,27 +69,19 @@ class AudioCrossAttentionWrapper(nn.Module):
         self.norm1_audio = nn.LayerNorm(dim, eps, device=device)
 
 
-def attach_humo_modules(model, audio_in_features: int, audio_hidden: int, audio_dim: int) -> None:
+def attach(model, entries: dict) -> None:
     """Give a WanTransformer3DModel (possibly on the meta device) HuMo's audio_proj and per-block audio attention."""
     device = model.patch_embedding.weight.device
-    dim, heads = model.patch_embedding.out_channels, model.config.num_attention_heads
-    model.audio_proj = AudioProjection(audio_in_features, audio_hidden, audio_dim, device)
+    dim, heads, audio_dim = model.patch_embedding.out_channels, model.config.num_attention_heads, entries["audio_dim"]
+    model.audio_proj = AudioProjection(entries["audio_in_features"], entries["audio_hidden"], audio_dim, device)
     for block in model.blocks:
         block.audio_cross_attn_wrapper = AudioCrossAttentionWrapper(dim, audio_dim, heads, model.config.eps, device)
 
 
-@dataclass
-class HumoAudio:
-    """The audio tokens of every frame (replicated) and which frame each of this rank's tokens lies in."""
-
-    tokens: torch.Tensor        # [b, frames * 16, audio_dim]
-    first: int                  # this rank's first token
-    per_frame: int              # tokens per latent frame
-
-    def attend(self, wrapper: AudioCrossAttentionWrapper, hidden: torch.Tensor) -> torch.Tensor:
-        """The audio cross-attention output of this rank's tokens, each against its own frame's audio tokens."""
-        return frame_local_attention(wrapper.audio_cross_attn, wrapper.norm1_audio(hidden),
-                                     self.tokens.unflatten(1, (-1, AUDIO_TOKENS)), self.first, self.per_frame)
+def architecture(keys: dict, layout: str, config: dict) -> dict:
+    hidden, in_features = shape_of(keys, f"{AUDIO}.audio_proj_glob_1.layer.weight")
+    return {"audio_in_features": in_features, "audio_hidden": hidden,
+            "audio_dim": shape_of(keys, f"{AUDIO}.audio_proj_glob_norm.layer.weight")[0]}
 
 
 def frame_local_attention(attention: AudioAttention, hidden: torch.Tensor, audio: torch.Tensor, first: int,
@@ -107,77 +98,58 @@ def frame_local_attention(attention: AudioAttention, hidden: torch.Tensor, audio
     return attention.o(out.flatten(2, 3).type_as(hidden))
 
 
-def prepare_audio(model, inputs: dict, x: torch.Tensor, grid, lo: int, ctx, dtype: torch.dtype
-                  ) -> Optional[HumoAudio]:
-    """HuMo's audio tokens for this call (zero audio for reference frames), or None without audio_embed."""
-    audio_embed = inputs.get("audio_embed")
-    if audio_embed is None:
-        return None
-    in_features = model.audio_proj.audio_proj_glob_1.layer.in_features
-    if audio_embed.dim() != 5 or audio_embed.shape[1] != x.shape[2] or audio_embed[0, 0].numel() != in_features:
+def check(call) -> None:
+    if call.inputs.get("time_dim_concat") is not None:
+        raise ValueError("time_dim_concat is not taken by a Wan humo model (as ComfyUI's HumoWanModel: its extra "
+                         "frames come as reference_latent)")
+    audio_embed, x = call.inputs.get("audio_embed"), call.x
+    in_features = call.model.audio_proj.audio_proj_glob_1.layer.in_features
+    if audio_embed is not None and (audio_embed.dim() != 5 or audio_embed.shape[1] != x.shape[2]
+                                    or audio_embed[0, 0].numel() != in_features):
         raise ValueError(f"audio_embed has shape {list(audio_embed.shape)}; this Wan HuMo model takes [B, "
                          f"{x.shape[2]}, window, blocks, channels] (one entry per latent frame of x) with window x "
                          f"blocks x channels = {in_features}")
-    audio_embed = ctx.to_device("audio_embed", audio_embed, dtype)
+
+
+def prepare(call) -> None:
+    """Every frame's audio tokens (zero audio for reference frames), or None without audio_embed."""
+    call.humo_audio = None
+    if call.inputs.get("audio_embed") is None:
+        return
+    audio_embed = call.input("audio_embed")
+    grid = call.shards["video"].stream.parts[0].output.grid
     extra_frames = grid.frames - audio_embed.shape[1]
     if extra_frames:
         audio_embed = torch.cat([audio_embed, audio_embed.new_zeros(audio_embed.shape[0], extra_frames,
                                                                     *audio_embed.shape[2:])], dim=1)
-    return HumoAudio(model.audio_proj(audio_embed), lo, grid.per_frame)
+    call.humo_audio = call.model.audio_proj(audio_embed).unflatten(1, (-1, AUDIO_TOKENS))
 
 
-def humo_block(block, hidden: torch.Tensor, context, modulation: torch.Tensor, attention, audio: HumoAudio
-               ) -> torch.Tensor:
+def humo_block(block, call) -> torch.Tensor:
     """diffusers' WanTransformerBlock.forward with HuMo's audio cross-attention after the text cross-attention."""
-    table = block.scale_shift_table
+    if call.humo_audio is None:
+        return block(call.video, call.context, call.block_modulation, None)
+    hidden, modulation, table = call.video, call.block_modulation, block.scale_shift_table
     if modulation.dim() == 4:  # per-token modulation [b, n, 6, dim]
         parts = [part.squeeze(2) for part in (table.unsqueeze(0) + modulation.float()).chunk(6, dim=2)]
     else:
         parts = (table + modulation.float()).chunk(6, dim=1)
     shift, scale, gate, c_shift, c_scale, c_gate = parts
     normed = (block.norm1(hidden.float()) * (1 + scale) + shift).type_as(hidden)
-    hidden = (hidden.float() + block.attn1(normed, None, None, attention) * gate).type_as(hidden)
-    hidden = hidden + block.attn2(block.norm2(hidden.float()).type_as(hidden), context, None, None)
-    hidden = hidden + audio.attend(block.audio_cross_attn_wrapper, hidden)
+    hidden = (hidden.float() + block.attn1(normed, None, None, None) * gate).type_as(hidden)
+    hidden = hidden + block.attn2(block.norm2(hidden.float()).type_as(hidden), call.context, None, None)
+    wrapper, shard = block.audio_cross_attn_wrapper, call.shards["video"]
+    hidden = hidden + frame_local_attention(wrapper.audio_cross_attn, wrapper.norm1_audio(hidden), call.humo_audio,
+                                            shard.lo, shard.stream.parts[0].output.grid.per_frame)
     normed = (block.norm3(hidden.float()) * (1 + c_scale) + c_shift).type_as(hidden)
     return (hidden.float() + block.ffn(normed).float() * c_gate).type_as(hidden)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Single-device reference (wan.reference_forward): diffusers' stock forward, with the audio step hooked in
-
-@contextmanager
-def audio_reference_hooks(model, audio_embed: torch.Tensor, frames: int):
-    """While open, diffusers' stock blocks add HuMo's audio attention to their text cross-attention output (which
-    equals adding it after the cross-attention residual), computed over the whole sequence in ComfyUI's way (tokens
-    regrouped per frame; frames beyond the audio's get zero audio). Written apart from HumoAudio."""
-    padded = torch.zeros(audio_embed.shape[0], frames, *audio_embed.shape[2:], dtype=audio_embed.dtype,
-                         device=audio_embed.device)
-    padded[:, :audio_embed.shape[1]] = audio_embed
-    with torch.no_grad():
-        tokens = model.audio_proj(padded)
-    handles = []
-    for block in model.blocks:
-        seen = {}
-        handles.append(block.norm2.register_forward_pre_hook(lambda module, args, seen=seen: seen.update(x=args[0])))
-        handles.append(block.attn2.register_forward_hook(
-            lambda module, args, out, block=block, seen=seen: out + _whole_sequence_audio(
-                block.audio_cross_attn_wrapper, seen["x"] + out, tokens, frames)))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _whole_sequence_audio(wrapper, hidden: torch.Tensor, tokens: torch.Tensor, frames: int) -> torch.Tensor:
-    attention = wrapper.audio_cross_attn
-    batch, length, dim = hidden.shape
-    heads = attention.heads
-    query = attention.norm_q(attention.q(wrapper.norm1_audio(hidden)))
-    key, value = attention.norm_k(attention.k(tokens)), attention.v(tokens)
-    query = query.reshape(batch * frames, length // frames, heads, -1).transpose(1, 2)
-    key = key.reshape(batch * frames, AUDIO_TOKENS, heads, -1).transpose(1, 2)
-    value = value.reshape(batch * frames, AUDIO_TOKENS, heads, -1).transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value)
-    return attention.o(out.transpose(1, 2).reshape(batch, length, dim))
+HUMO = register(Variant(
+    "humo", applies=lambda model, variant: getattr(model, AUDIO, None) is not None,
+    anchor=f"{AUDIO}.audio_proj_glob_1.layer.weight", architecture=architecture,
+    variant=lambda config: "humo" if config.get("audio_dim") else None, own_keys=(AUDIO + ".",),
+    block_keys=(BLOCK_AUDIO + ".",), config_keys=("audio_in_features", "audio_hidden", "audio_dim"), attach=attach,
+    info=lambda model: {"audio_in_features": model.audio_proj.audio_proj_glob_1.layer.in_features},
+    comfy={"humo": "WAN21_HuMo"}, inputs={"humo": ("audio_embed",)}, appended="reference_latent", check=check,
+    prepare=prepare, block=humo_block))
