@@ -99,12 +99,7 @@ def test_unknown_family_name_is_a_clear_error():
         family("bogus")
 
 
-PENDING_SIGNATURES = pytest.mark.xfail(run=False, reason="LTX-2's files hold LTX-Video's patchify_proj: its Family "
-                                                        "must declare signatures (ltx port)")
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=PENDING_SIGNATURES) if name == "ltx2" else name
-                                  for name in TINY_FAMILIES])
+@pytest.mark.parametrize("name", TINY_FAMILIES)
 def test_no_registered_familys_file_is_called_not_supported(name):
     """A file of a registered family that its detector refuses (damaged, incomplete) is described by the family's
     own signatures (Family.signatures) or by its tensors, never as a kind "which is not supported" (OTHER_KINDS
@@ -128,9 +123,7 @@ def test_the_lab_covers_every_product_family():
 
 def _gguf_cases():
     from sp_lab.tiny_models.quant_files import GGUF_ARCHITECTURES
-    pending = pytest.mark.xfail(reason="Wan's Family declares its GGUF architecture (wan port)")
-    return [pytest.param(name, arch, marks=pending) if name == "wan" else (name, arch)
-            for name, arch in GGUF_ARCHITECTURES.items()]
+    return list(GGUF_ARCHITECTURES.items())
 
 
 @pytest.mark.parametrize("name, architecture", _gguf_cases())

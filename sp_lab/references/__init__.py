@@ -10,8 +10,8 @@ from typing import Callable
 
 
 def reference_forward(family: str) -> Callable:
-    """The family's reference forward; a family whose reference has not moved here yet (Wan and LTX-2, while they
-    are ported to packages) still holds it in its own module."""
+    """The family's reference forward: here for the product's families; a family registered from elsewhere (the
+    lab's toy, a test's throwaway family) holds it in its own module."""
     name = f"{__name__}.{family}"
     try:
         return importlib.import_module(name).reference_forward

@@ -5,7 +5,8 @@ one): VACE (vace), Fun Control's reference image (fun), Fun Camera (camera), HuM
 Animate (animate) and Wan Animate 2 (animate2); importing this package registers them all.
 """
 from . import vace, s2v, humo, animate, animate2, camera, fun  # noqa: F401 - registration order = detection order
-from .detect import FAMILY, HEAD_DIM_METADATA_KEY, detect, variant_of
+from ..family import Family
+from .detect import FAMILY as NAME, HEAD_DIM_METADATA_KEY, detect, variant_of
 from .host import comfy_host
 from .load import (attach_extra_modules, extra_module_keys, load, load_model, model_config, model_info,
                    original_plan, weight_plan, worker_from_model)
@@ -15,6 +16,8 @@ DESCRIPTION = ("Wan 2.1 / 2.2 (T2V, I2V, FLF2V, A14B experts, TI2V 5B, VACE, Fun
                "Animate, Animate 2)")
 COMFY = comfy_host()
 EXTRA_MODULE_KEYS = extra_module_keys()
+FAMILY = Family(NAME, DESCRIPTION, detect, load, COMFY, weight_plan, original_plan, load_model,
+                gguf_architectures=("wan",), signatures=("head.modulation", "condition_embedder.time_proj.weight"))
 
 __all__ = ["COMFY", "DESCRIPTION", "EXTRA_MODULE_KEYS", "FAMILY", "HEAD_DIM_METADATA_KEY", "PLAN",
            "attach_extra_modules", "detect", "load", "load_model", "model_config", "model_info", "original_plan",
