@@ -24,7 +24,6 @@ INTERNAL_FAMILIES_ENV = "ULYSSES_SP_INTERNAL_FAMILIES"
 OTHER_KINDS = {
     "Chroma": ("distilled_guidance_layer.in_proj.weight", "distilled_guidance_layer.in_proj.bias"),
     "HunyuanImage 2.1": ("byt5_in.fc1.weight",),
-    "SD3 / SD3.5": ("joint_blocks.0.context_block.attn.qkv.weight",),
     "SDXL / SD1.x UNet": ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
     "LTX-Video": ("patchify_proj.weight",),
     "HiDream": ("double_stream_blocks.0.block.adaLN_modulation.1.bias",),

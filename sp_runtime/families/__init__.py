@@ -22,6 +22,7 @@ FAMILIES = {
     "flux": "sp_runtime.families.flux",
     "flux2": "sp_runtime.families.flux2",
     "z_image": "sp_runtime.families.z_image",
+    "sd3": "sp_runtime.families.sd3",
     "wan": "sp_runtime.families.wan",
     "hunyuan_video": "sp_runtime.families.hunyuan_video",
     "hunyuan_video15": "sp_runtime.families.hunyuan_video15",

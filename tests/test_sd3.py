@@ -1,0 +1,190 @@
+"""SD3 / SD3.5 under Ulysses SP: the pool's output equals diffusers' stock SD3Transformer2DModel forward on one
+process (sp_lab.references.sd3, fed ComfyUI's call) at degrees 1-4 and under Ring 3, Ulysses 2 x Ring 2 and
+Ulysses 2 x CFG 2, on a tiny SD3.5 Medium (MMDiT-X: a second attention in block 0; 3 heads of 64, which no degree
+above 1 divides; q/k RMS norms): 35 and 24 image tokens (odd latent size padded by wrap-around), 2 tokens (fewer
+than ranks), batch 2. ComfyUI files with and without prefix, diffusers files and folders; detection against
+neighbouring families and at released sizes; the key plan (diffusers' converter) against a hand-written writer;
+a LoRA on the fused qkv; refusals by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.references.sd3 import reference_forward
+from sp_runtime.families import flux, sd3, z_image
+from sp_runtime.families.detect import detect as detect_any
+from sp_runtime.families.header import Header, read_checkpoint_header
+from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint as write_other
+from sp_runtime.tiny_models import sd3 as tiny
+
+pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
+SEED = 4
+LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": dict(layout="diffusers"),
+           "diffusers_folder": dict(layout="diffusers_folder"), "large_comfy": dict(variant="3.5_large")}
+
+
+def make_cases(seed=2):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+    return {"35_tokens": (rand(2, 16, 10, 14), torch.tensor([700.0, 300.0]), {"context": rand(2, 7, 32),
+                                                                              "y": rand(2, 24)}),
+            "odd_latent": (rand(2, 16, 7, 11), torch.tensor([400.0, 900.0]), {"context": rand(2, 5, 32), "y": rand(2, 24)}),
+            "2_tokens": (rand(1, 16, 2, 4), torch.tensor([500.0]), {"context": rand(1, 3, 32), "y": rand(1, 24)})}
+
+
+@pytest.fixture(scope="module")
+def sd3_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sd3")
+    return {name: tiny.write_tiny_checkpoint(str(folder / name), seed=SEED, **kw) for name, kw in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def sd3_references():
+    models = {variant: tiny.build_tiny_model(SEED, variant) for variant in ("3.5_medium", "3.5_large")}
+    return {(variant, name): reference_forward(model, *case[:2], **case[2])
+            for variant, model in models.items() for name, case in make_cases().items()}
+
+
+def _check(pool, what, path, references, variant="3.5_medium", names=None):
+    handle = pool.load_model(path)
+    assert (handle.info.family, handle.info.variant) == ("sd3", variant)
+    for name, (x, t, inputs) in make_cases().items():
+        if names is None or name in names:
+            assert_parity(handle(x, t, **inputs), references[variant, name], "float32", f"sd3_{what}/{name}")
+    handle.unload()
+
+
+def test_fp32_parity_every_degree(family_pool, sd3_files, sd3_references):
+    """Every case on the ComfyUI file with prefix; the other layouts at degree 1 (loading differs, the forward
+    does not), SD3.5 Large's layout (no second attention) at degree 2."""
+    degree = family_pool.config.world_size
+    _check(family_pool, f"degree{degree}", sd3_files["comfy_prefix"], sd3_references)
+    if degree == 1:
+        for layout in ("comfy", "diffusers", "diffusers_folder"):
+            _check(family_pool, layout, sd3_files[layout], sd3_references, names=("odd_latent",))
+    if degree == 2:
+        _check(family_pool, "large", sd3_files["large_comfy"], sd3_references, "3.5_large", ("35_tokens",))
+
+
+def test_fp32_parity_ring_and_cfg_layouts(layout_pool, sd3_files, sd3_references):
+    name, pool = layout_pool
+    _check(pool, name, sd3_files["comfy_prefix"], sd3_references)
+
+
+def test_positions_timestep_and_text_matter(sd3_references):
+    """Guards against a test that cannot fail: a crop of the positional table one row off, another timestep,
+    fewer text tokens and zero padding each change the output."""
+    model = tiny.build_tiny_model(SEED)
+    x, t, inputs = make_cases()["35_tokens"]
+    want = sd3_references["3.5_medium", "35_tokens"]
+    table = model.pos_embed.pos_embed
+    table.copy_(table.roll(12, dims=1))
+    assert relative_error(reference_forward(model, x, t, **inputs), want) > 100 * FP32_TOL
+    model = tiny.build_tiny_model(SEED)
+    assert relative_error(reference_forward(model, x, t.flip(0), **inputs), want) > 100 * FP32_TOL
+    assert relative_error(reference_forward(model, x, t, inputs["context"][:, :6], inputs["y"]), want) > 100 * FP32_TOL
+    x, t, inputs = make_cases()["odd_latent"]
+    zero_padded = reference_forward(model, torch.nn.functional.pad(x, (0, 1, 0, 1)), t, **inputs)[..., :7, :11]
+    assert relative_error(zero_padded, sd3_references["3.5_medium", "odd_latent"]) > 100 * FP32_TOL
+
+
+def test_detection_of_every_layout_and_of_neighbours(sd3_files, tmp_path):
+    expected = {"comfy_prefix": ("original", COMFY_PREFIX, "3.5_medium"), "comfy": ("original", "", "3.5_medium"),
+                "diffusers": ("diffusers", "", "3.5_medium"), "diffusers_folder": ("diffusers", "", "3.5_medium"),
+                "large_comfy": ("original", "", "3.5_large")}
+    want = tiny.tiny_config()
+    for layout, path in sd3_files.items():
+        header = read_checkpoint_header(path)
+        detection = detect_any(header)
+        assert detection.family == "sd3"
+        assert (detection.layout, detection.prefix, detection.variant) == expected[layout]
+        config = {key: detection.config[key] for key in ("num_layers", "num_attention_heads", "attention_head_dim",
+                                                         "pos_embed_max_size", "joint_attention_dim", "qk_norm")}
+        assert config == {key: want[key] for key in config}
+        assert tuple(detection.config["dual_attention_layers"]) == ((0,) if layout != "large_comfy" else ())
+        assert flux.detect(header) is None and z_image.detect(header) is None
+    neighbour = read_checkpoint_header(write_other("flux", str(tmp_path / "flux.safetensors"), seed=1))
+    assert sd3.detect(neighbour) is None and detect_any(neighbour).family == "flux"
+
+
+def released_header(width: int, blocks: int, side: int, dual: range) -> Header:
+    """Header entries of a released SD3.5 file in ComfyUI's layout (fp8 scaled aside: shapes only)."""
+    keys = {"x_embedder.proj.weight": (width, 16, 2, 2), "pos_embed": (1, side * side, width),
+            "t_embedder.mlp.0.weight": (width, 256), "y_embedder.mlp.0.weight": (width, 2048),
+            "context_embedder.weight": (width, 4096), "final_layer.linear.weight": (64, width)}
+    for i in range(blocks):
+        for side_name in ("x_block", "context_block"):
+            keys[f"joint_blocks.{i}.{side_name}.attn.qkv.weight"] = (3 * width, width)
+            keys[f"joint_blocks.{i}.{side_name}.attn.ln_q.weight"] = (64,)
+        if i in dual:
+            keys[f"joint_blocks.{i}.x_block.attn2.qkv.weight"] = (3 * width, width)
+    return Header("sd3.5.safetensors", {COMFY_PREFIX + key: ("BF16", shape) for key, shape in keys.items()})
+
+
+def test_released_sizes_read_as_comfyui_reads_them():
+    large = sd3.detect(released_header(2432, 38, 192, range(0)))
+    assert (large.variant, large.config["num_attention_heads"], large.config["num_layers"],
+            large.config["pos_embed_max_size"], large.config["dual_attention_layers"]) == ("3.5_large", 38, 38, 192, ())
+    medium = sd3.detect(released_header(1536, 24, 384, range(13)))
+    assert (medium.variant, medium.config["num_attention_heads"], medium.config["pos_embed_max_size"],
+            medium.config["dual_attention_layers"]) == ("3.5_medium", 24, 384, tuple(range(13)))
+
+
+@pytest.mark.parametrize("variant", sorted(tiny.VARIANTS))
+def test_key_plan_inverts_the_comfyui_writer(variant):
+    """diffusers' converter, run per tensor through the plan, gives back every parameter of the model the
+    hand-written ComfyUI writer started from (the last block's and the final layer's swapped halves included)."""
+    model = tiny.build_tiny_model(SEED, variant)
+    original = tiny.original_state_dict(model)
+    plan = sd3.original_plan(original, model.config)
+    assert plan.keys() == original.keys()
+    got = {target: transform(original[source]) if transform else original[source]
+           for source, targets in plan.items() for target, transform in targets}
+    state = model.state_dict()
+    assert got.keys() == state.keys() and all(torch.equal(got[key], state[key]) for key in state)
+
+
+def test_lora_on_the_fused_qkv_splits_like_the_weight(sd3_files, tmp_path):
+    from sp_runtime.lora.apply import LoraState
+    path = sd3_files["comfy_prefix"]
+    model = sd3.load_model(path, "float32")[0]
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    width, rank, alpha, strength = 192, 4, 2.0, 0.7
+    up, down = torch.randn(3 * width, rank, generator=g), torch.randn(rank, width, generator=g)
+    stem = "diffusion_model.joint_blocks.2.context_block.attn.qkv"
+    lora = str(tmp_path / "qkv_lora.safetensors")
+    save_file({f"{stem}.lora_B.weight": up, f"{stem}.lora_A.weight": down, f"{stem}.alpha": torch.tensor(alpha)},
+              lora)
+    state = LoraState(model, "sd3", path, torch.device("cpu"))
+    assert state.set([[lora, strength]])["parameters"] == 3
+    delta = strength * alpha / rank * (up @ down)
+    after = model.state_dict()
+    for index, part in enumerate("qkv"):
+        key = f"transformer_blocks.2.attn.add_{part}_proj.weight"
+        assert relative_error(after[key], before[key] + delta[index * width:(index + 1) * width]) <= 1e-6, key
+    state.set([])
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+def test_refusals_name_what_is_not_served(sd3_files):
+    from sp_runtime.families.base import LoadRequest
+    from sp_runtime.groups import SeqParallel
+    from family_support import LocalContext
+    groups = type("Groups", (), {"seq": SeqParallel.single()})()
+    path = sd3_files["comfy"]
+    worker = sd3.load(LoadRequest(path, "float32"), sd3.detect(read_checkpoint_header(path)), torch.device("cpu"),
+                      groups, lambda *_: None)
+    x, t, inputs = make_cases()["2_tokens"]
+    out = torch.empty_like(x)
+    for change, message in ((dict(control={"input": []}), "ControlNet"), (dict(y=None), "pooled CLIP"),
+                            (dict(context=inputs["context"][..., :8]), "context")):
+        with pytest.raises(ValueError, match=message):
+            worker.forward(x, t, {**inputs, **change}, out, LocalContext(groups))
+    big = torch.zeros(1, 16, 26, 8)
+    with pytest.raises(ValueError, match="at most 12 per side"):
+        worker.forward(big, t, inputs, torch.empty_like(big), LocalContext(groups))
