@@ -22,7 +22,6 @@ INTERNAL_FAMILIES_ENV = "ULYSSES_SP_INTERNAL_FAMILIES"
 # Consulted only when no registered family recognised the file, after the registered families' own signatures
 # (Family.signatures): a newly registered family needs no change here.
 OTHER_KINDS = {
-    "Chroma": ("distilled_guidance_layer.in_proj.weight", "distilled_guidance_layer.in_proj.bias"),
     "HunyuanImage 2.1": ("byt5_in.fc1.weight",),
     "SDXL / SD1.x UNet": ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
     "LTX-Video": ("patchify_proj.weight",),

@@ -23,6 +23,7 @@ FAMILIES = {
     "flux2": "sp_runtime.families.flux2",
     "z_image": "sp_runtime.families.z_image",
     "sd3": "sp_runtime.families.sd3",
+    "chroma": "sp_runtime.families.chroma",
     "wan": "sp_runtime.families.wan",
     "hunyuan_video": "sp_runtime.families.hunyuan_video",
     "hunyuan_video15": "sp_runtime.families.hunyuan_video15",

@@ -1,0 +1,155 @@
+"""Chroma under Ulysses SP: the pool's output equals diffusers' stock ChromaTransformer2DModel forward on one process
+(sp_lab.references.chroma, fed ComfyUI's call) at degrees 1-4 and under Ring 3, Ulysses 2 x Ring 2 and Ulysses 2 x
+CFG 2, on a tiny Chroma (6 heads, which degree 4 does not divide; 2 double + 2 single blocks): 35 and 24 image tokens
+(odd latent size padded by wrap-around), 2 tokens (fewer than ranks), batch 2, a text padding mask and a guidance
+other than ComfyUI's default 0. ComfyUI files with and without prefix, diffusers files and folders; detection
+against Flux.1 and of Chroma Radiance (refused by name); the key plan against a hand-written writer and against
+diffusers' converter at full size; a LoRA on the fused single-block linear1."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.references.chroma import reference_forward
+from sp_runtime.families import chroma, flux, sd3
+from sp_runtime.families.detect import detect as detect_any
+from sp_runtime.families.header import Header, read_checkpoint_header
+from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint as write_other
+from sp_runtime.tiny_models import chroma as tiny
+
+pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
+SEED = 6
+LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": dict(layout="diffusers"),
+           "diffusers_folder": dict(layout="diffusers_folder")}
+
+
+def make_cases(seed=3):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 5:] = 0
+    return {"35_tokens": (rand(2, 16, 10, 14), torch.tensor([0.7, 0.3]), {"context": rand(2, 7, 32)}),
+            "odd_masked_guided": (rand(2, 16, 7, 11), torch.tensor([0.4, 0.9]),
+                                  {"context": rand(2, 9, 32), "attention_mask": mask,
+                                   "guidance": torch.tensor([2.5, 2.5])}),
+            "2_tokens": (rand(1, 16, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}
+
+
+@pytest.fixture(scope="module")
+def chroma_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chroma")
+    return {name: tiny.write_tiny_checkpoint(str(folder / name), seed=SEED, **kw) for name, kw in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def chroma_references():
+    model = tiny.build_tiny_model(SEED)
+    return {name: reference_forward(model, *case[:2], **case[2]) for name, case in make_cases().items()}
+
+
+def _check(pool, what, path, references, names=None):
+    handle = pool.load_model(path)
+    assert handle.info.family == "chroma"
+    for name, (x, t, inputs) in make_cases().items():
+        if names is None or name in names:
+            assert_parity(handle(x, t, **inputs), references[name], "float32", f"chroma_{what}/{name}")
+    handle.unload()
+
+
+def test_fp32_parity_every_degree(family_pool, chroma_files, chroma_references):
+    """Every case on the ComfyUI file with prefix; the other layouts at degree 1."""
+    degree = family_pool.config.world_size
+    _check(family_pool, f"degree{degree}", chroma_files["comfy_prefix"], chroma_references)
+    if degree == 1:
+        for layout in ("comfy", "diffusers", "diffusers_folder"):
+            _check(family_pool, layout, chroma_files[layout], chroma_references, names=("35_tokens",))
+
+
+def test_fp32_parity_ring_and_cfg_layouts(layout_pool, chroma_files, chroma_references):
+    name, pool = layout_pool
+    _check(pool, name, chroma_files["comfy_prefix"], chroma_references)
+
+
+def test_mask_guidance_and_timestep_matter(chroma_references):
+    """Guards against a test that cannot fail: without the mask, with guidance 0, with another timestep, or zero
+    padded, the output differs."""
+    model = tiny.build_tiny_model(SEED)
+    x, t, inputs = make_cases()["odd_masked_guided"]
+    want = chroma_references["odd_masked_guided"]
+    others = [{**inputs, "attention_mask": None}, {**inputs, "guidance": None}]
+    for changed in others:
+        assert relative_error(reference_forward(model, x, t, **changed), want) > 100 * FP32_TOL
+    assert relative_error(reference_forward(model, x, t.flip(0), **inputs), want) > 100 * FP32_TOL
+    padded = reference_forward(model, torch.nn.functional.pad(x, (0, 1, 0, 1)), t, **inputs)[..., :7, :11]
+    assert relative_error(padded, want) > 100 * FP32_TOL
+
+
+def test_detection_of_every_layout_and_of_neighbours(chroma_files, tmp_path):
+    expected = {"comfy_prefix": ("original", COMFY_PREFIX), "comfy": ("original", ""), "diffusers": ("diffusers", ""),
+                "diffusers_folder": ("diffusers", "")}
+    want = tiny.tiny_config()
+    for layout, path in chroma_files.items():
+        header = read_checkpoint_header(path)
+        detection = detect_any(header)
+        assert detection.family == "chroma"
+        assert (detection.layout, detection.prefix) == expected[layout]
+        for key in ("num_layers", "num_single_layers", "num_attention_heads", "approximator_hidden_dim",
+                    "approximator_layers", "joint_attention_dim"):
+            assert detection.config[key] == want[key], key
+        assert flux.detect(header) is None and sd3.detect(header) is None
+    neighbour = read_checkpoint_header(write_other("flux", str(tmp_path / "flux.safetensors"), seed=1))
+    assert chroma.detect(neighbour) is None and detect_any(neighbour).family == "flux"
+    radiance = {**read_checkpoint_header(chroma_files["comfy"]).tensors, "nerf_blocks.0.norm.scale": ("F32", (32,))}
+    with pytest.raises(ValueError, match="Chroma Radiance"):
+        detect_any(Header("chroma_radiance.safetensors", radiance))
+
+
+def test_key_plan_inverts_the_comfyui_writer_and_matches_diffusers_at_full_size():
+    from accelerate import init_empty_weights
+    from diffusers import ChromaTransformer2DModel
+    from diffusers.loaders.single_file_utils import convert_chroma_transformer_checkpoint_to_diffusers
+    model = tiny.build_tiny_model(SEED)
+    original = tiny.original_state_dict(model)
+    plan = chroma.original_plan(original, model.config)
+    got = {target: transform(original[source]) if transform else original[source]
+           for source, targets in plan.items() for target, transform in targets}
+    state = model.state_dict()
+    assert got.keys() == state.keys() and all(torch.equal(got[key], state[key]) for key in state)
+    with init_empty_weights():  # the released size (the converter hardcodes width 3072): names and shapes
+        full = ChromaTransformer2DModel()
+    original = tiny.original_state_dict(full)
+    want = convert_chroma_transformer_checkpoint_to_diffusers(dict(original))
+    plan = chroma.original_plan(original, full.config)
+    got = {target: transform(original[source]) if transform else original[source]
+           for source, targets in plan.items() for target, transform in targets}
+    assert got.keys() == want.keys() == full.state_dict().keys()
+    assert all(got[key].shape == want[key].shape for key in want)
+
+
+def test_lora_on_the_fused_linear1_splits_like_the_weight(chroma_files, tmp_path):
+    from sp_runtime.lora.apply import LoraState
+    path = chroma_files["comfy_prefix"]
+    model = chroma.load_model(path, "float32")[0]
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    width, rank, alpha, strength = 96, 4, 2.0, 0.7
+    up, down = torch.randn(7 * width, rank, generator=g), torch.randn(rank, width, generator=g)
+    stem = "diffusion_model.single_blocks.1.linear1"
+    lora = str(tmp_path / "linear1_lora.safetensors")
+    save_file({f"{stem}.lora_B.weight": up, f"{stem}.lora_A.weight": down, f"{stem}.alpha": torch.tensor(alpha)},
+              lora)
+    state = LoraState(model, "chroma", path, torch.device("cpu"))
+    assert state.set([[lora, strength]])["parameters"] == 4
+    delta = strength * alpha / rank * (up @ down)
+    after = model.state_dict()
+    rows = {"attn.to_q": (0, width), "attn.to_k": (width, width), "attn.to_v": (2 * width, width),
+            "proj_mlp": (3 * width, 4 * width)}
+    for name, (start, count) in rows.items():
+        key = f"single_transformer_blocks.1.{name}.weight"
+        assert relative_error(after[key], before[key] + delta[start:start + count]) <= 1e-6, key
+    state.set([])
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
