@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from family_support import FP32_TOL, assert_parity, relative_error
 from sp_lab.references.chroma import reference_forward
 from sp_runtime.families import chroma, flux, sd3
-from sp_runtime.families.detect import detect as detect_any
-from sp_runtime.families.header import Header, read_checkpoint_header
+from sp_runtime.detection import detect as detect_any
+from sp_runtime.checkpoints.header import Header, read_checkpoint_header
 from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint as write_other
 from sp_runtime.tiny_models import chroma as tiny
 

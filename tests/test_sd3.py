@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from family_support import FP32_TOL, assert_parity, relative_error
 from sp_lab.references.sd3 import reference_forward
 from sp_runtime.families import flux, sd3, z_image
-from sp_runtime.families.detect import detect as detect_any
-from sp_runtime.families.header import Header, read_checkpoint_header
+from sp_runtime.detection import detect as detect_any
+from sp_runtime.checkpoints.header import Header, read_checkpoint_header
 from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint as write_other
 from sp_runtime.tiny_models import sd3 as tiny
 
@@ -32,7 +32,8 @@ def make_cases(seed=2):
         return torch.randn(*shape, generator=g)
     return {"35_tokens": (rand(2, 16, 10, 14), torch.tensor([700.0, 300.0]), {"context": rand(2, 7, 32),
                                                                               "y": rand(2, 24)}),
-            "odd_latent": (rand(2, 16, 7, 11), torch.tensor([400.0, 900.0]), {"context": rand(2, 5, 32), "y": rand(2, 24)}),
+            "odd_latent": (rand(2, 16, 7, 11), torch.tensor([400.0, 900.0]), {"context": rand(2, 5, 32),
+                                                                              "y": rand(2, 24)}),
             "2_tokens": (rand(1, 16, 2, 4), torch.tensor([500.0]), {"context": rand(1, 3, 32), "y": rand(1, 24)})}
 
 
@@ -172,7 +173,7 @@ def test_lora_on_the_fused_qkv_splits_like_the_weight(sd3_files, tmp_path):
 
 
 def test_refusals_name_what_is_not_served(sd3_files):
-    from sp_runtime.families.base import LoadRequest
+    from sp_runtime.contract import LoadRequest
     from sp_runtime.groups import SeqParallel
     from family_support import LocalContext
     groups = type("Groups", (), {"seq": SeqParallel.single()})()

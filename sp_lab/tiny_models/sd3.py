@@ -74,7 +74,8 @@ def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                     out[f"joint_blocks.{i}.{theirs}.{kind}"] = state[f"transformer_blocks.{i}.{ours}.{kind}"]
         if i == last:
             name = f"joint_blocks.{i}.context_block.adaLN_modulation.1"
-            out[f"{name}.weight"], out[f"{name}.bias"] = (_swapped(out[f"{name}.{kind}"]) for kind in ("weight", "bias"))
+            for kind in ("weight", "bias"):
+                out[f"{name}.{kind}"] = _swapped(out[f"{name}.{kind}"])
     return out
 
 

@@ -7,7 +7,7 @@ detect.py reads the header, keys.py is Flux.1's key plan plus the guidance netwo
 with Chroma's differences (modulation per block from the approximator, single blocks fed the joined sequence, a text
 padding mask).
 """
-from ..base import ComfyHost, ModelInfo
+from ...contract import ComfyHost, ModelInfo
 from .detect import DESCRIPTION, FAMILY, detect
 from .keys import original_plan, weight_plan
 from .plan import PLAN, load, load_model

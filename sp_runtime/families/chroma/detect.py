@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Optional
 
 from ...sp.tokens import rope_axes
-from ..base import Detection
-from ..checkpoint import count_blocks, find_prefix, shape_of, strip_prefix
-from ..header import Header, header_config
+from ...contract import Detection
+from ...checkpoints.loading import count_blocks, find_prefix, shape_of, strip_prefix
+from ...checkpoints.header import Header, header_config
 
 FAMILY = "chroma"
 DESCRIPTION = "Chroma (HD, v48-v50)"

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from .. import flux
-from ..base import Detection
-from ..checkpoint import KeyPlan
+from ...contract import Detection
+from ...checkpoints.loading import KeyPlan
 from .detect import GUIDANCE
 
 GUIDANCE_RENAMES = {".in_layer.": ".linear_1.", ".out_layer.": ".linear_2.", ".scale": ".weight"}

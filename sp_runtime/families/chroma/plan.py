@@ -12,9 +12,10 @@ import torch
 from ...sp import PlanWorker, Stage
 from ...sp.tokens import as_list, text_key_mask
 from .. import flux
-from ..base import Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from ..checkpoint import WeightDtypes, detected_checkpoint, load_checkpoint_model, strip_prefix
-from ..header import Header
+from ...contract import Detection, LoadRequest, ModelInfo, config_entries
+from ...checkpoints.loading import (ProgressFn, WeightDtypes, detected_checkpoint, load_checkpoint_model,
+                                    strip_prefix)
+from ...checkpoints.header import Header
 from .detect import CONFIG_KEYS, FAMILY, detect
 from .keys import weight_plan
 

@@ -6,7 +6,7 @@ checkpoints, diffusers files and folders), keys.py maps ComfyUI names through di
 the sequence-parallel forward (the image split, each rank embedding its own tokens with their learned positions;
 text replicated and joined in every block; SD3.5 Medium's second, image-only attention).
 """
-from ..base import ComfyHost, ModelInfo
+from ...contract import ComfyHost, ModelInfo
 from .detect import DESCRIPTION, FAMILY, detect
 from .keys import original_plan, weight_plan
 from .plan import PLAN, load, load_model

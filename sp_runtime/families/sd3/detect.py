@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ..base import Detection
-from ..checkpoint import count_blocks, find_prefix, shape_of, strip_prefix
-from ..header import Header, header_config
+from ...contract import Detection
+from ...checkpoints.loading import count_blocks, find_prefix, shape_of, strip_prefix
+from ...checkpoints.header import Header, header_config
 
 FAMILY = "sd3"
 DESCRIPTION = "SD3 / SD3.5 (Large, Large Turbo, Medium)"

@@ -13,8 +13,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..base import Detection
-from ..checkpoint import KeyPlan, Transform
+from ...contract import Detection
+from ...checkpoints.loading import KeyPlan, Transform
 
 SIXTHS = 6
 

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from ...sp import Output, Part, Plan, PlanWorker, Stage, Stream, text_stream
 from ...sp.tokens import TokenGrid, pad_to_patch, patchify
-from ..base import Detection, LoadRequest, ModelInfo, ProgressFn, config_entries
-from ..checkpoint import WeightDtypes, detected_checkpoint, load_checkpoint_model, strip_prefix
-from ..header import Header
+from ...contract import Detection, LoadRequest, ModelInfo, config_entries
+from ...checkpoints.loading import (ProgressFn, WeightDtypes, detected_checkpoint, load_checkpoint_model,
+                                    strip_prefix)
+from ...checkpoints.header import Header
 from .detect import CONFIG_KEYS, FAMILY, detect
 from .keys import weight_plan
 
