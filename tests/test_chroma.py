@@ -42,7 +42,8 @@ def make_cases(seed=3):
 @pytest.fixture(scope="module")
 def chroma_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chroma")
-    return {name: tiny.write_tiny_checkpoint(str(folder / name), seed=SEED, **kw) for name, kw in LAYOUTS.items()}
+    return {name: tiny.write_tiny_checkpoint(str(folder / (name if "folder" in name else f"{name}.safetensors")),
+                                             seed=SEED, **kw) for name, kw in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +154,71 @@ def test_lora_on_the_fused_linear1_splits_like_the_weight(chroma_files, tmp_path
         assert relative_error(after[key], before[key] + delta[start:start + count]) <= 1e-6, key
     state.set([])
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ComfyUI tier (needs COMFYUI_PATH): ComfyUI's own Chroma. Its forward hardcodes the released model's 344
+# modulation vectors (the final layer takes the last two), so this model has the released block counts (19 double,
+# 38 single) at the tiny width; ComfyUI's detection gives the rest at the released width, set to the tiny one.
+COMFY_SIZE = dict(num_layers=19, num_single_layers=38)
+
+
+def _needs_comfyui():
+    import comfy_support as cs
+    return pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
+
+
+@pytest.fixture(scope="module")
+def chroma_comfy(tmp_path_factory):
+    import comfy_support as cs
+    cs.import_comfy()
+    import comfy.model_detection
+    import comfy.ops
+    import comfy.utils
+    from comfy.ldm.chroma.model import Chroma
+    path = tiny.write_tiny_checkpoint(str(tmp_path_factory.mktemp("chroma_comfy") / "c.safetensors"), seed=SEED,
+                                      prefix=COMFY_PREFIX, **COMFY_SIZE)
+    state = comfy.utils.load_torch_file(path)
+    config = comfy.model_detection.detect_unet_config(state, COMFY_PREFIX)
+    ours = tiny.tiny_config(**COMFY_SIZE)
+    width = ours["num_attention_heads"] * ours["attention_head_dim"]
+    sizes = dict(context_in_dim=ours["joint_attention_dim"], hidden_size=width, num_heads=ours["num_attention_heads"],
+                 axes_dim=list(ours["axes_dims_rope"]), out_dim=width, hidden_dim=ours["approximator_hidden_dim"],
+                 n_layers=ours["approximator_layers"])
+    network = Chroma(**{**config, **sizes}, operations=comfy.ops.disable_weight_init, dtype=torch.float32,
+                     device="cpu")
+    state = comfy.utils.state_dict_prefix_replace(state, {COMFY_PREFIX: ""}, filter_keys=True)
+    wanted = network.state_dict().keys()  # newer ComfyUI names the q / k norms' weight `.weight`
+    state = {key if key in wanted else key.replace("_norm.scale", "_norm.weight"): value
+             for key, value in state.items()}
+    missing, unexpected = network.eval().load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    cases = {name: case for name, case in make_cases().items() if name != "odd_masked_guided"}
+    x, t, inputs = make_cases()["odd_masked_guided"]
+    cases["odd_guided"] = (x, t, {key: inputs[key] for key in ("context", "guidance")})
+    with torch.no_grad():
+        outputs = {name: network(x, t, inputs["context"], inputs.get("guidance", torch.zeros(x.shape[0])),
+                                 transformer_options={}) for name, (x, t, inputs) in cases.items()}
+    return path, config, cases, outputs
+
+
+@_needs_comfyui()
+def test_pool_equals_comfys_chroma(family_pool, chroma_comfy):
+    """At degrees 2 and 3 (the 57-block model costs more than the others)."""
+    if family_pool.config.world_size not in (2, 3):
+        pytest.skip("ComfyUI's Chroma is checked at degrees 2 and 3")
+    path, _, cases, expected = chroma_comfy
+    handle = family_pool.load_model(path)
+    for name, (x, t, inputs) in cases.items():
+        assert_parity(handle(x, t, **inputs), expected[name], "float32", f"comfyui_chroma/{name}")
+    handle.unload()
+
+
+@_needs_comfyui()
+def test_comfy_detection_equals_ours(chroma_comfy):
+    path, theirs, _, _ = chroma_comfy
+    ours = chroma.detect(read_checkpoint_header(path)).config
+    assert theirs["image_model"] == "chroma"
+    assert (theirs["depth"], theirs["depth_single_blocks"]) == (ours["num_layers"], ours["num_single_layers"])
+    assert theirs["in_dim"] == ours["approximator_num_channels"]
+    assert theirs["in_channels"] == ours["in_channels"]  # ComfyUI's 64: the 2x2 patches of 16 channels

@@ -40,7 +40,8 @@ def make_cases(seed=2):
 @pytest.fixture(scope="module")
 def sd3_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sd3")
-    return {name: tiny.write_tiny_checkpoint(str(folder / name), seed=SEED, **kw) for name, kw in LAYOUTS.items()}
+    return {name: tiny.write_tiny_checkpoint(str(folder / (name if "folder" in name else f"{name}.safetensors")),
+                                             seed=SEED, **kw) for name, kw in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +190,56 @@ def test_refusals_name_what_is_not_served(sd3_files):
     big = torch.zeros(1, 16, 26, 8)
     with pytest.raises(ValueError, match="at most 12 per side"):
         worker.forward(big, t, inputs, torch.empty_like(big), LocalContext(groups))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ComfyUI tier (needs COMFYUI_PATH): ComfyUI's own MMDiT, built from its own detection of the tiny file
+
+def comfy_network(path: str):
+    import comfy.model_detection
+    import comfy.ops
+    import comfy.utils
+    from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper
+    state = comfy.utils.load_torch_file(path)
+    config = comfy.model_detection.detect_unet_config(state, COMFY_PREFIX)
+    network = OpenAISignatureMMDITWrapper(**config, operations=comfy.ops.disable_weight_init, dtype=torch.float32,
+                                          device="cpu")
+    missing, unexpected = network.load_state_dict(
+        comfy.utils.state_dict_prefix_replace(state, {COMFY_PREFIX: ""}, filter_keys=True), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return config, network.eval()
+
+
+@pytest.fixture(scope="module")
+def sd3_comfy(sd3_files):
+    import comfy_support as cs
+    cs.import_comfy()
+    config, network = comfy_network(sd3_files["comfy_prefix"])
+    with torch.no_grad():
+        outputs = {name: network(x, t, context=inputs["context"], y=inputs["y"], transformer_options={})
+                   for name, (x, t, inputs) in make_cases().items()}
+    return config, outputs
+
+
+def _needs_comfyui():
+    import comfy_support as cs
+    return pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
+
+
+@_needs_comfyui()
+def test_pool_equals_comfys_mmdit(family_pool, sd3_files, sd3_comfy):
+    """ComfyUI's MMDiT (x_block_self_attn_layers [0]: SD3.5 Medium's MMDiT-X) holding the same file's weights."""
+    handle = family_pool.load_model(sd3_files["comfy_prefix"])
+    for name, (x, t, inputs) in make_cases().items():
+        assert_parity(handle(x, t, **inputs), sd3_comfy[1][name], "float32", f"comfyui_sd3/{name}")
+    handle.unload()
+
+
+@_needs_comfyui()
+def test_comfy_detection_equals_ours(sd3_files, sd3_comfy):
+    theirs, ours = sd3_comfy[0], sd3.detect(read_checkpoint_header(sd3_files["comfy_prefix"])).config
+    assert theirs["depth"] == ours["num_layers"] == ours["num_attention_heads"]
+    assert theirs["pos_embed_max_size"] == ours["pos_embed_max_size"]
+    assert tuple(theirs["x_block_self_attn_layers"]) == ours["dual_attention_layers"]
+    assert (theirs.get("qk_norm") == "rms") == (ours["qk_norm"] == "rms_norm")
+    assert (theirs["adm_in_channels"], theirs["in_channels"]) == (ours["pooled_projection_dim"], ours["in_channels"])
