@@ -222,3 +222,19 @@ def test_comfy_detection_equals_ours(chroma_comfy):
     assert (theirs["depth"], theirs["depth_single_blocks"]) == (ours["num_layers"], ours["num_single_layers"])
     assert theirs["in_dim"] == ours["approximator_num_channels"]
     assert theirs["in_channels"] == ours["in_channels"]  # ComfyUI's 64: the 2x2 patches of 16 channels
+
+
+def test_mixed_precision_file_as_the_template_loads_it(tmp_path):
+    """Chroma1-HD-fp8mixed.safetensors as the template loads it (UNETLoader): ComfyUI's mixed precision
+    (per-layer `.comfy_quant`); it loads as the float weights it encodes."""
+    from sp_runtime.tiny_models.quant_files import _write_comfy
+    state = tiny.original_state_dict(tiny.build_tiny_model(SEED))
+    reference_path, path = str(tmp_path / "reference.safetensors"), str(tmp_path / "Chroma1-HD-fp8mixed.safetensors")
+    reference, kinds = _write_comfy({k: v.contiguous() for k, v in state.items()}, path, "comfy_quant", "", {}, None)
+    assert len(set(kinds.values())) > 1
+    save_file(reference, reference_path)
+    detection = detect_any(read_checkpoint_header(path))
+    assert detection.family == "chroma" and detection.quant
+    got = chroma.load_model(path, "float32")[0].state_dict()
+    want = chroma.load_model(reference_path, "float32")[0].state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[key], want[key]) for key in want)

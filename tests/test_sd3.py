@@ -243,3 +243,25 @@ def test_comfy_detection_equals_ours(sd3_files, sd3_comfy):
     assert tuple(theirs["x_block_self_attn_layers"]) == ours["dual_attention_layers"]
     assert (theirs.get("qk_norm") == "rms") == (ours["qk_norm"] == "rms_norm")
     assert (theirs["adm_in_channels"], theirs["in_channels"]) == (ours["pooled_projection_dim"], ours["in_channels"])
+
+
+def test_all_in_one_fp8_scaled_checkpoint_as_the_template_loads_it(tmp_path):
+    """sd3.5_large_fp8_scaled.safetensors as the templates load it ("Load Checkpoint"): ComfyUI's legacy scaled fp8
+    under model.diffusion_model. beside text encoders and a VAE; it loads as the float weights it encodes."""
+    from sp_runtime.tiny_models.quant_files import _write_comfy
+    from sp_runtime.tiny_models.weights import pack_all_in_one
+    state = tiny.original_state_dict(tiny.build_tiny_model(SEED, "3.5_large"))
+    reference_path, fp8_path = str(tmp_path / "reference.safetensors"), str(tmp_path / "fp8.safetensors")
+    reference, kinds = _write_comfy({k: v.contiguous() for k, v in state.items()}, fp8_path, "scaled_fp8",
+                                    COMFY_PREFIX, {}, None)
+    assert kinds and all(key.startswith("joint_blocks.") for key in kinds)
+    save_file(reference, reference_path)
+    parts = {"text_encoders.clip_g.transformer.text_model.final_layer_norm.weight": torch.ones(8),
+             "first_stage_model.decoder.conv_in.weight": torch.zeros(8, 16, 3, 3)}
+    path = pack_all_in_one(fp8_path, str(tmp_path / "sd3.5_large_fp8_scaled.safetensors"), parts)
+    detection = detect_any(read_checkpoint_header(path))
+    assert (detection.family, detection.variant, detection.prefix) == ("sd3", "3.5_large", COMFY_PREFIX)
+    assert "scaled" in detection.quant or "fp8" in detection.quant, detection.quant
+    got = sd3.load_model(path, "float32")[0].state_dict()
+    want = sd3.load_model(reference_path, "float32")[0].state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[key], want[key]) for key in want)
