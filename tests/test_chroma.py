@@ -16,8 +16,8 @@ from sp_lab.references.chroma import reference_forward
 from sp_runtime.families import chroma, flux, sd3
 from sp_runtime.detection import detect as detect_any
 from sp_runtime.checkpoints.header import Header, read_checkpoint_header
-from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint as write_other
-from sp_runtime.tiny_models import chroma as tiny
+from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint as write_other
+from sp_lab.tiny_models import chroma as tiny
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 6
@@ -227,7 +227,7 @@ def test_comfy_detection_equals_ours(chroma_comfy):
 def test_mixed_precision_file_as_the_template_loads_it(tmp_path):
     """Chroma1-HD-fp8mixed.safetensors as the template loads it (UNETLoader): ComfyUI's mixed precision
     (per-layer `.comfy_quant`); it loads as the float weights it encodes."""
-    from sp_runtime.tiny_models.quant_files import _write_comfy
+    from sp_lab.tiny_models.quant_files import _write_comfy
     state = tiny.original_state_dict(tiny.build_tiny_model(SEED))
     reference_path, path = str(tmp_path / "reference.safetensors"), str(tmp_path / "Chroma1-HD-fp8mixed.safetensors")
     reference, kinds = _write_comfy({k: v.contiguous() for k, v in state.items()}, path, "comfy_quant", "", {}, None)

@@ -16,8 +16,8 @@ from sp_lab.references.sd3 import reference_forward
 from sp_runtime.families import flux, sd3, z_image
 from sp_runtime.detection import detect as detect_any
 from sp_runtime.checkpoints.header import Header, read_checkpoint_header
-from sp_runtime.tiny_models import COMFY_PREFIX, write_tiny_checkpoint as write_other
-from sp_runtime.tiny_models import sd3 as tiny
+from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint as write_other
+from sp_lab.tiny_models import sd3 as tiny
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 4
@@ -248,8 +248,8 @@ def test_comfy_detection_equals_ours(sd3_files, sd3_comfy):
 def test_all_in_one_fp8_scaled_checkpoint_as_the_template_loads_it(tmp_path):
     """sd3.5_large_fp8_scaled.safetensors as the templates load it ("Load Checkpoint"): ComfyUI's legacy scaled fp8
     under model.diffusion_model. beside text encoders and a VAE; it loads as the float weights it encodes."""
-    from sp_runtime.tiny_models.quant_files import _write_comfy
-    from sp_runtime.tiny_models.weights import pack_all_in_one
+    from sp_lab.tiny_models.quant_files import _write_comfy
+    from sp_lab.tiny_models.weights import pack_all_in_one
     state = tiny.original_state_dict(tiny.build_tiny_model(SEED, "3.5_large"))
     reference_path, fp8_path = str(tmp_path / "reference.safetensors"), str(tmp_path / "fp8.safetensors")
     reference, kinds = _write_comfy({k: v.contiguous() for k, v in state.items()}, fp8_path, "scaled_fp8",
