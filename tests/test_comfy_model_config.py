@@ -72,7 +72,7 @@ def test_model_without_comfy_class_is_a_clear_error(comfy_model, tmp_path):
     import torch
     path = str(tmp_path / "toy.safetensors")
     save_file({"w": torch.zeros(2)}, path, metadata={"ulysses_sp.family": "toy", "ulysses_sp.config": json.dumps({})})
-    with pytest.raises(ValueError, match="no ComfyUI model class.*supported families: flux, flux2, hunyuan_video, hunyuan_video15, ltx2, qwen_image, qwen_image21, wan, z_image"):
+    with pytest.raises(ValueError, match="no ComfyUI model class.*supported families: chroma, flux, flux2, hunyuan_video, hunyuan_video15, ltx2, qwen_image, qwen_image21, sd3, wan, z_image"):
         comfy_model.comfy_model_config(read_checkpoint_header(path), Info("toy"))
 
 

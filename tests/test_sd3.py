@@ -265,3 +265,21 @@ def test_all_in_one_fp8_scaled_checkpoint_as_the_template_loads_it(tmp_path):
     got = sd3.load_model(path, "float32")[0].state_dict()
     want = sd3.load_model(reference_path, "float32")[0].state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[key], want[key]) for key in want)
+
+
+@_needs_comfyui()
+def test_comfy_model_class_from_header(sd3_files):
+    """The host side builds ComfyUI's SD3 model config (its latent format and sampling) for these files, from
+    ComfyUI's detection of the header and from ours alone."""
+    import comfy_support as cs
+    cs.import_comfy()
+    import comfy.latent_formats
+    import comfy.supported_models
+    from sp_runtime.contract import ModelInfo
+    comfy_model = cs.import_node_module("comfy_model")
+    for layout in ("comfy_prefix", "diffusers"):
+        header = read_checkpoint_header(sd3_files[layout])
+        info = ModelInfo(family="sd3", variant=sd3.detect(header).variant, in_channels=16, out_channels=16, x_ndim=4)
+        for config in (comfy_model.comfy_model_config(header, info), comfy_model.config_from_info(info)):
+            assert type(config) is comfy.supported_models.SD3, layout
+            assert type(config.latent_format) is comfy.latent_formats.SD3
