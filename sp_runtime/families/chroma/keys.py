@@ -9,7 +9,7 @@ from typing import Iterable, Optional
 from .. import flux
 from ...contract import Detection
 from ...checkpoints.loading import KeyPlan
-from .detect import GUIDANCE
+from .detection import GUIDANCE
 
 GUIDANCE_RENAMES = {".in_layer.": ".linear_1.", ".out_layer.": ".linear_2.", ".scale": ".weight"}
 

@@ -1,50 +1,18 @@
-"""Chroma loading and sequence-parallel plan: flux.PLAN with Chroma's differences. The image tokens split, the T5
+"""Chroma sequence-parallel plan: flux.PLAN with Chroma's differences. The image tokens split, the T5
 text replicated (its padding masked as keys where ComfyUI passes a mask) and joined in every block; each block's
 modulation is its slice of the distilled guidance network's output (ComfyUI's get_modulations: single blocks first,
 then the double blocks' image and text halves, the final layer's last); single blocks take the joined sequence."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 import torch
 
-from ...sp import PlanWorker, Stage
+from ...sp import Stage
 from ...sp.tokens import as_list, text_key_mask
 from .. import flux
-from ...contract import Detection, LoadRequest, ModelInfo, config_entries
-from ...checkpoints.loading import (ProgressFn, WeightDtypes, detected_checkpoint, load_checkpoint_model,
-                                    strip_prefix)
-from ...checkpoints.header import Header
-from .detect import CONFIG_KEYS, FAMILY, detect
-from .keys import weight_plan
 
 PATCH = 2
-
-
-def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
-               detection: Optional[Detection] = None, options: Optional[dict] = None,
-               progress: Optional[ProgressFn] = None, header: Optional[Header] = None
-               ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
-    """A diffusers ChromaTransformer2DModel with the checkpoint's weights (stock attention processors)."""
-    from diffusers import ChromaTransformer2DModel
-    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "Chroma")
-    plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-    model, dtypes = load_checkpoint_model(ChromaTransformer2DModel, detection.config, header, detection, dtype,
-                                          device, plan, progress)
-    return model, detection, dtypes
-
-
-def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> PlanWorker:
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
-                                          request.header)
-    config = model.config
-    info = ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels // (PATCH * PATCH),
-                     out_channels=model.proj_out.out_features // (PATCH * PATCH), x_ndim=4,
-                     config=config_entries(config, CONFIG_KEYS), weight_dtype=dtypes.storage_name,
-                     compute_dtype=dtypes.compute_name)
-    return PlanWorker(model, info, PLAN, dtypes, request.options)
 
 
 def check(call) -> None:

@@ -1,46 +1,14 @@
-"""SD3 / SD3.5 loading and sequence-parallel plan: the image tokens split (each rank embeds only its own patches and
+"""SD3 / SD3.5 sequence-parallel plan: the image tokens split (each rank embeds only its own patches and
 adds their rows of the learned positional table, cropped around its centre as ComfyUI and diffusers crop it), the
 text replicated and joined in every joint block (text keys first); SD3.5 Medium's second attention spans the image
 alone. No rotary: positions are in the embedding."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
-from ...sp import Output, Part, Plan, PlanWorker, Stage, Stream, text_stream
+from ...sp import Output, Part, Plan, Stage, Stream, text_stream
 from ...sp.tokens import TokenGrid, pad_to_patch, patchify
-from ...contract import Detection, LoadRequest, ModelInfo, config_entries
-from ...checkpoints.loading import (ProgressFn, WeightDtypes, detected_checkpoint, load_checkpoint_model,
-                                    strip_prefix)
-from ...checkpoints.header import Header
-from .detect import CONFIG_KEYS, FAMILY, detect
-from .keys import weight_plan
-
-
-def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
-               detection: Optional[Detection] = None, options: Optional[dict] = None,
-               progress: Optional[ProgressFn] = None, header: Optional[Header] = None
-               ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
-    """A diffusers SD3Transformer2DModel with the checkpoint's weights (stock attention processors)."""
-    from diffusers import SD3Transformer2DModel
-    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "SD3 / SD3.5")
-    plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-    model, dtypes = load_checkpoint_model(SD3Transformer2DModel, detection.config, header, detection, dtype, device,
-                                          plan, progress)
-    return model, detection, dtypes
-
-
-def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> PlanWorker:
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
-                                          request.header)
-    config = model.config
-    info = ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
-                     out_channels=config.out_channels, x_ndim=4, config=config_entries(config, CONFIG_KEYS),
-                     weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
-    return PlanWorker(model, info, PLAN, dtypes, request.options)
 
 
 def check(call) -> None:
