@@ -14,8 +14,10 @@ import torch
 
 from . import flux2 as tiny_flux2
 from . import hunyuan_video as tiny_hunyuan
+from . import chroma as tiny_chroma
 from . import ltx2 as tiny_ltx2
 from . import qwen_image21 as tiny_qwen21
+from . import sd3 as tiny_sd3
 from . import wan as tiny_wan
 from . import z_image as tiny_z_image
 from .weights import COMFY_PREFIX, cast_like_release, randomize_, save_folder
@@ -24,7 +26,8 @@ __all__ = ["COMFY_PREFIX", "FAMILIES", "LAYOUTS", "build_tiny_model", "original_
            "tiny_config", "write_tiny_checkpoint"]
 
 FAMILIES = ("qwen_image", "flux", "wan", "qwen_image21", "flux2", "hunyuan_video", "hunyuan_video15",
-            "z_image", "ltx2")  # the last seven: see their modules
+            "z_image", "ltx2", "sd3", "chroma")  # the last nine: see their modules
+OWN_API = {"sd3": tiny_sd3, "chroma": tiny_chroma}  # modules with the whole API; sd3's `variant` picks 3.5 Large etc.
 HUNYUAN_VERSIONS = {"hunyuan_video": "1.0", "hunyuan_video15": "1.5"}
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
 
@@ -41,6 +44,8 @@ def tiny_config(family: str, **size) -> dict:
     """diffusers config of a tiny model; `size` overrides (e.g. guidance_embeds=False for Flux schnell)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; tiny models exist for {FAMILIES}")
+    if family in OWN_API:
+        return OWN_API[family].tiny_config(**size)
     if family == "wan":  # Wan's tiny models live in wan.py (size may hold variant=...)
         return tiny_wan.tiny_config(**size)
     if family == "qwen_image21":
@@ -66,6 +71,8 @@ def tiny_config(family: str, **size) -> dict:
 
 def build_tiny_model(family: str, seed: int = 0, **size) -> torch.nn.Module:
     """A float32 diffusers model of the family with seeded random weights (stock attention processors)."""
+    if family in OWN_API:
+        return OWN_API[family].build_tiny_model(seed, **size)
     if family == "wan":
         return tiny_wan.build_tiny_model(seed, **size)
     if family == "qwen_image21":
@@ -90,6 +97,8 @@ def build_tiny_model(family: str, seed: int = 0, **size) -> torch.nn.Module:
 
 def original_state_dict(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under ComfyUI's / the original release's key names."""
+    if family in OWN_API:
+        return OWN_API[family].original_state_dict(model)
     if family == "wan":
         return tiny_wan.original_state_dict(model)
     if family == "qwen_image21":
@@ -181,6 +190,9 @@ def write_tiny_checkpoint(family: str, path: str, layout: str = "original", dtyp
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+    if family in OWN_API:
+        size = {**size, "variant": variant} if variant else size
+        return OWN_API[family].write_tiny_checkpoint(path, layout, dtype, seed, prefix, max_shard_size, **size)
     if family == "wan":
         return tiny_wan.write_tiny_checkpoint(path, layout, dtype, seed, prefix, variant, max_shard_size, **size)
     if family == "qwen_image21":

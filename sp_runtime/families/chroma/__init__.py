@@ -7,10 +7,15 @@ detection.py reads the header, keys.py is Flux.1's key plan plus the guidance ne
 with Chroma's differences (modulation per block from the approximator, single blocks fed the joined sequence, a text
 padding mask).
 """
-from .detection import DESCRIPTION, FAMILY, detect
+from ..family import Family
+from .detection import DESCRIPTION, NAME, detect
 from .host import COMFY
 from .keys import original_plan, weight_plan
 from .loading import load, load_model
 from .plan import PLAN
 
-__all__ = ["COMFY", "DESCRIPTION", "FAMILY", "PLAN", "detect", "load", "load_model", "original_plan", "weight_plan"]
+FAMILY = Family(NAME, DESCRIPTION, detect, load, COMFY, weight_plan, original_plan, load_model,
+                signatures=("distilled_guidance_layer.in_proj.weight",))
+
+__all__ = ["COMFY", "DESCRIPTION", "FAMILY", "NAME", "PLAN", "detect", "load", "load_model", "original_plan",
+           "weight_plan"]

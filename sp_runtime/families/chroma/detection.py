@@ -9,7 +9,7 @@ from ...contract import Detection
 from ...checkpoints.loading import count_blocks, find_prefix, shape_of, strip_prefix
 from ...checkpoints.header import Header, header_config
 
-FAMILY = "chroma"
+NAME = "chroma"
 DESCRIPTION = "Chroma (HD, v48-v50)"
 CLASS_NAME = "ChromaTransformer2DModel"
 GUIDANCE = "distilled_guidance_layer"
@@ -52,7 +52,7 @@ def detect(header: Header) -> Optional[Detection]:
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    return Detection(family=FAMILY, variant="", layout=layout, prefix=prefix, config=config,
+    return Detection(family=NAME, variant="", layout=layout, prefix=prefix, config=config,
                      files=header.source.files)
 
 

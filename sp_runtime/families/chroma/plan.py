@@ -10,7 +10,7 @@ import torch
 
 from ...sp import Stage
 from ...sp.tokens import as_list, text_key_mask
-from .. import flux
+from ..flux import plan as flux
 
 PATCH = 2
 

@@ -7,10 +7,15 @@ loading.py builds the model, plan.py is the sequence-parallel forward (the image
 tokens with their learned positions; text replicated and joined in every block; SD3.5 Medium's second, image-only
 attention), host.py is what ComfyUI's host side reads.
 """
-from .detection import DESCRIPTION, FAMILY, detect
+from ..family import Family
+from .detection import DESCRIPTION, NAME, detect
 from .host import COMFY
 from .keys import original_plan, weight_plan
 from .loading import load, load_model
 from .plan import PLAN
 
-__all__ = ["COMFY", "DESCRIPTION", "FAMILY", "PLAN", "detect", "load", "load_model", "original_plan", "weight_plan"]
+FAMILY = Family(NAME, DESCRIPTION, detect, load, COMFY, weight_plan, original_plan, load_model,
+                signatures=("joint_blocks.0.context_block.attn.qkv.weight",))
+
+__all__ = ["COMFY", "DESCRIPTION", "FAMILY", "NAME", "PLAN", "detect", "load", "load_model", "original_plan",
+           "weight_plan"]

@@ -10,7 +10,7 @@ from ...contract import Detection
 from ...checkpoints.loading import count_blocks, find_prefix, shape_of, strip_prefix
 from ...checkpoints.header import Header, header_config
 
-FAMILY = "sd3"
+NAME = "sd3"
 DESCRIPTION = "SD3 / SD3.5 (Large, Large Turbo, Medium)"
 CLASS_NAME = "SD3Transformer2DModel"
 HEAD_DIM = 64  # ComfyUI's MMDiT: heads = width / 64 (checkpoints without q/k norms do not show it)
@@ -52,7 +52,7 @@ def detect(header: Header) -> Optional[Detection]:
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    return Detection(family=FAMILY, variant=variant_of(config), layout=layout, prefix=prefix, config=config,
+    return Detection(family=NAME, variant=variant_of(config), layout=layout, prefix=prefix, config=config,
                      files=header.source.files)
 
 

@@ -8,9 +8,10 @@ import torch
 from ...checkpoints.header import Header
 from ...checkpoints.loading import (ProgressFn, WeightDtypes, detected_checkpoint, load_checkpoint_model,
                                     strip_prefix)
-from ...contract import Detection, LoadRequest, ModelInfo, config_entries
+from ...contract import Detection, ModelInfo, config_entries
 from ...sp import PlanWorker
-from .detection import CONFIG_KEYS, FAMILY, detect
+from ..family import pool_load
+from .detection import CONFIG_KEYS, NAME, detect
 from .keys import weight_plan
 from .plan import PLAN
 
@@ -21,19 +22,20 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
                ) -> tuple[torch.nn.Module, Detection, WeightDtypes]:
     """A diffusers SD3Transformer2DModel with the checkpoint's weights (stock attention processors)."""
     from diffusers import SD3Transformer2DModel
-    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "SD3 / SD3.5")
+    header, detection = detected_checkpoint(path, header, detection, detect, NAME, "SD3 / SD3.5")
     plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
     model, dtypes = load_checkpoint_model(SD3Transformer2DModel, detection.config, header, detection, dtype, device,
                                           plan, progress)
     return model, detection, dtypes
 
 
-def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> PlanWorker:
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
-                                          request.header)
+def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
+                      ) -> PlanWorker:
     config = model.config
-    info = ModelInfo(family=FAMILY, variant=detection.variant, in_channels=config.in_channels,
+    info = ModelInfo(family=NAME, variant=detection.variant, in_channels=config.in_channels,
                      out_channels=config.out_channels, x_ndim=4, config=config_entries(config, CONFIG_KEYS),
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
-    return PlanWorker(model, info, PLAN, dtypes, request.options)
+    return PlanWorker(model, info, PLAN, dtypes, options)
+
+
+load = pool_load(load_model, worker_from_model)
