@@ -29,7 +29,7 @@ def test_demo_command_runs_and_passes_its_parity_check(tmp_path, cache_dir):
     done = subprocess.run([sys.executable, "-m", "sp_lab", "demo", "--preset", "tiny", "--steps", str(STEPS),
                            "--devices", "cpu*2", "--out", str(out), "--cache-dir", cache_dir],
                           cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "leaked shared_memory" not in done.stderr and "Warning" not in done.stderr, done.stderr
     assert "speed-up" in done.stdout and "PASS" in done.stdout

@@ -44,7 +44,7 @@ def wait_until(condition, timeout_s: float) -> bool:
 
 def test_workers_exit_and_clean_up_when_the_parent_is_killed(tmp_path):
     checkpoint = toy_checkpoint(tmp_path)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     child = subprocess.Popen([sys.executable, "-c", CHILD, checkpoint], stdout=subprocess.PIPE, env=env, text=True)
     workers = []
     try:
@@ -81,7 +81,7 @@ def _fake_dead_pool_leftovers(sibling: str) -> list[str]:
 def test_sigterm_to_the_process_group_leaves_no_segment_folder_or_worker(tmp_path):
     """systemd, a supervisor or a terminal signal the whole group: the host dies at once; its workers clean up."""
     checkpoint = toy_checkpoint(tmp_path)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     child = subprocess.Popen([sys.executable, "-c", CHILD, checkpoint], stdout=subprocess.PIPE, env=env, text=True,
                              start_new_session=True)
     workers = []
@@ -118,7 +118,7 @@ GARBAGE = textwrap.dedent("""
 
 def test_a_pool_dropped_without_close_is_cleaned_up_without_warnings(tmp_path):
     checkpoint = toy_checkpoint(tmp_path)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", GARBAGE, checkpoint], capture_output=True, env=env, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr

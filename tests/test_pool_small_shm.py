@@ -56,7 +56,7 @@ def test_a_small_dev_shm_falls_back_to_a_file_then_says_what_to_do(tmp_path):
     spill.mkdir()
     script = (f"mount -t tmpfs -o size=8m,mode=1777 tmpfs /dev/shm && mount -t tmpfs -o size=32m,mode=1777 tmpfs "
               f"{spill} && exec \"$0\" -c \"$1\" \"$2\"")
-    env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(spill))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])), TMPDIR=str(spill))
     done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, sys.executable, CHILD,
                            checkpoint], capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]  # a SIGBUS would show as -7 / 135 here
