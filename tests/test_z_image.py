@@ -2,8 +2,8 @@
 t = 1 - sigma, output negated, circular padding to the patch) at degrees 1-4 and under Ulysses x Ring, for
 ComfyUI files with and without prefix, diffusers files and folders; head size 128 with 5 heads (no degree above 1
 divides them), caption and image streams of 9-40 and 9-35 tokens (padded to 32 with learned tokens), batch 2; the
-joint split at 30 heads x 128 exact at degrees 3, 5, 6 and 8; our key plan equals diffusers' converter at full
-width; LoRAs on the fused qkv; unsupported inputs refused."""
+joint split at 30 heads x 128 exact at degrees 3, 5, 6 and 8; ScaleROPE's rope_options at Ulysses 2; our key plan
+equals diffusers' converter at full width; LoRAs on the fused qkv; unsupported inputs refused."""
 from __future__ import annotations
 
 import pytest
@@ -82,6 +82,24 @@ def test_ulysses_x_ring(layout_pool, zi_files, zi_references):
     handle.unload()
 
 
+ROPE_OPTIONS = dict(scale_x=0.5, shift_x=3.0, scale_y=1.5, shift_y=-2.0, scale_t=2.0, shift_t=1.0)  # ComfyUI's
+
+
+@pytest.mark.parametrize("family_pool", [2], indirect=True, ids=["u2"])
+def test_scale_rope_equals_comfys_placement(family_pool, zi_files, zi_references):
+    """rope_options move the image rows and columns to fractional positions (ComfyUI's pos_ids_x), which changes
+    the output; the reference places them in diffusers' own forward."""
+    model = build_tiny_model("z_image", SEED)
+    handle = family_pool.load_model(zi_files["comfy_prefix"])
+    for name in ("odd_latent_masked", "batch_1"):
+        x, t, inputs = make_cases()[name]
+        want = z_image_reference(model, x, t, rope_options=ROPE_OPTIONS, **inputs)
+        assert relative_error(want, zi_references[name]) > 100 * FP32_TOL
+        assert_parity(handle(x, t, rope_options=dict(ROPE_OPTIONS), **inputs), want, "float32",
+                      f"z_image_scale_rope/{name}")
+    handle.unload()
+
+
 def test_padding_timestep_and_caption_matter(zi_references):
     """Guards against a test that cannot fail: the learned pad tokens are attended, the timestep and the caption
     count, and the latent is padded by wrap-around."""
@@ -150,12 +168,13 @@ def test_detection_tells_the_families_apart(zi_files):
 
 def real_size_keys(original: bool) -> dict:
     """Header entries of the released Z-Image-Turbo (30 x 128, 30 layers, 2 refiners, Qwen3-4B 2560 features)."""
-    norm, embedder = ("q_norm", "x_embedder") if original else ("norm_q", "all_x_embedder.2-1")
+    norms, embedder = (("q_norm", "k_norm"), "x_embedder") if original else (("norm_q", "norm_k"), "all_x_embedder.2-1")
     keys = {"cap_embedder.1.weight": (3840, 2560), "t_embedder.mlp.0.weight": (1024, 256), f"{embedder}.weight":
             (3840, 64), "x_pad_token": (1, 3840), "cap_pad_token": (1, 3840)}
     for stem, count in (("layers", 30), ("noise_refiner", 2), ("context_refiner", 2)):
         for block in range(count):
-            keys[f"{stem}.{block}.attention.{norm}.weight"] = (128,)
+            for norm in norms:  # newer ComfyUI detects Lumina 2 by its k_norm
+                keys[f"{stem}.{block}.attention.{norm}.weight"] = (128,)
             keys[f"{stem}.{block}.attention_norm1.weight"] = (3840,)
             keys[f"{stem}.{block}.feed_forward.w1.weight"] = (10240, 3840)
             keys[f"{stem}.{block}.adaLN_modulation.0.weight"] = (15360, 256)

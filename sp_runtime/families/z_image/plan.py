@@ -1,6 +1,7 @@
 """Z-Image's sequence-parallel plan: caption and image are two split streams, each padded to PAD_MULTIPLE with
 learned pad tokens; the refiners attend within one stream, the main layers over their union (each rank's caption
-shard, then its image shard: no attention is masked, so the order changes nothing)."""
+shard, then its image shard: no attention is masked, so the order changes nothing). ScaleROPE's rope_options move
+the image tokens' rows and columns as ComfyUI's pos_ids_x does (the frame and the caption stay)."""
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,7 @@ def check(call) -> None:
 
 def layout(call) -> list[Stream]:
     """Caption ids (1 + i, 0, 0), pads included; image ids (caption_total + 1, row, col), pads (0, 0, 0); image
-    patches in ComfyUI's (row, col, channel) feature order."""
+    patches in ComfyUI's (row, col, channel) feature order; rows and columns under rope_options as image_axes."""
     context, x = call.input("context"), call.input("x")
     caption_total = _padded(context.shape[1])
     caption_ids = torch.zeros(caption_total, 3)
@@ -41,13 +42,22 @@ def layout(call) -> list[Stream]:
     tokens = patchify(pad_to_patch(x, PATCH), PATCH).unflatten(-1, (x.shape[1], PATCH, PATCH))
     image_ids = torch.zeros(_padded(grid.count), 3)
     image_ids[:grid.count, 0] = caption_total + 1
-    image_ids[:grid.count, 1] = (torch.arange(grid.count) // grid.cols).float()
-    image_ids[:grid.count, 2] = (torch.arange(grid.count) % grid.cols).float()
+    rows, cols = image_axes(grid.rows, grid.cols, call.inputs.get("rope_options"))
+    image_ids[:grid.count, 1] = rows.repeat_interleave(grid.cols)
+    image_ids[:grid.count, 2] = cols.repeat(grid.rows)
     caption = [Part(context, caption_ids[:context.shape[1]], "cap_embedder"),
                _pads(caption_ids[context.shape[1]:], _caption_pad, call.dtype)]
     image = [Part(tokens.permute(0, 1, 3, 4, 2).flatten(2), image_ids[:grid.count], _embed_image, Output(grid)),
              _pads(image_ids[grid.count:], _image_pad, call.dtype)]
     return [Stream("caption", caption), Stream("image", image)]
+
+
+def image_axes(rows: int, cols: int, rope_options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column positions as ComfyUI's pos_ids_x: arange * scale + shift in float32 (scale_t / shift_t unused,
+    as there)."""
+    options = rope_options or {}
+    return (torch.arange(rows, dtype=torch.float32) * options.get("scale_y", 1.0) + options.get("shift_y", 0.0),
+            torch.arange(cols, dtype=torch.float32) * options.get("scale_x", 1.0) + options.get("shift_x", 0.0))
 
 
 def _padded(count: int) -> int:
