@@ -1,7 +1,7 @@
 """What newer ComfyUI does to an SP MODEL (issue 26), on a tiny Wan checkpoint at devices cpu:2, against ComfyUI's
 own code of the version under test (the newest tier: tools/comfyui_newest.py): clone's newer arguments and
-TorchCompileModel, bypass LoRAs, ScaleROPE equal to ComfyUI's own Wan with the same options, LoKr with a row
-offset and with both factors full, the options allow-list naming the node that set a refused option.
+TorchCompileModel, bypass LoRAs, ScaleROPE equal to ComfyUI's own Wan / Flux / Z-Image with the same options, LoKr
+with a row offset and with both factors full, the options allow-list naming the node that set a refused option.
 
 Needs COMFYUI_PATH (a ComfyUI checkout whose requirements are installed in this Python); skipped otherwise.
 """
@@ -122,11 +122,44 @@ def test_scale_rope_on_flux_with_a_reference_equals_comfys_model(wan, tmp_path):
     assert (actual - cs.sample(sp, positive, negative, steps=STEPS)).abs().max() > 1e-3
 
 
+def test_scale_rope_on_z_image_equals_comfys_next_dit(wan):
+    """The SP model's diffusion_model called as ComfyUI's sampler calls it (rope_options in transformer_options)
+    equals ComfyUI's NextDiT (Z-Image options, the tiny file's weights) called the same way."""
+    import torch
+    import comfy.ldm.lumina.model as lumina
+    if "rope_options" not in inspect.getsource(lumina):
+        pytest.skip("this ComfyUI's lumina NextDiT (Z-Image) reads no rope_options (ScaleROPE), so there is no "
+                    "behaviour to match")
+    import folder_paths
+    import test_image_families_comfy as image_comfy
+    from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
+    from test_z_image import SEED, make_cases
+    if image_comfy.comfy_class("z_image") is None:
+        pytest.skip("this ComfyUI has no Z-Image NextDiT")
+    folder = folder_paths.get_folder_paths("diffusion_models")[0]
+    path = write_tiny_checkpoint("z_image", os.path.join(folder, "tiny_z_image_rope.safetensors"), seed=SEED,
+                                 prefix=COMFY_PREFIX, **image_comfy.Z_IMAGE_COMFY_SIZE)
+    comfy_net = image_comfy.z_image_comfy_network(path)
+    loader = cs.import_node_module("loader")
+    sp = loader.SPModelLoader.execute(unet_name=os.path.basename(path), weight_dtype="fp32", devices="cpu:2",
+                                      ulysses_degree=0, ring_degree=1, cfg_parallel=False).result[0]
+    proxy = sp.get_model_object("diffusion_model")
+    x, t, inputs = make_cases()["odd_latent_masked"]
+    def rope():  # a fresh dict per call: NextDiT writes its block indices into the one it gets
+        return {"rope_options": dict(ROPE_OPTIONS[0])}
+    with torch.no_grad():
+        want = comfy_net(x, t, inputs["context"], inputs["num_tokens"], transformer_options=rope())
+        plain = comfy_net(x, t, inputs["context"], inputs["num_tokens"], transformer_options={})
+    actual = proxy(x, t, inputs["context"], transformer_options=rope(), num_tokens=inputs["num_tokens"])
+    cs.assert_close(actual, want)  # 3.9e-6 of the scale: ComfyUI's q / k norm epsilon
+    assert (want - plain).abs().max() > 1e-3  # the options changed ComfyUI's output
+
+
 def test_scale_rope_on_a_family_without_it_is_refused_by_name(wan):
     import dataclasses
     proxy_module = cs.import_node_module("proxy")
     proxy = wan["sp"].get_model_object("diffusion_model")
-    other = proxy_module.SPDiffusionModel(proxy.spec, dataclasses.replace(proxy.info, family="z_image"))
+    other = proxy_module.SPDiffusionModel(proxy.spec, dataclasses.replace(proxy.info, family="sd3"))
     with pytest.raises(proxy_module.SPPoolError, match="ScaleROPE"):
         other._rope_input({"rope_options": {"scale_x": 2.0}})
     qwen = proxy_module.SPDiffusionModel(proxy.spec, dataclasses.replace(proxy.info, family="qwen_image"))

@@ -101,21 +101,26 @@ Z_IMAGE_COMFY_SIZE = dict(dim=1152, n_heads=9)
 def z_image_comfy(tmp_path_factory):
     """(file, ComfyUI's outputs): NextDiT with the Z-Image entries ComfyUI's detection gives a released file, at the
     tiny model's sizes."""
-    next_dit = comfy_class("z_image")
     path = write_tiny_checkpoint("z_image", str(tmp_path_factory.mktemp("z_image_comfy") / "z.safetensors"),
                                  seed=Z_IMAGE_SEED, prefix=COMFY_PREFIX, **Z_IMAGE_COMFY_SIZE)
-    released = comfy_detection(meta_state(Header("z_image_turbo_bf16.safetensors", real_size_keys(True))), "")
-    ours = z_image.detect(read_checkpoint_header(path)).config
-    tiny = {key: ours[key] for key in ("dim", "n_layers", "n_refiner_layers", "n_heads", "n_kv_heads",
-                                       "cap_feat_dim")}
-    network = next_dit(**{**released, **tiny}, **comfy_settings())
-    network = load_comfy_weights(network, path, allowed_missing=("norm_final.weight",))  # unused by the forward
+    network = z_image_comfy_network(path)
 
     def call(net, x, t, inputs):
         context = inputs["context"]
         return net(x, t, context, inputs.get("num_tokens", context.shape[1]),
                    attention_mask=inputs.get("attention_mask"), transformer_options={})
     return path, comfy_outputs(network, z_image_cases(), call)
+
+
+def z_image_comfy_network(path: str):
+    """ComfyUI's NextDiT with the Z-Image entries its detection gives a released file, at the sizes of the tiny
+    file at `path`, holding its weights."""
+    released = comfy_detection(meta_state(Header("z_image_turbo_bf16.safetensors", real_size_keys(True))), "")
+    ours = z_image.detect(read_checkpoint_header(path)).config
+    tiny = {key: ours[key] for key in ("dim", "n_layers", "n_refiner_layers", "n_heads", "n_kv_heads",
+                                       "cap_feat_dim")}
+    network = comfy_class("z_image")(**{**released, **tiny}, **comfy_settings())
+    return load_comfy_weights(network, path, allowed_missing=("norm_final.weight",))  # unused by the forward
 
 
 @needs("z_image")
