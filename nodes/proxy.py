@@ -11,10 +11,11 @@ import torch
 import comfy.model_management
 import comfy.patcher_extension
 
-from sp_runtime.families import FAMILIES, comfy_host
+from sp_runtime.families import comfy_host, families
 from sp_runtime.checkpoints.dtypes import DTYPES
 from sp_runtime.contract import Cancelled, HostHooks, patch_size_2
 from sp_runtime.lora.patch_set import PatchSet
+from sp_runtime.sp.rope_options import is_identity
 
 from . import model_options_policy as policy
 from .model_spec import ModelSpec
@@ -79,7 +80,6 @@ class SPDiffusionModel(torch.nn.Module):
         self.in_channels = info.in_channels
         self.out_channels = info.out_channels
         host = comfy_host(info.family)
-        self.host = host
         self.hooks = host.hooks if host is not None else HostHooks()
         for name, value in (host.attributes if host else patch_size_2)(info).items():
             setattr(self, name, value)
@@ -155,13 +155,13 @@ class SPDiffusionModel(torch.nn.Module):
         if unknown:
             raise SPPoolError(f"rope_options keys {unknown} are not known to ulysses-sp (known: "
                               f"{', '.join(ROPE_OPTION_KEYS)}); remove the node that sets them")
-        if all(values[key] == (1.0 if key.startswith("scale") else 0.0) for key in ROPE_OPTION_KEYS):
+        if is_identity(values):
             return {}
         if self.hooks.rope_options == "ignored":
             return {}
         if self.hooks.rope_options != "applied":
-            applied = [family for family in FAMILIES
-                       if comfy_host(family) is not None and comfy_host(family).hooks.rope_options == "applied"]
+            applied = [entry.name for entry in families()
+                       if entry.comfy is not None and entry.comfy.hooks.rope_options == "applied"]
             raise SPPoolError(f"ScaleROPE (transformer option rope_options) is not implemented in the Ulysses SP "
                               f"workers for {self.info.family} models yet (implemented for: "
                               f"{', '.join(applied)}); remove the ScaleROPE node")
