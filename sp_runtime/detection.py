@@ -14,7 +14,7 @@ from .formats.gguf_file import METADATA_ARCHITECTURE
 
 # This project's own test / benchmark families: a file naming one in its metadata would make every worker build what
 # the metadata asks for (the synthetic family draws random weights of any size). They load only in a process that
-# opted in: the tests' conftest, the benchmarks and the CLI's presets (allow_internal_families); never from metadata.
+# opted in (importing sp_lab.families, which registers them; allow_internal_families); never from metadata.
 INTERNAL_FAMILIES = ("toy", "synthetic")
 INTERNAL_FAMILIES_ENV = "ULYSSES_SP_INTERNAL_FAMILIES"
 
