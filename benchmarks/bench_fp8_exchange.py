@@ -7,7 +7,7 @@ the Ulysses exchanges do to them: the image tokens' q, k, v rows (one token and 
 decoded as the to-heads all-to-all does (joint text q / k / v is replicated, never sent), and every output row
 (image and text) as the return all-to-all does. The encodings work row by row (scale groups inside a row, rotation
 inside a row) and padding rows are zeros, so this gives the numbers of Ulysses at any degree; the shipped encoding
-is checked against real gloo ranks in tests/test_fp8_exchange.py.
+is checked against real gloo ranks in tests/attention/test_fp8_exchange.py.
 
 Error = max |run - fp32| at the attention output (over every attention call of the forward) and at the model
 output; bf16 = the same forward in bf16 with exact exchanges. Bytes = what one rank sends per step at Ulysses 2

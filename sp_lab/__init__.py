@@ -1,4 +1,4 @@
 """The lab beside the product: tiny models, single-device reference forwards, toy families, benchmarks' helpers.
 
-Tests, benchmarks and the GPU suite import it; `sp_runtime` and `nodes` never do (tests/test_layering.py).
+Tests, benchmarks and the GPU suite import it; `sp_runtime` and `nodes` never do (tests/unit/test_layering.py).
 """

@@ -5,7 +5,7 @@ wan, ...); tensor names are ComfyUI's state-dict keys (sometimes under `model.di
 shape is its GGUF shape reversed, or `comfy.gguf.orig_shape.<name>` (an INT32 array) for tensors the converter
 reshaped (e.g. 5-D convolutions). F32 / F16 / BF16 tensors are plain; quantized tensors are rows of blocks along the
 last dimension. Blocks are dequantized with diffusers' torch GGUF dequantizers (they equal gguf's numpy reference,
-tests/test_formats_gguf.py checks every type), so no dequantizer is written here.
+tests/formats/test_formats.py checks every type), so no dequantizer is written here.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Chroma key plan: ComfyUI names -> diffusers' ChromaTransformer2DModel parameters. Flux.1's plan for the blocks,
 embedders and output layer (Chroma's blocks are Flux's without modulation), plus the distilled guidance network's
 renames (diffusers' convert_chroma_transformer_checkpoint_to_diffusers hardcodes the 3072 width, so it is not
-called; tests/test_chroma.py checks the plan against it at full size)."""
+called; tests/families/test_chroma.py checks the plan against it at full size)."""
 from __future__ import annotations
 
 from typing import Iterable, Optional

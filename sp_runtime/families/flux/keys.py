@@ -3,7 +3,7 @@
 `flux_key_plan` is our own width-aware version of diffusers' `convert_flux_transformer_checkpoint_to_diffusers`,
 which hardcodes the full-size width (3072) and needs the whole state dict in memory at once (that would stop us
 casting each tensor to its final dtype as it is read: fp8 storage from a bf16 file would peak at the bf16 size).
-tests/test_flux.py checks that both produce the same tensors on a full-size checkpoint.
+tests/families/test_flux.py checks that both produce the same tensors on a full-size checkpoint.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Tencent's releases and Comfy-Org's repackaged files name modules as Tencent's co
 `comfy_name` applies ComfyUI's renames, so both layouts meet in ComfyUI's names, and `plan_target` maps those to
 diffusers'. We do not call diffusers' `convert_hunyuan_video_transformer_to_diffusers`: it hardcodes the 13B
 width (3072) for the single blocks' fused rows, needs the whole state dict in memory, and has no 1.5 version
-(tests/test_hunyuan_video.py checks that both give the same tensors at 3072). 
+(tests/families/test_hunyuan_video.py checks that both give the same tensors at 3072). 
 """
 from __future__ import annotations
 

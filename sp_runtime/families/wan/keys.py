@@ -1,5 +1,5 @@
 """Wan's key plan: original (Wan / ComfyUI) key names -> diffusers' WanTransformer3DModel names, per tensor (our
-version of diffusers' convert_wan_transformer_to_diffusers, which tests/test_wan.py checks it against; it also maps
+version of diffusers' convert_wan_transformer_to_diffusers, which tests/families/test_wan.py checks it against; it also maps
 img_emb.emb_pos, which that converter leaves out). Variants add their names through the registry."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ module, or the name in a module), so a broken newest tree says why instead of fa
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
 
 import comfyui_newest  # noqa: E402
 

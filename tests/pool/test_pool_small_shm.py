@@ -14,7 +14,7 @@ import pytest
 
 from test_pool_kit import toy_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<folder>/ -> the root
 CHILD = textwrap.dedent("""
     import json, os, sys
     import torch

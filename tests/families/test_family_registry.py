@@ -30,7 +30,7 @@ def test_family_packages_import_no_diffusers_at_import_time():
     import ast
     import pathlib
     offenders = []
-    for path in (pathlib.Path(__file__).resolve().parent.parent / "sp_runtime" / "families").rglob("*.py"):
+    for path in (pathlib.Path(__file__).resolve().parents[2] / "sp_runtime" / "families").rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

@@ -9,7 +9,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # tests/unit/ -> the repository root
 
 # sp_runtime's components, lowest layer first: a component imports only components of lower layers (and itself).
 # Mirrored by the "Who may import whom" table of docs/ARCHITECTURE.md.

@@ -27,7 +27,8 @@ FAMILY, DESCRIPTION = "sd3_test", ""
 CONFIG = dict(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=3, attention_head_dim=8,
               num_attention_heads=5, joint_attention_dim=12, caption_projection_dim=40, pooled_projection_dim=8,
               pos_embed_max_size=16, qk_norm="rms_norm")
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))
+HERE = os.path.dirname(os.path.abspath(__file__))  # this module, and tests/ for family_support
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
 register_family(FAMILY, __name__)
 
 

@@ -14,7 +14,7 @@ import torch
 from sp_lab.__main__ import main
 from sp_lab.cli.plotting import PANEL_GAP, TITLE_HEIGHT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<folder>/ -> the root
 STEPS = 3
 
 
