@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from .dtypes import DTYPES, dtype_name
-from .header import CheckpointSource, Header, read_checkpoint_header
+from .header import CheckpointSource, Header, header_config, read_checkpoint_header
 
 # Prefixes under which real checkpoints keep the diffusion model, most specific first. ComfyUI's full checkpoints use
 # "model.diffusion_model."; some exporters write "diffusion_model." or "model."; diffusers pipelines "transformer.".
@@ -75,6 +75,30 @@ def count_blocks(keys: Iterable[str], stem: str) -> int:
     while count in indices:
         count += 1
     return count
+
+
+def folder_entries(header: Header, class_name: str, keys: Iterable[str], defaults: Optional[Mapping] = None,
+                   tuples: Iterable[str] = ()) -> Optional[dict]:
+    """What a diffusers folder's config.json says: None for a single file, {} for a folder of another class than
+    `class_name`, else its entries named in `keys` over `defaults`, those named in `tuples` as tuples."""
+    folder = header_config(header)
+    if folder is None:
+        return None
+    if folder.get("_class_name") != class_name:
+        return {}
+    config = {**(defaults or {}), **{key: folder[key] for key in keys if key in folder}}
+    return {key: tuple(value) if key in tuples else value for key, value in config.items()}
+
+
+def find_layout(header: Header, original_anchors: Sequence[str], diffusers_anchors: Sequence[str]
+                ) -> Optional[tuple[str, str, dict]]:
+    """(layout, prefix, tensors without it) of the first key layout, "original" or "diffusers", whose anchors the
+    header holds; None when it holds neither's."""
+    for layout, anchors in (("original", original_anchors), ("diffusers", diffusers_anchors)):
+        prefix = find_prefix(header.tensors, anchors)
+        if prefix is not None:
+            return layout, prefix, strip_prefix(header.tensors, prefix)
+    return None
 
 
 def layout_keys(table: Mapping[str, tuple[str, str]], layout: str) -> dict[str, str]:

@@ -43,14 +43,6 @@ def register_family(family: str, module: str) -> None:
     os.environ[EXTRA_FAMILIES_ENV] = ",".join(f"{name}={path}" for name, path in extra.items())
 
 
-def unregister_family(family: str) -> None:
-    """Undo register_family (tests)."""
-    FAMILIES.pop(family, None)
-    extra = [item for item in os.environ.get(EXTRA_FAMILIES_ENV, "").split(",")
-             if item and item.split("=", 1)[0] != family]
-    os.environ[EXTRA_FAMILIES_ENV] = ",".join(extra)
-
-
 for _item in filter(None, os.environ.get(EXTRA_FAMILIES_ENV, "").split(",")):
     FAMILIES.setdefault(*_item.split("=", 1))
 

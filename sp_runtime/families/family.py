@@ -5,7 +5,7 @@ A family package declares `FAMILY = Family(...)` in its __init__ (docs/ADDING_A_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any, Callable, Optional
 
@@ -55,6 +55,63 @@ class Family:
                    signatures=tuple(getattr(module, "SIGNATURES", ())))
 
 
+@dataclass(frozen=True)
+class PlanModel:
+    """A family whose model is one diffusers class loaded from a checkpoint and run by the executor, as data:
+    `load_model` / `load` / `worker` are then the family's load_model, Family.load and worker_from_model.
+
+    class_name: the diffusers class; kind: the family as "<path> is not a <kind> checkpoint" names it.
+    plan: the executor's Plan. x_ndim: the rank of ComfyUI's x. config_keys: the config entries ModelInfo reports.
+    prepare(detection, options) -> Detection: what load options make of the file's detection (config, variant).
+    channels(model) -> (in_channels, out_channels) as ComfyUI's latents count them (default: the config's).
+    ignore: checkpoint keys that carry no weights.
+    """
+
+    family: str
+    kind: str
+    class_name: str
+    detect: Callable
+    weight_plan: Callable
+    plan: Any
+    x_ndim: int
+    config_keys: tuple[str, ...]
+    prepare: Optional[Callable] = None
+    channels: Optional[Callable] = None
+    ignore: tuple[str, ...] = ()
+
+    def load_model(self, path: str, dtype: str = "default", device="cpu", detection=None,
+                   options: Optional[dict] = None, progress=None, header=None):
+        """The diffusers model with the checkpoint's weights on `device` (stock attention processors):
+        (model, detection, dtypes)."""
+        import diffusers
+        from ..checkpoints.loading import detected_checkpoint, load_checkpoint_model, strip_prefix
+        header, detection = detected_checkpoint(path, header, detection, self.detect, self.family, self.kind)
+        if self.prepare is not None:
+            detection = self.prepare(detection, options or {})
+        plan = self.weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
+        model, dtypes = load_checkpoint_model(getattr(diffusers, self.class_name), detection.config, header,
+                                              detection, dtype, device, plan, progress, ignore=self.ignore)
+        return model, detection, dtypes
+
+    def worker(self, model, detection, dtypes, options: Optional[dict] = None):
+        """The executor running `plan` around a built model (load, synthetic models)."""
+        from ..contract import ModelInfo, config_entries
+        from ..sp import PlanWorker
+        config = model.config
+        in_channels, out_channels = (self.channels(model) if self.channels is not None
+                                     else (config.in_channels, config.out_channels))
+        info = ModelInfo(family=self.family, variant=detection.variant, in_channels=in_channels,
+                         out_channels=out_channels, x_ndim=self.x_ndim,
+                         config=config_entries(config, self.config_keys), weight_dtype=dtypes.storage_name,
+                         compute_dtype=dtypes.compute_name)
+        return PlanWorker(model, info, self.plan, dtypes, options)
+
+    @property
+    def load(self) -> Callable:
+        """The pool's entry point (Family.load)."""
+        return pool_load(self.load_model, self.worker)
+
+
 def pool_load(load_model: Callable, worker_from_model: Callable) -> Callable:
     """The pool's entry point (Family.load) of a family whose worker wraps its single-device model: load_model on this
     worker's device, then worker_from_model(model, detection, dtypes, options)."""
@@ -63,3 +120,9 @@ def pool_load(load_model: Callable, worker_from_model: Callable) -> Callable:
                                               progress, request.header)
         return worker_from_model(model, detection, dtypes, request.options)
     return load
+
+def with_rope_axes_option(detection, options: dict):
+    """The load option axes_dims_rope (models of unusual head sizes) in the detection's config (PlanModel.prepare)."""
+    if "axes_dims_rope" not in options:
+        return detection
+    return replace(detection, config={**detection.config, "axes_dims_rope": tuple(options["axes_dims_rope"])})

@@ -7,12 +7,15 @@ detection.py reads the header, keys.py is Flux.1's key plan plus the guidance ne
 with Chroma's differences (modulation per block from the approximator, single blocks fed the joined sequence, a text
 padding mask).
 """
-from ..family import Family
-from .detection import DESCRIPTION, NAME, detect
+from ..family import Family, PlanModel
+from .detection import CLASS_NAME, CONFIG_KEYS, DESCRIPTION, NAME, detect
 from .host import COMFY
 from .keys import original_plan, weight_plan
-from .loading import load, load_model
-from .plan import PLAN
+from .plan import PATCH, PLAN
+
+MODEL = PlanModel(NAME, "Chroma", CLASS_NAME, detect, weight_plan, PLAN, 4, CONFIG_KEYS, channels=lambda model: (
+    model.config.in_channels // (PATCH * PATCH), model.proj_out.out_features // (PATCH * PATCH)))
+load, load_model = MODEL.load, MODEL.load_model
 
 FAMILY = Family(NAME, DESCRIPTION, detect, load, COMFY, weight_plan, original_plan, load_model,
                 signatures=("distilled_guidance_layer.in_proj.weight",))

@@ -6,8 +6,9 @@ from typing import Optional
 
 from ...sp.tokens import rope_axes
 from ...contract import Detection
-from ...checkpoints.loading import count_blocks, find_prefix, shape_of, strip_prefix
-from ...checkpoints.header import Header, header_config
+from ..flux.detection import shared_architecture
+from ...checkpoints.loading import count_blocks, find_layout, folder_entries, layout_keys, shape_of
+from ...checkpoints.header import Header
 
 NAME = "chroma"
 DESCRIPTION = "Chroma (HD, v48-v50)"
@@ -31,24 +32,19 @@ KEYS = {"embed": ("img_in.weight", "x_embedder.weight"),
 
 
 def detect(header: Header) -> Optional[Detection]:
-    folder_config = header_config(header)
-    if folder_config is not None:
-        if folder_config.get("_class_name") != CLASS_NAME:
-            return None
-        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
-        config["axes_dims_rope"] = tuple(config.get("axes_dims_rope", (16, 56, 56)))
-        config["out_channels"] = config.get("out_channels") or config["in_channels"]
-        return _detection(header, "diffusers", "", config)
-    for layout, anchors in (("original", ORIGINAL_ANCHORS), ("diffusers", DIFFUSERS_ANCHORS)):
-        prefix = find_prefix(header.tensors, anchors)
-        if prefix is not None:
-            keys = strip_prefix(header.tensors, prefix)
-            if RADIANCE_KEY in keys:
-                raise ValueError(f"{header.path!r} is Chroma Radiance (pixel space: a NeRF decoder head per patch, "
-                                 f"which diffusers' ChromaTransformer2DModel has not), which is not supported; "
-                                 f"Chroma (HD, v48-v50) loads")
-            return _detection(header, layout, prefix, architecture(keys, layout))
-    return None
+    folder = folder_entries(header, CLASS_NAME, CONFIG_KEYS, {"axes_dims_rope": (16, 56, 56)}, ("axes_dims_rope",))
+    if folder is not None:
+        return _detection(header, "diffusers", "", {**folder, "out_channels": folder.get("out_channels")
+                                                    or folder["in_channels"]}) if folder else None
+    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
+    if found is None:
+        return None
+    layout, prefix, keys = found
+    if RADIANCE_KEY in keys:
+        raise ValueError(f"{header.path!r} is Chroma Radiance (pixel space: a NeRF decoder head per patch, which "
+                         f"diffusers' ChromaTransformer2DModel has not), which is not supported; Chroma (HD, v48-v50) "
+                         f"loads")
+    return _detection(header, layout, prefix, architecture(keys, layout))
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
@@ -58,24 +54,8 @@ def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detect
 
 def architecture(keys: dict, layout: str) -> dict:
     """ChromaTransformer2DModel config from header shapes (keys without prefix)."""
-    index = ("original", "diffusers").index(layout)
-    names = {fact: pair[index] for fact, pair in KEYS.items()}
-    hidden, in_features = shape_of(keys, names["embed"])
-    head_dim = shape_of(keys, names["head_norm"])[0]
-    if hidden % head_dim:
-        raise ValueError(f"Chroma width {hidden} is not a multiple of its head size {head_dim}")
+    config = shared_architecture(keys, layout_keys(KEYS, layout), "Chroma")
     approximator_hidden, approximator_in = shape_of(keys, f"{GUIDANCE}.in_proj.weight")
-    return {
-        "patch_size": 1,
-        "in_channels": in_features,
-        "out_channels": shape_of(keys, names["out"])[0],
-        "num_layers": count_blocks(keys, names["double_blocks"]),
-        "num_single_layers": count_blocks(keys, names["single_blocks"]),
-        "attention_head_dim": head_dim,
-        "num_attention_heads": hidden // head_dim,
-        "joint_attention_dim": shape_of(keys, names["text"])[1],
-        "axes_dims_rope": rope_axes(head_dim),
-        "approximator_num_channels": approximator_in,
-        "approximator_hidden_dim": approximator_hidden,
-        "approximator_layers": count_blocks(keys, f"{GUIDANCE}.layers"),
-    }
+    return {**config, "axes_dims_rope": rope_axes(config["attention_head_dim"]),
+            "approximator_num_channels": approximator_in, "approximator_hidden_dim": approximator_hidden,
+            "approximator_layers": count_blocks(keys, f"{GUIDANCE}.layers")}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...checkpoints.header import Header, header_config
-from ...checkpoints.loading import count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
+from ...checkpoints.header import Header
+from ...checkpoints.loading import count_blocks, find_layout, folder_entries, layout_keys, shape_of
 from ...contract import Detection
 from ...sp.tokens import rope_axes
 
@@ -24,19 +24,16 @@ CONFIG_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "num_s
 
 def detect(header: Header) -> Optional[Detection]:
     """Flux.1 from its header alone (no weights read); None when the file is another family."""
-    folder_config = header_config(header)
-    if folder_config is not None:
-        if folder_config.get("_class_name") != "FluxTransformer2DModel":
-            return None
-        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
-        config["axes_dims_rope"] = tuple(config.get("axes_dims_rope", (16, 56, 56)))
-        config["out_channels"] = config.get("out_channels") or config["in_channels"]  # diffusers' None = same
-        return _detection(header, "diffusers", "", config)
-    for layout, anchors in (("original", ORIGINAL_ANCHORS), ("diffusers", DIFFUSERS_ANCHORS)):
-        prefix = find_prefix(header.tensors, anchors)
-        if prefix is not None:
-            return _detection(header, layout, prefix, architecture(strip_prefix(header.tensors, prefix), layout))
-    return None
+    folder = folder_entries(header, "FluxTransformer2DModel", CONFIG_KEYS, {"axes_dims_rope": (16, 56, 56)},
+                            ("axes_dims_rope",))
+    if folder is not None:  # diffusers' out_channels None: as many as in
+        return _detection(header, "diffusers", "", {**folder, "out_channels": folder.get("out_channels")
+                                                    or folder["in_channels"]}) if folder else None
+    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
+    if found is None:
+        return None
+    layout, prefix, keys = found
+    return _detection(header, layout, prefix, architecture(keys, layout))
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
@@ -71,14 +68,27 @@ def architecture(keys: dict, layout: str) -> dict:
     """FluxTransformer2DModel config from a header in the "original" or "diffusers" key layout (keys without
     prefix)."""
     names = layout_keys(ARCHITECTURE_KEYS, layout)
-    hidden, in_features = shape_of(keys, names["embed"])
-    head_dim = shape_of(keys, names["head_norm"])[0]
-    _check_width(hidden, head_dim, shape_of(keys, names["mlp"])[0])
+    config = shared_architecture(keys, names, "Flux")
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    if shape_of(keys, names["mlp"])[0] != MLP_RATIO * hidden:
+        raise ValueError(f"Flux MLP width {shape_of(keys, names['mlp'])[0]} is not {MLP_RATIO} x {hidden}: "
+                         f"unsupported variant")
     if layout == "original" and count_blocks(keys, "single_blocks"):  # fused qkv + MLP rows
         rows = shape_of(keys, "single_blocks.0.linear1.weight")[0]
         if rows != (3 + MLP_RATIO) * hidden:
             raise ValueError(f"Flux single blocks have {rows} fused rows; {(3 + MLP_RATIO) * hidden} expected for "
                              f"width {hidden}: unsupported variant")
+    return {**config, "pooled_projection_dim": shape_of(keys, names["pooled"])[1],
+            "guidance_embeds": names["guidance"] in keys, "axes_dims_rope": rope_axes(config["attention_head_dim"])}
+
+
+def shared_architecture(keys: dict, names: dict, what: str) -> dict:
+    """The config entries Flux.1, Flux.2 and Chroma read alike from a header (names: the facts embed, head_norm,
+    out, double_blocks, single_blocks, text in the file's layout)."""
+    hidden, in_features = shape_of(keys, names["embed"])
+    head_dim = shape_of(keys, names["head_norm"])[0]
+    if hidden % head_dim:
+        raise ValueError(f"{what} width {hidden} is not a multiple of its head size {head_dim}")
     return {
         "patch_size": 1,
         "in_channels": in_features,
@@ -88,14 +98,4 @@ def architecture(keys: dict, layout: str) -> dict:
         "attention_head_dim": head_dim,
         "num_attention_heads": hidden // head_dim,
         "joint_attention_dim": shape_of(keys, names["text"])[1],
-        "pooled_projection_dim": shape_of(keys, names["pooled"])[1],
-        "guidance_embeds": names["guidance"] in keys,
-        "axes_dims_rope": rope_axes(head_dim),
     }
-
-
-def _check_width(hidden: int, head_dim: int, mlp_rows: int) -> None:
-    if hidden % head_dim:
-        raise ValueError(f"Flux width {hidden} is not a multiple of its head size {head_dim}")
-    if mlp_rows != MLP_RATIO * hidden:
-        raise ValueError(f"Flux MLP width {mlp_rows} is not {MLP_RATIO} x {hidden}: unsupported variant")

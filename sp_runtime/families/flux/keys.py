@@ -25,7 +25,8 @@ _TOP = {
     "img_in": "x_embedder",
     "final_layer.linear": "proj_out",
 }
-_DOUBLE = {
+# Block module names (original -> diffusers) Flux.1's and HunyuanVideo's files share
+DOUBLE_BLOCK = {
     "img_mod.lin": "norm1.linear", "txt_mod.lin": "norm1_context.linear",
     "img_attn.proj": "attn.to_out.0", "txt_attn.proj": "attn.to_add_out",
     "img_mlp.0": "ff.net.0.proj", "img_mlp.2": "ff.net.2", "txt_mlp.0": "ff_context.net.0.proj",
@@ -33,11 +34,11 @@ _DOUBLE = {
     "img_attn.norm.query_norm": "attn.norm_q", "img_attn.norm.key_norm": "attn.norm_k",
     "txt_attn.norm.query_norm": "attn.norm_added_q", "txt_attn.norm.key_norm": "attn.norm_added_k",
 }
-_DOUBLE_FUSED = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-                 "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
-_SINGLE = {"modulation.lin": "norm.linear", "linear2": "proj_out",
-           "norm.query_norm": "attn.norm_q", "norm.key_norm": "attn.norm_k"}
-_SINGLE_FUSED = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+DOUBLE_FUSED = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+                "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+SINGLE_BLOCK = {"modulation.lin": "norm.linear", "linear2": "proj_out",
+                "norm.query_norm": "attn.norm_q", "norm.key_norm": "attn.norm_k"}
+SINGLE_FUSED = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
 
 
 def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
@@ -77,14 +78,14 @@ def _convert(module: str, kind: str, hidden: int) -> list[tuple[str, Transform]]
         return []
     if stem == "double_blocks":
         prefix = f"transformer_blocks.{index}."
-        if inner in _DOUBLE:
-            return [(f"{prefix}{_DOUBLE[inner]}.{kind}", None)]
-        if inner in _DOUBLE_FUSED:
-            return row_split(prefix, _DOUBLE_FUSED[inner], kind, (hidden,) * 3)
+        if inner in DOUBLE_BLOCK:
+            return [(f"{prefix}{DOUBLE_BLOCK[inner]}.{kind}", None)]
+        if inner in DOUBLE_FUSED:
+            return row_split(prefix, DOUBLE_FUSED[inner], kind, (hidden,) * 3)
     if stem == "single_blocks":
         prefix = f"single_transformer_blocks.{index}."
-        if inner in _SINGLE:
-            return [(f"{prefix}{_SINGLE[inner]}.{kind}", None)]
+        if inner in SINGLE_BLOCK:
+            return [(f"{prefix}{SINGLE_BLOCK[inner]}.{kind}", None)]
         if inner == "linear1":
-            return row_split(prefix, _SINGLE_FUSED, kind, (hidden,) * 3 + (MLP_RATIO * hidden,))
+            return row_split(prefix, SINGLE_FUSED, kind, (hidden,) * 3 + (MLP_RATIO * hidden,))
     return []

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...checkpoints.header import Header, header_config
-from ...checkpoints.loading import count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
+from ...checkpoints.header import Header
+from ...checkpoints.loading import count_blocks, find_layout, folder_entries, layout_keys, shape_of
 from ...contract import Detection
+from ..flux.detection import shared_architecture
 
 NAME = "flux2"
 PATCH = 1                  # ComfyUI's Flux.2 takes its 128-channel latents unpatched
@@ -38,19 +39,16 @@ ARCHITECTURE_KEYS = {
 
 def detect(header: Header) -> Optional[Detection]:
     """Flux.2 from its header alone (no weights read); None when the file is another family."""
-    folder_config = header_config(header)
-    if folder_config is not None:
-        if folder_config.get("_class_name") != CLASS_NAME:
-            return None
-        config = {key: folder_config[key] for key in CONFIG_KEYS + FOLDER_ONLY_KEYS if key in folder_config}
-        config["axes_dims_rope"] = tuple(config.get("axes_dims_rope", (32, 32, 32, 32)))
-        config["out_channels"] = config.get("out_channels") or config["in_channels"]
-        return _detection(header, "diffusers", "", config)
-    for layout, anchors in (("original", ORIGINAL_ANCHORS), ("diffusers", DIFFUSERS_ANCHORS)):
-        prefix = find_prefix(header.tensors, anchors)
-        if prefix is not None:
-            return _detection(header, layout, prefix, architecture(strip_prefix(header.tensors, prefix), layout))
-    return None
+    folder = folder_entries(header, CLASS_NAME, CONFIG_KEYS + FOLDER_ONLY_KEYS, {"axes_dims_rope": (32, 32, 32, 32)},
+                            ("axes_dims_rope",))
+    if folder is not None:
+        return _detection(header, "diffusers", "", {**folder, "out_channels": folder.get("out_channels")
+                                                    or folder["in_channels"]}) if folder else None
+    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
+    if found is None:
+        return None
+    layout, prefix, keys = found
+    return _detection(header, layout, prefix, architecture(keys, layout))
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
@@ -62,22 +60,10 @@ def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detect
 def architecture(keys: dict, layout: str) -> dict:
     """Flux2Transformer2DModel config from a header in the "original" or "diffusers" key layout."""
     names = layout_keys(ARCHITECTURE_KEYS, layout)
-    hidden, in_channels = shape_of(keys, names["embed"])
-    head_dim = shape_of(keys, names["head_norm"])[0]
-    if hidden % head_dim or head_dim % 8:
-        raise ValueError(f"Flux.2 width {hidden} / head size {head_dim} do not fit a 4-axis rotary embedding")
-    mlp_rows = shape_of(keys, names["mlp"])[0]  # SwiGLU: gate and value rows
-    return {
-        "patch_size": 1,
-        "in_channels": in_channels,
-        "out_channels": shape_of(keys, names["out"])[0],
-        "num_layers": count_blocks(keys, names["double_blocks"]),
-        "num_single_layers": count_blocks(keys, names["single_blocks"]),
-        "attention_head_dim": head_dim,
-        "num_attention_heads": hidden // head_dim,
-        "joint_attention_dim": shape_of(keys, names["text"])[1],
-        "mlp_ratio": mlp_rows / (2 * hidden),
-        "axes_dims_rope": (head_dim // 4,) * 4,  # (32, 32, 32, 32) at the real head size 128
-        "rope_theta": ROPE_THETA,
-        "guidance_embeds": names["guidance"] in keys,
-    }
+    config = shared_architecture(keys, names, "Flux.2")
+    hidden, head_dim = config["num_attention_heads"] * config["attention_head_dim"], config["attention_head_dim"]
+    if head_dim % 8:
+        raise ValueError(f"Flux.2 head size {head_dim} does not fit a 4-axis rotary embedding")
+    return {**config, "mlp_ratio": shape_of(keys, names["mlp"])[0] / (2 * hidden),  # SwiGLU: gate and value rows
+            "axes_dims_rope": (head_dim // 4,) * 4,  # (32, 32, 32, 32) at the real head size 128
+            "rope_theta": ROPE_THETA, "guidance_embeds": names["guidance"] in keys}

@@ -9,15 +9,22 @@ tokens at their (frame, row, column) rotary; the text (through the token refiner
 image tokens in the double- and single-stream blocks; token replace modulates the first frame's tokens wherever
 they fall; each rank writes its own output tokens. HunyuanVideo 1.5 reuses this PLAN with its differences.
 """
-from ..family import Family
+from dataclasses import replace
+
+from ..family import Family, PlanModel
 from .detection import CONFIG_KEYS, NAME, architecture, detect
 from .host import COMFY, comfy_attributes
 from .keys import comfy_names, original_plan, weight_plan
-from .loading import load, load_model, model_info
 from .plan import PLAN
+
+# built with token-replace blocks (the same weights as the plain blocks; with no token to replace they compute those)
+MODEL = PlanModel(NAME, "HunyuanVideo 1.0", "HunyuanVideoTransformer3DModel", detect, weight_plan, PLAN, 5,
+                  CONFIG_KEYS, prepare=lambda detection, options: replace(
+                      detection, config={**detection.config, "image_condition_type": "token_replace"}))
+load, load_model = MODEL.load, MODEL.load_model
 
 FAMILY = Family(NAME, "HunyuanVideo 1.0 (T2V, I2V concat / token replace, SkyReels I2V)", detect, load, COMFY,
                 weight_plan, original_plan, load_model, gguf_architectures=("hyvid",))
 
 __all__ = ["FAMILY", "CONFIG_KEYS", "COMFY", "NAME", "PLAN", "architecture", "comfy_attributes", "comfy_names",
-           "detect", "load", "load_model", "model_info", "original_plan", "weight_plan"]
+           "detect", "load", "load_model", "MODEL", "original_plan", "weight_plan"]

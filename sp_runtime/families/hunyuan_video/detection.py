@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...checkpoints.header import Header, header_config
-from ...checkpoints.loading import count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
+from ...checkpoints.header import Header
+from ...checkpoints.loading import count_blocks, find_layout, folder_entries, layout_keys, shape_of
 from ...contract import Detection
 from ...sp.tokens import rope_axes
 from .keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_names
@@ -33,20 +33,15 @@ def detect(header: Header) -> Optional[Detection]:
     """HunyuanVideo 1.0 from its header alone; None for other files (HunyuanVideo 1.5, HunyuanImage 2.1 ...)."""
     if any(key.endswith(VERSION_15_KEYS) for key in header.tensors):
         return None
-    folder_config = header_config(header)
-    if folder_config is not None:
-        if folder_config.get("_class_name") != "HunyuanVideoTransformer3DModel":
-            return None
-        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
-        return _detection(header, "diffusers", "", {**config, "rope_axes_dim": tuple(config["rope_axes_dim"])})
-    for layout, anchors in (("original", ORIGINAL_ANCHORS), ("diffusers", DIFFUSERS_ANCHORS)):
-        prefix = find_prefix(header.tensors, anchors)
-        if prefix is not None:
-            keys = comfy_names(strip_prefix(header.tensors, prefix)) if layout == "original" else \
-                strip_prefix(header.tensors, prefix)
-            config = architecture(keys, layout)
-            return None if config is None else _detection(header, layout, prefix, config)
-    return None
+    folder = folder_entries(header, "HunyuanVideoTransformer3DModel", CONFIG_KEYS, tuples=("rope_axes_dim",))
+    if folder is not None:
+        return _detection(header, "diffusers", "", folder) if folder else None
+    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
+    if found is None:
+        return None
+    layout, prefix, keys = found
+    config = architecture(comfy_names(keys) if layout == "original" else keys, layout)
+    return None if config is None else _detection(header, layout, prefix, config)
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
@@ -58,27 +53,32 @@ def architecture(keys: dict, layout: str) -> Optional[dict]:
     """HunyuanVideoTransformer3DModel config from a header (keys without prefix, ComfyUI or diffusers names);
     None for a 2-D patch (HunyuanImage 2.1)."""
     names = layout_keys(ARCHITECTURE_KEYS, layout)
-    embed = shape_of(keys, names["embed"])
-    if len(embed) != 5:
+    if len(shape_of(keys, names["embed"])) != 5:
         return None
-    hidden, in_channels, patch_t, patch, patch_w = embed
+    return {**shared_architecture(keys, names, "HunyuanVideo"),
+            "num_single_layers": count_blocks(keys, names["single_blocks"]),
+            "guidance_embeds": names["guidance"] in keys,
+            "pooled_projection_dim": shape_of(keys, names["pooled"])[1]}
+
+
+def shared_architecture(keys: dict, names: dict, what: str) -> dict:
+    """The config entries HunyuanVideo 1.0 and 1.5 read alike from a header (names: keys.SHARED_ARCHITECTURE_KEYS
+    in the file's layout)."""
+    hidden, in_channels, patch_t, patch, patch_w = shape_of(keys, names["embed"])
     head_dim = shape_of(keys, names["head_norm"])[0]
     if patch != patch_w or hidden % head_dim:
-        raise ValueError(f"HunyuanVideo patch {embed[2:]} / width {hidden} with head size {head_dim}: unsupported "
-                         f"variant")
+        raise ValueError(f"{what} patch ({patch_t}, {patch}, {patch_w}) / width {hidden} with head size {head_dim}: "
+                         f"unsupported variant")
     return {
         "in_channels": in_channels,
         "out_channels": shape_of(keys, names["out"])[0] // (patch_t * patch * patch),
         "num_attention_heads": hidden // head_dim,
         "attention_head_dim": head_dim,
         "num_layers": count_blocks(keys, names["double_blocks"]),
-        "num_single_layers": count_blocks(keys, names["single_blocks"]),
         "num_refiner_layers": count_blocks(keys, names["refiner_blocks"]),
         "mlp_ratio": shape_of(keys, names["mlp"])[0] / hidden,
         "patch_size": patch,
         "patch_size_t": patch_t,
-        "guidance_embeds": names["guidance"] in keys,
         "text_embed_dim": shape_of(keys, names["text"])[1],
-        "pooled_projection_dim": shape_of(keys, names["pooled"])[1],
         "rope_axes_dim": rope_axes(head_dim),
     }

@@ -15,6 +15,7 @@ from typing import Iterable, Optional
 
 from ...checkpoints.loading import KeyPlan, Transform, row_split, swap_halves
 from ...contract import Detection
+from ..flux.keys import DOUBLE_BLOCK, DOUBLE_FUSED, SINGLE_BLOCK, SINGLE_FUSED
 
 # ComfyUI's renames of Tencent's module names, in its order (substring replacements)
 COMFY_RENAMES = (
@@ -53,22 +54,9 @@ _TOP = {
 }
 _REFINER = {"norm1": "norm1", "norm2": "norm2", "self_attn.proj": "attn.to_out.0", "mlp.0": "ff.net.0.proj",
             "mlp.2": "ff.net.2", "adaLN_modulation.1": "norm_out.linear"}
-_DOUBLE = {
-    "img_mod.lin": "norm1.linear", "txt_mod.lin": "norm1_context.linear",
-    "img_attn.proj": "attn.to_out.0", "txt_attn.proj": "attn.to_add_out",
-    "img_mlp.0": "ff.net.0.proj", "img_mlp.2": "ff.net.2", "txt_mlp.0": "ff_context.net.0.proj",
-    "txt_mlp.2": "ff_context.net.2",
-    "img_attn.norm.query_norm": "attn.norm_q", "img_attn.norm.key_norm": "attn.norm_k",
-    "txt_attn.norm.query_norm": "attn.norm_added_q", "txt_attn.norm.key_norm": "attn.norm_added_k",
-    # Tencent's HunyuanVideo 1.5 release keeps q, k, v apart
-    "img_attn_q": "attn.to_q", "img_attn_k": "attn.to_k", "img_attn_v": "attn.to_v",
-    "txt_attn_q": "attn.add_q_proj", "txt_attn_k": "attn.add_k_proj", "txt_attn_v": "attn.add_v_proj",
-}
-_DOUBLE_FUSED = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-                 "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
-_SINGLE = {"modulation.lin": "norm.linear", "linear2": "proj_out", "norm.query_norm": "attn.norm_q",
-           "norm.key_norm": "attn.norm_k"}
-_SINGLE_FUSED = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+_DOUBLE = {**DOUBLE_BLOCK,  # Tencent's HunyuanVideo 1.5 release keeps q, k, v apart
+           "img_attn_q": "attn.to_q", "img_attn_k": "attn.to_k", "img_attn_v": "attn.to_v",
+           "txt_attn_q": "attn.add_q_proj", "txt_attn_k": "attn.add_k_proj", "txt_attn_v": "attn.add_v_proj"}
 REFINER_STEM = "txt_in.individual_token_refiner.blocks"
 # The header facts HunyuanVideo 1.0 and 1.5 share: (ComfyUI / Tencent module name, diffusers name)
 SHARED_ARCHITECTURE_KEYS = {
@@ -139,14 +127,14 @@ def plan_target(module: str, kind: str, hidden: int, mlp_hidden: int, time_modul
         return [(f"{prefix}{_REFINER[inner]}.{kind}", None)] if inner in _REFINER else []
     if stem == "double_blocks":
         prefix = f"transformer_blocks.{index}."
-        if inner in _DOUBLE_FUSED:
-            return row_split(prefix, _DOUBLE_FUSED[inner], kind, (hidden,) * 3)
+        if inner in DOUBLE_FUSED:
+            return row_split(prefix, DOUBLE_FUSED[inner], kind, (hidden,) * 3)
         return [(f"{prefix}{_DOUBLE[inner]}.{kind}", None)] if inner in _DOUBLE else []
     if stem == "single_blocks":
         prefix = f"single_transformer_blocks.{index}."
         if inner == "linear1":
-            return row_split(prefix, _SINGLE_FUSED, kind, (hidden,) * 3 + (mlp_hidden,))
-        return [(f"{prefix}{_SINGLE[inner]}.{kind}", None)] if inner in _SINGLE else []
+            return row_split(prefix, SINGLE_FUSED, kind, (hidden,) * 3 + (mlp_hidden,))
+        return [(f"{prefix}{SINGLE_BLOCK[inner]}.{kind}", None)] if inner in SINGLE_BLOCK else []
     return []
 
 

@@ -10,12 +10,15 @@ as `timestep_r`.
 Plan (plan.py): hunyuan_video.PLAN with its differences: the image stream split as there; the text stream [SigLIP,
 ByT5, Qwen tokens], each with its condition-type embedding, replicated; double-stream blocks only, no token replace.
 """
-from ..family import Family
+from ..family import Family, PlanModel
 from .detection import CONFIG_KEYS, NAME, SR, architecture, detect
 from .host import COMFY, sampler_inputs
 from .keys import original_plan, weight_plan
-from .loading import load, load_model
 from .plan import PLAN
+
+MODEL = PlanModel(NAME, "HunyuanVideo 1.5", "HunyuanVideo15Transformer3DModel", detect, weight_plan, PLAN, 5,
+                  CONFIG_KEYS)
+load, load_model = MODEL.load, MODEL.load_model
 
 FAMILY = Family(NAME, "HunyuanVideo 1.5 (480p / 720p, T2V, I2V, 1080p super-resolution)", detect, load, COMFY,
                 weight_plan, original_plan, load_model, gguf_architectures=("hyvid",),  # ComfyUI-GGUF: Tencent's keys

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...checkpoints.header import Header, header_config
-from ...checkpoints.loading import count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
+from ...checkpoints.header import Header
+from ...checkpoints.loading import count_blocks, find_layout, folder_entries, layout_keys, shape_of
 from ...contract import Detection
-from ...sp.tokens import rope_axes
+from ..hunyuan_video.detection import shared_architecture
 from ..hunyuan_video.keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_names
 
 NAME = "hunyuan_video15"
@@ -31,19 +31,15 @@ SR = "sr"  # the variant of meanflow (super-resolution) files
 
 def detect(header: Header) -> Optional[Detection]:
     """HunyuanVideo 1.5 from its header alone; None for other files."""
-    folder_config = header_config(header)
-    if folder_config is not None:
-        if folder_config.get("_class_name") != "HunyuanVideo15Transformer3DModel":
-            return None
-        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
-        return _detection(header, "diffusers", "", {**config, "rope_axes_dim": tuple(config["rope_axes_dim"])})
-    for layout, anchors in (("original", ORIGINAL_ANCHORS), ("diffusers", DIFFUSERS_ANCHORS)):
-        prefix = find_prefix(header.tensors, anchors)
-        if prefix is not None:
-            tensors = strip_prefix(header.tensors, prefix)
-            keys = comfy_names(tensors) if layout == "original" else tensors
-            return _detection(header, layout, prefix, architecture(keys, layout, header.path))
-    return None
+    folder = folder_entries(header, "HunyuanVideo15Transformer3DModel", CONFIG_KEYS, tuples=("rope_axes_dim",))
+    if folder is not None:
+        return _detection(header, "diffusers", "", folder) if folder else None
+    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
+    if found is None:
+        return None
+    layout, prefix, keys = found
+    return _detection(header, layout, prefix, architecture(comfy_names(keys) if layout == "original" else keys,
+                                                           layout, header.path))
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
@@ -57,24 +53,7 @@ def architecture(keys: dict, layout: str, path: str = "") -> dict:
     if names["guidance"] in keys or count_blocks(keys, names["single_blocks"]):
         raise ValueError(f"{path!r} is a HunyuanVideo 1.5 variant with a guidance embedding or single-stream blocks, "
                          f"which diffusers' HunyuanVideo 1.5 (and so ulysses-sp) does not have")
-    hidden, in_channels, patch_t, patch, patch_w = shape_of(keys, names["embed"])
-    head_dim = shape_of(keys, names["head_norm"])[0]
-    if patch != patch_w or hidden % head_dim:
-        raise ValueError(f"HunyuanVideo 1.5 patch ({patch_t}, {patch}, {patch_w}) / width {hidden} with head size "
-                         f"{head_dim}: unsupported variant")
-    return {
-        "in_channels": in_channels,
-        "out_channels": shape_of(keys, names["out"])[0] // (patch_t * patch * patch),
-        "num_attention_heads": hidden // head_dim,
-        "attention_head_dim": head_dim,
-        "num_layers": count_blocks(keys, names["double_blocks"]),
-        "num_refiner_layers": count_blocks(keys, names["refiner_blocks"]),
-        "mlp_ratio": shape_of(keys, names["mlp"])[0] / hidden,
-        "patch_size": patch,
-        "patch_size_t": patch_t,
-        "text_embed_dim": shape_of(keys, names["text"])[1],
-        "text_embed_2_dim": shape_of(keys, names["byt5"])[1],
-        "image_embed_dim": shape_of(keys, names["image"])[0],
-        "rope_axes_dim": rope_axes(head_dim),
-        "use_meanflow": names["meanflow"] in keys,
-    }
+    return {**shared_architecture(keys, names, "HunyuanVideo 1.5"),
+            "text_embed_2_dim": shape_of(keys, names["byt5"])[1],
+            "image_embed_dim": shape_of(keys, names["image"])[0],
+            "use_meanflow": names["meanflow"] in keys}

@@ -9,8 +9,9 @@ import torch
 
 from ...checkpoints.loading import (ProgressFn, WeightDtypes, build_empty_model, choose_dtypes, detected_checkpoint,
                                     load_weights, strip_prefix)
-from ...contract import Detection, LoadRequest, ModelInfo
+from ...contract import Detection, ModelInfo
 from ...sp import PlanWorker
+from ..family import pool_load
 from .detection import CONNECTORS, FAMILY, detect
 from .keys import weight_plan
 from .plan import PLAN
@@ -71,12 +72,10 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     return model, detection, dtypes
 
 
-def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> PlanWorker:
-    """The pool's entry point: load on this worker's device, the executor running PLAN."""
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
-                                          request.header)
-    return PlanWorker(model, model_info(model, detection, dtypes), PLAN, dtypes, request.options)
+def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
+                      ) -> PlanWorker:
+    """The executor running PLAN around a built model."""
+    return PlanWorker(model, model_info(model, detection, dtypes), PLAN, dtypes, options)
 
 
 def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
@@ -86,3 +85,6 @@ def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
                      config={**entries, **detection.config["positions"],
                              "unbatched_inputs": ["latent_shapes", "frame_rate"]},
                      weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+
+
+load = pool_load(load_model, worker_from_model)

@@ -4,12 +4,14 @@ Edit-2511 files carry ComfyUI's `__index_timestep_zero__` marker (diffusers fold
 `time_text_embed.addition_t_embedding`."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
-from ...checkpoints.header import Header, header_config
-from ...checkpoints.loading import count_blocks, find_prefix, shape_of, strip_prefix
+from ...checkpoints.header import Header
+from ...checkpoints.loading import count_blocks, find_prefix, folder_entries, shape_of, strip_prefix
 from ...contract import Detection
 from ...sp.tokens import rope_axes
+from ..family import with_rope_axes_option
 
 NAME = "qwen_image"
 PATCH = 2
@@ -27,14 +29,16 @@ VARIANT_LAYERED = "layered"     # Qwen-Image-Layered: additional_t_cond, layers 
 
 def detect(header: Header) -> Optional[Detection]:
     """Qwen-Image from its header alone (no weights read); None when the file is another family."""
-    folder_config = header_config(header)
-    if folder_config is not None and folder_config.get("_class_name") != "QwenImageTransformer2DModel":
+    folder = folder_entries(header, "QwenImageTransformer2DModel", CONFIG_KEYS,
+                            dict.fromkeys(("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"), False),
+                            ("axes_dims_rope",))
+    if folder == {}:  # a diffusers folder of another class
         return None
     prefix = find_prefix(header.tensors, ANCHORS)
     if prefix is None:
         return None
     keys = strip_prefix(header.tensors, prefix)
-    config = _folder_config(folder_config) if folder_config else architecture(keys)
+    config = folder or architecture(keys)
     if EDIT_2511_MARKER in keys:
         config["zero_cond_t"] = True
     if LAYERED_MARKER in keys:
@@ -67,10 +71,13 @@ def architecture(keys: dict) -> dict:
     }
 
 
-def _folder_config(config: dict) -> dict:
-    known = {key: config[key] for key in CONFIG_KEYS if key in config}
-    for flag in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
-        known.setdefault(flag, False)
-    if "axes_dims_rope" in known:
-        known["axes_dims_rope"] = tuple(known["axes_dims_rope"])
-    return known
+def with_options(detection: Detection, options: dict) -> Detection:
+    """Apply load options: variant="edit_2511" (files that cannot say so), axes_dims_rope (unusual head sizes)."""
+    detection = with_rope_axes_option(detection, options)
+    variant = options.get("variant") or detection.variant
+    if variant not in (VARIANT_IMAGE, VARIANT_EDIT_2511, VARIANT_LAYERED):
+        raise ValueError(f"Qwen-Image variant {variant!r} is unknown; use {VARIANT_IMAGE!r} or {VARIANT_EDIT_2511!r}")
+    if (variant == VARIANT_LAYERED) != (detection.variant == VARIANT_LAYERED):
+        raise ValueError(f"variant {variant!r} does not fit this {detection.variant!r} file: Qwen-Image-Layered is "
+                         f"told by its weights (time_text_embed.addition_t_embedding), not by an option")
+    return replace(detection, variant=variant, config={**detection.config, "zero_cond_t": variant == VARIANT_EDIT_2511})

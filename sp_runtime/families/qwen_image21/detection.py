@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...checkpoints.header import Header, header_config
-from ...checkpoints.loading import count_blocks, find_prefix, shape_of, strip_prefix
+from ...checkpoints.header import Header
+from ...checkpoints.loading import count_blocks, find_prefix, folder_entries, shape_of, strip_prefix
 from ...contract import Detection
 from ...sp.tokens import rope_axes
 
@@ -20,21 +20,16 @@ CLASS_NAME = "QwenImage21Transformer2DModel"
 
 def detect(header: Header) -> Optional[Detection]:
     """Qwen-Image 2.1 from its header alone (no weights read); None when the file is another family."""
-    folder_config = header_config(header)
-    if folder_config is not None and folder_config.get("_class_name") != CLASS_NAME:
+    folder = folder_entries(header, CLASS_NAME, CONFIG_KEYS, {"axes_dims_rope": (16, 56, 56)}, ("axes_dims_rope",))
+    if folder == {}:  # a diffusers folder of another class
         return None
     prefix = find_prefix(header.tensors, ANCHORS)
     if prefix is None:
         return None
     keys = strip_prefix(header.tensors, prefix)
     fused = f"transformer_blocks.0.{FUSED_MLP}.weight" in keys
-    if folder_config:
-        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
-        config["axes_dims_rope"] = tuple(config.get("axes_dims_rope", (16, 56, 56)))
-    else:
-        config = architecture(keys, fused)
     return Detection(family=NAME, variant="image", layout="original" if fused else "diffusers", prefix=prefix,
-                     config=config, files=header.source.files)
+                     config=folder or architecture(keys, fused), files=header.source.files)
 
 
 def architecture(keys: dict, fused: bool) -> dict:

@@ -3,16 +3,18 @@
 
 detection.py reads the header (ComfyUI's `joint_blocks` layout with or without `model.diffusion_model.`,
 all-in-one checkpoints, diffusers files and folders), keys.py maps ComfyUI names through diffusers' own converter,
-loading.py builds the model, plan.py is the sequence-parallel forward (the image split, each rank embedding its own
+MODEL below builds the model, plan.py is the sequence-parallel forward (the image split, each rank embedding its own
 tokens with their learned positions; text replicated and joined in every block; SD3.5 Medium's second, image-only
 attention), host.py is what ComfyUI's host side reads.
 """
-from ..family import Family
-from .detection import DESCRIPTION, NAME, detect
+from ..family import Family, PlanModel
+from .detection import CLASS_NAME, CONFIG_KEYS, DESCRIPTION, NAME, detect
 from .host import COMFY
 from .keys import original_plan, weight_plan
-from .loading import load, load_model
 from .plan import PLAN
+
+MODEL = PlanModel(NAME, "SD3 / SD3.5", CLASS_NAME, detect, weight_plan, PLAN, 4, CONFIG_KEYS)
+load, load_model = MODEL.load, MODEL.load_model
 
 FAMILY = Family(NAME, DESCRIPTION, detect, load, COMFY, weight_plan, original_plan, load_model,
                 signatures=("joint_blocks.0.context_block.attn.qkv.weight",))

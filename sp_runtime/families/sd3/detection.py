@@ -7,8 +7,8 @@ import math
 from typing import Optional
 
 from ...contract import Detection
-from ...checkpoints.loading import count_blocks, find_prefix, shape_of, strip_prefix
-from ...checkpoints.header import Header, header_config
+from ...checkpoints.loading import count_blocks, find_layout, folder_entries, layout_keys, shape_of
+from ...checkpoints.header import Header
 
 NAME = "sd3"
 DESCRIPTION = "SD3 / SD3.5 (Large, Large Turbo, Medium)"
@@ -33,22 +33,17 @@ KEYS = {"embed": ("x_embedder.proj.weight", "pos_embed.proj.weight"),
 
 
 def detect(header: Header) -> Optional[Detection]:
-    folder_config = header_config(header)
-    if folder_config is not None:
-        if folder_config.get("_class_name") != CLASS_NAME:
-            return None
-        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
-        config["dual_attention_layers"] = tuple(config.get("dual_attention_layers", ()))
-        return _detection(header, "diffusers", "", config)
-    for layout, anchors in (("original", ORIGINAL_ANCHORS), ("diffusers", DIFFUSERS_ANCHORS)):
-        prefix = find_prefix(header.tensors, anchors)
-        if prefix is not None:
-            keys = strip_prefix(header.tensors, prefix)
-            if "context_processor.layers.0.attn.qkv.weight" in keys:
-                raise ValueError(f"{header.path!r} is an MMDiT with a context processor, which is not supported "
-                                 f"(SD3 and SD3.5 Large / Medium load)")
-            return _detection(header, layout, prefix, architecture(keys, layout))
-    return None
+    folder = folder_entries(header, CLASS_NAME, CONFIG_KEYS, {"dual_attention_layers": ()}, ("dual_attention_layers",))
+    if folder is not None:
+        return _detection(header, "diffusers", "", folder) if folder else None
+    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
+    if found is None:
+        return None
+    layout, prefix, keys = found
+    if "context_processor.layers.0.attn.qkv.weight" in keys:
+        raise ValueError(f"{header.path!r} is an MMDiT with a context processor, which is not supported (SD3 and "
+                         f"SD3.5 Large / Medium load)")
+    return _detection(header, layout, prefix, architecture(keys, layout))
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
@@ -66,8 +61,7 @@ def variant_of(config: dict) -> str:
 def architecture(keys: dict, layout: str) -> dict:
     """SD3Transformer2DModel config from header shapes (keys without prefix) in the "original" (ComfyUI) or
     "diffusers" layout."""
-    index = ("original", "diffusers").index(layout)
-    names = {fact: pair[index] for fact, pair in KEYS.items()}
+    names = layout_keys(KEYS, layout)
     width, in_channels, patch, _ = shape_of(keys, names["embed"])
     head_dim = shape_of(keys, names["head_norm"])[0] if names["head_norm"] in keys else HEAD_DIM
     if width % head_dim:

@@ -7,10 +7,11 @@ from typing import Iterable, Optional
 import torch
 
 from ...sp import PlanWorker
-from ...contract import Detection, LoadRequest, ModelInfo, config_entries
+from ...contract import Detection, ModelInfo, config_entries
 from ...checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, build_empty_model, choose_dtypes,
                                     detected_checkpoint, load_weights)
 from ...checkpoints.header import Header, header_config
+from ..family import pool_load
 from .detect import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY, detect,
                      folder_overrides)
 from .keys import wan_key_plan
@@ -91,19 +92,14 @@ def load_model(path: str, dtype: str = "default", device: torch.device | str = "
     return model, detection, dtypes
 
 
-def load(request: LoadRequest, detection: Detection, device: torch.device, groups, progress: ProgressFn
-         ) -> PlanWorker:
-    """The pool's entry point: load on this worker's device, the executor running the model's plan."""
-    model, detection, dtypes = load_model(request.path, request.dtype, device, detection, request.options, progress,
-                                          request.header)
-    return worker_from_model(model, detection, dtypes, request.options)
-
-
 def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
                       ) -> PlanWorker:
     """The executor around a built model (load(), synthetic models), running the plan of its variants."""
     plan = plan_for(variants_of(model, detection.variant))
     return PlanWorker(model, model_info(model, detection, dtypes), plan, dtypes, options)
+
+
+load = pool_load(load_model, worker_from_model)
 
 
 def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:

@@ -6,12 +6,15 @@ Plan (plan.py): the caption and the image tokens are two streams, each padded to
 own; `context_refiner` and `noise_refiner` attend within one stream, `layers` over both (each rank's caption shard,
 then its image shard; nothing is masked, so the order changes nothing). Ulysses pads heads to the degree.
 """
-from ..family import Family
-from .detection import CONFIG_KEYS, NAME, PAD_MULTIPLE, PATCH, architecture, detect
+from ..family import Family, PlanModel
+from .detection import CLASS_NAME, CONFIG_KEYS, NAME, PAD_MULTIPLE, PATCH, UNUSED, architecture, detect
 from .host import COMFY
 from .keys import original_plan, weight_plan
-from .loading import load, load_model
 from .plan import PLAN
+
+MODEL = PlanModel(NAME, "Z-Image", CLASS_NAME, detect, weight_plan, PLAN, 4, CONFIG_KEYS, ignore=UNUSED,
+                  channels=lambda model: (model.config.in_channels, model.config.in_channels))
+load, load_model = MODEL.load, MODEL.load_model
 
 FAMILY = Family(NAME, "Z-Image (base, turbo)", detect, load, COMFY, weight_plan, original_plan, load_model,
                 gguf_architectures=("lumina2",))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...checkpoints.header import Header, header_config
-from ...checkpoints.loading import count_blocks, find_prefix, shape_of, strip_prefix
+from ...checkpoints.header import Header
+from ...checkpoints.loading import count_blocks, find_prefix, folder_entries, shape_of, strip_prefix
 from ...contract import Detection
 
 NAME = "z_image"
@@ -25,14 +25,14 @@ CONFIG_KEYS = ("in_channels", "dim", "n_layers", "n_refiner_layers", "n_heads", 
 
 def detect(header: Header) -> Optional[Detection]:
     """Z-Image from its header alone (no weights read); None when the file is another family."""
-    folder_config = header_config(header)
-    if folder_config is not None and folder_config.get("_class_name") != CLASS_NAME:
+    folder = folder_entries(header, CLASS_NAME, CONFIG_KEYS + ("siglip_feat_dim",))
+    if folder == {}:  # a diffusers folder of another class
         return None
     prefix = find_prefix(header.tensors, ANCHORS)
     if prefix is None:
         return None
     keys = strip_prefix(header.tensors, prefix)
-    if any(key.startswith("siglip_") for key in keys) or (folder_config or {}).get("siglip_feat_dim"):
+    if any(key.startswith("siglip_") for key in keys) or (folder or {}).pop("siglip_feat_dim", None):
         raise ValueError(f"{header.path!r} is Z-Image Omni (SigLIP image features), which is not supported (Z-Image "
                          f"and Z-Image-Turbo load)")
     missing = [name for name in PAD_TOKENS if name not in keys]
@@ -40,12 +40,8 @@ def detect(header: Header) -> Optional[Detection]:
         raise ValueError(f"{header.path!r} looks like Z-Image but has no {missing}: Z-Image pads its sequences with "
                          f"these learned tokens; the file is incomplete or another Lumina-type model")
     original = f"layers.0{FUSED_QKV}" in keys
-    if folder_config:
-        config = {key: folder_config[key] for key in CONFIG_KEYS if key in folder_config}
-    else:
-        config = architecture(keys, original)
     return Detection(family=NAME, variant="image", layout="original" if original else "diffusers", prefix=prefix,
-                     config=config, files=header.source.files)
+                     config=folder or architecture(keys, original), files=header.source.files)
 
 
 def architecture(keys: dict, original: bool) -> dict:
