@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Callable, Optional
+
+import torch
 
 
 def reference_forward(family: str) -> Callable:
@@ -20,3 +22,11 @@ def reference_forward(family: str) -> Callable:
             raise
     from sp_runtime.families import family_module
     return family_module(family).reference_forward
+
+
+def as_model(model_or_path, load_model: Callable, dtype: str = "default", options: Optional[dict] = None
+             ) -> torch.nn.Module:
+    """The model given, or the one the family's load_model reads from a checkpoint path."""
+    if isinstance(model_or_path, torch.nn.Module):
+        return model_or_path
+    return load_model(model_or_path, dtype, options=options)[0]

@@ -8,15 +8,14 @@ import torch
 
 from sp_runtime.families.flux import PATCH, REF_METHODS, load_model
 from sp_runtime.sp.tokens import TokenGrid, as_list, grid_ids, reference_pack, reference_placements, reference_unpack
+from sp_lab.references import as_model
 
 
 def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
                       y: Optional[torch.Tensor] = None, guidance: Optional[torch.Tensor] = None, ref_latents=None,
                       ref_latents_method: Optional[str] = None, dtype: str = "default", **_ignored) -> torch.Tensor:
     """ComfyUI's Flux diffusion_model(...) computed by diffusers' own forward on one process."""
-    model = model_or_path
-    if not isinstance(model, torch.nn.Module):
-        model = load_model(model_or_path, dtype)[0]
+    model = as_model(model_or_path, load_model, dtype)
     compute, device = model.proj_out.weight.dtype, model.proj_out.weight.device
     batch, _, height, width = x.shape
     refs = as_list(ref_latents)

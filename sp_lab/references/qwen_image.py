@@ -8,6 +8,7 @@ import torch
 
 from sp_runtime.families.qwen_image import PATCH, REF_METHODS, as_4d, default_ref_method, load_model
 from sp_runtime.sp.tokens import TokenGrid, as_list, grid_ids, reference_pack, reference_placements, reference_unpack
+from sp_lab.references import as_model
 
 
 def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
@@ -21,9 +22,7 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     ComfyUI's position ids (diffusers centres odd grids one step differently and starts the text after the largest
     reference image).
     """
-    model = model_or_path
-    if not isinstance(model, torch.nn.Module):
-        model = load_model(model_or_path, dtype)[0]
+    model = as_model(model_or_path, load_model, dtype)
     compute = model.proj_out.weight.dtype
     device = model.proj_out.weight.device
     frames = list(x.unbind(2)) if x.dim() == 5 else [x]

@@ -8,6 +8,7 @@ import torch
 
 from sp_runtime.families.qwen_image21 import joint_layout, load_model, slot_list
 from sp_runtime.sp.tokens import as_list, text_key_mask
+from sp_lab.references import as_model
 
 
 def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
@@ -19,9 +20,7 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     last; it cannot place half-token positions, so its rotary table is replaced by one at ComfyUI's position ids.
     Token counts of every image must be multiples of 4 (diffusers' slots), which ComfyUI does not need.
     """
-    model = model_or_path
-    if not isinstance(model, torch.nn.Module):
-        model = load_model(model_or_path, dtype)[0]
+    model = as_model(model_or_path, load_model, dtype)
     compute, device = model.proj_out.weight.dtype, model.proj_out.weight.device
     batch, _, height, width = x.shape
     refs = [ref.expand(batch, *ref.shape[1:]) for ref in as_list(ref_latents)]

@@ -14,6 +14,7 @@ from sp_runtime.families.wan import load_model
 from sp_runtime.families.wan.plan import token_entries, wan_sinusoid
 from sp_runtime.families.wan.humo import AUDIO_TOKENS
 from sp_runtime.families.wan.s2v import ADAIN_EPS, motion_positions
+from sp_lab.references import as_model
 
 ROPE_THETA = 10000.0
 
@@ -64,9 +65,7 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     """
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
-    model = model_or_path
-    if not isinstance(model, torch.nn.Module):
-        model = load_model(model_or_path, dtype, options={"head_dim": head_dim} if head_dim else None)[0]
+    model = as_model(model_or_path, load_model, dtype, options={"head_dim": head_dim} if head_dim else None)
     if getattr(model, "audio_injector", None) is not None:
         return s2v_reference_forward(model, x, timestep, context, audio_embed, reference_latent, reference_motion,
                                      control_video)

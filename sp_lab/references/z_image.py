@@ -6,6 +6,7 @@ from contextlib import contextmanager
 import torch
 
 from sp_runtime.families.z_image import PATCH, load_model
+from sp_lab.references import as_model
 
 
 def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
@@ -13,9 +14,7 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     """ComfyUI's Z-Image diffusion_model(...) computed by diffusers' own forward on one process: per-item lists,
     t = 1 - sigma, the latent padded to the patch by wrap-around (ComfyUI's circular padding), output negated;
     ScaleROPE's rope_options placed as ComfyUI's pos_ids_x."""
-    model = model_or_path
-    if not isinstance(model, torch.nn.Module):
-        model = load_model(model_or_path, dtype)[0]
+    model = as_model(model_or_path, load_model, dtype)
     weight = model.all_x_embedder[f"{PATCH}-1"].weight
     compute, device = weight.dtype, weight.device
     height, width = x.shape[-2:]

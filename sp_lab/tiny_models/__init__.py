@@ -7,28 +7,33 @@ writer is the inverse of the loader's key conversion, written separately so that
 """
 from __future__ import annotations
 
-import os
+from functools import partial
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
-from . import flux2 as tiny_flux2
-from . import hunyuan_video as tiny_hunyuan
-from . import chroma as tiny_chroma
-from . import ltx2 as tiny_ltx2
-from . import qwen_image21 as tiny_qwen21
-from . import sd3 as tiny_sd3
-from . import wan as tiny_wan
-from . import z_image as tiny_z_image
-from .weights import COMFY_PREFIX, cast_like_release, randomize_, save_folder
+from . import chroma, flux2, hunyuan_video, ltx2, qwen_image21, sd3, wan, z_image
+from .weights import COMFY_PREFIX, random_model, randomize_, save_tiny, sized
 
 __all__ = ["COMFY_PREFIX", "FAMILIES", "LAYOUTS", "build_tiny_model", "original_state_dict", "randomize_",
            "tiny_config", "write_tiny_checkpoint"]
 
-FAMILIES = ("qwen_image", "flux", "wan", "qwen_image21", "flux2", "hunyuan_video", "hunyuan_video15",
-            "z_image", "ltx2", "sd3", "chroma")  # the last nine: see their modules
-OWN_API = {"sd3": tiny_sd3, "chroma": tiny_chroma}  # modules with the whole API; sd3's `variant` picks 3.5 Large etc.
-HUNYUAN_VERSIONS = {"hunyuan_video": "1.0", "hunyuan_video15": "1.5"}
+
+def _hunyuan(version: str) -> SimpleNamespace:
+    """hunyuan_video.py's API at one version (1.0, 1.5), as the other modules have theirs."""
+    return SimpleNamespace(tiny_config=partial(hunyuan_video.tiny_config, version),
+                           build_tiny_model=lambda seed=0, **size: hunyuan_video.build_tiny_model(seed, version, **size),
+                           original_state_dict=hunyuan_video.tencent_state_dict,
+                           write_tiny_checkpoint=partial(hunyuan_video.write_tiny_checkpoint, version=version))
+
+
+# family -> its module (tiny_config(**size), build_tiny_model(seed, **size), original_state_dict(model), and
+# write_tiny_checkpoint(path, layout, dtype, seed, prefix, [variant, max_shard_size,] **size) where saving the model
+# as built is not all); Qwen-Image and Flux.1 are written here
+MODULES = {"wan": wan, "qwen_image21": qwen_image21, "flux2": flux2, "hunyuan_video": _hunyuan("1.0"),
+           "hunyuan_video15": _hunyuan("1.5"), "z_image": z_image, "ltx2": ltx2, "sd3": sd3, "chroma": chroma}
+FAMILIES = ("qwen_image", "flux", *MODULES)
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
 
 QWEN_TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
@@ -44,52 +49,17 @@ def tiny_config(family: str, **size) -> dict:
     """diffusers config of a tiny model; `size` overrides (e.g. guidance_embeds=False for Flux schnell)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; tiny models exist for {FAMILIES}")
-    if family in OWN_API:
-        return OWN_API[family].tiny_config(**size)
-    if family == "wan":  # Wan's tiny models live in wan.py (size may hold variant=...)
-        return tiny_wan.tiny_config(**size)
-    if family == "qwen_image21":
-        return tiny_qwen21.tiny_config(**size)
-    if family == "flux2":
-        return tiny_flux2.tiny_config(**size)
-    if family in HUNYUAN_VERSIONS:
-        return tiny_hunyuan.tiny_config(HUNYUAN_VERSIONS[family], **size)
-    if family == "z_image":
-        return tiny_z_image.tiny_config(**size)
-    if family == "ltx2":
-        return tiny_ltx2.tiny_config(**size)
-    config = dict(QWEN_TINY if family == "qwen_image" else FLUX_TINY)
-    unknown = set(size) - set(config)
-    if unknown:
-        raise ValueError(f"unknown size options {sorted(unknown)} for {family}; known: {sorted(config)}")
-    config.update(size)
-    if "attention_head_dim" in size and "axes_dims_rope" not in size:
-        from sp_runtime.sp.tokens import rope_axes
-        config["axes_dims_rope"] = rope_axes(config["attention_head_dim"])
-    return config
+    if family in MODULES:
+        return MODULES[family].tiny_config(**size)
+    return sized(family, QWEN_TINY if family == "qwen_image" else FLUX_TINY, size, "axes_dims_rope")
 
 
 def build_tiny_model(family: str, seed: int = 0, **size) -> torch.nn.Module:
     """A float32 diffusers model of the family with seeded random weights (stock attention processors)."""
-    if family in OWN_API:
-        return OWN_API[family].build_tiny_model(seed, **size)
-    if family == "wan":
-        return tiny_wan.build_tiny_model(seed, **size)
-    if family == "qwen_image21":
-        return tiny_qwen21.build_tiny_model(seed, **size)
-    if family == "flux2":
-        return tiny_flux2.build_tiny_model(seed, **size)
-    if family in HUNYUAN_VERSIONS:
-        return tiny_hunyuan.build_tiny_model(seed, HUNYUAN_VERSIONS[family], **size)
-    if family == "z_image":
-        return tiny_z_image.build_tiny_model(seed, **size)
-    if family == "ltx2":
-        return tiny_ltx2.build_tiny_model(seed, **size)
-    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel
-    cls = QwenImageTransformer2DModel if family == "qwen_image" else FluxTransformer2DModel
-    model = cls.from_config(tiny_config(family, **size))
-    randomize_(model, seed)
-    return model.eval().requires_grad_(False)
+    if family in MODULES:
+        return MODULES[family].build_tiny_model(seed, **size)
+    class_name = "QwenImageTransformer2DModel" if family == "qwen_image" else "FluxTransformer2DModel"
+    return random_model(class_name, tiny_config(family, **size), seed)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -97,20 +67,8 @@ def build_tiny_model(family: str, seed: int = 0, **size) -> torch.nn.Module:
 
 def original_state_dict(family: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under ComfyUI's / the original release's key names."""
-    if family in OWN_API:
-        return OWN_API[family].original_state_dict(model)
-    if family == "wan":
-        return tiny_wan.original_state_dict(model)
-    if family == "qwen_image21":
-        return tiny_qwen21.original_state_dict(model)
-    if family == "flux2":
-        return tiny_flux2.original_state_dict(model)
-    if family in HUNYUAN_VERSIONS:
-        return tiny_hunyuan.tencent_state_dict(model)
-    if family == "z_image":
-        return tiny_z_image.original_state_dict(model)
-    if family == "ltx2":
-        return tiny_ltx2.original_state_dict(model)
+    if family in MODULES:
+        return MODULES[family].original_state_dict(model)
     state = {key: value.detach() for key, value in model.state_dict().items()}
     if family == "qwen_image":
         return state  # ComfyUI uses diffusers' names for Qwen-Image
@@ -186,38 +144,21 @@ def write_tiny_checkpoint(family: str, path: str, layout: str = "original", dtyp
     addition_t_embedding), "schnell" (Flux without guidance),
     "fill" (Flux with 384 input features).
     """
-    from safetensors.torch import save_file
-
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
-    if family in OWN_API:
-        size = {**size, "variant": variant} if variant else size
-        return OWN_API[family].write_tiny_checkpoint(path, layout, dtype, seed, prefix, max_shard_size, **size)
-    if family == "wan":
-        return tiny_wan.write_tiny_checkpoint(path, layout, dtype, seed, prefix, variant, max_shard_size, **size)
-    if family == "qwen_image21":
-        return tiny_qwen21.write_tiny_checkpoint(path, layout, dtype, seed, prefix, max_shard_size, **size)
-    if family == "flux2":
-        return tiny_flux2.write_tiny_checkpoint(path, layout, dtype, seed, prefix, variant, max_shard_size, **size)
-    if family in HUNYUAN_VERSIONS:
-        return tiny_hunyuan.write_tiny_checkpoint(path, layout, dtype, seed, prefix, variant, HUNYUAN_VERSIONS[family],
-                                                  **size)
-    if family == "z_image":
-        return tiny_z_image.write_tiny_checkpoint(path, layout, dtype, seed, prefix, max_shard_size, **size)
-    if family == "ltx2":
-        return tiny_ltx2.write_tiny_checkpoint(path, layout, dtype, seed, prefix, variant, **size)
-    size = {**_variant_size(family, variant, layout), **size}
-    model = build_tiny_model(family, seed, **size)
-    if layout == "diffusers_folder":
-        save_folder(model, path, dtype, max_shard_size)
-        return path
-    state = original_state_dict(family, model) if layout == "original" else model.state_dict()
-    state = cast_like_release(state, dtype)
-    if family == "qwen_image" and variant == "edit_2511" and layout == "original":
-        state[EDIT_2511_MARKER] = torch.tensor([])
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file({prefix + key: value for key, value in state.items()}, path)
-    return path
+    module = MODULES.get(family)
+    if module is not None and not hasattr(module, "write_tiny_checkpoint"):  # the model as built, saved
+        model = module.build_tiny_model(seed, **({"variant": variant} if variant else {}), **size)
+        return save_tiny(model, path, layout, dtype, prefix, max_shard_size, module.original_state_dict)
+    if module is not None:
+        options = {**({"variant": variant} if variant else {}),
+                   **({"max_shard_size": max_shard_size} if max_shard_size else {})}
+        return module.write_tiny_checkpoint(path, layout=layout, dtype=dtype, seed=seed, prefix=prefix, **options,
+                                            **size)
+    model = build_tiny_model(family, seed, **{**_variant_size(family, variant, layout), **size})
+    marker = family == "qwen_image" and variant == "edit_2511" and layout == "original"
+    return save_tiny(model, path, layout, dtype, prefix, max_shard_size, partial(original_state_dict, family),
+                     extra={EDIT_2511_MARKER: torch.tensor([])} if marker else None)
 
 
 def _variant_size(family: str, variant: str, layout: str) -> dict:

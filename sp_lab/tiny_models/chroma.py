@@ -5,12 +5,11 @@ a 2-layer guidance network of width 48) and their files in ComfyUI's key layout 
 plan, so that a round trip checks both."""
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from .weights import cast_like_release, randomize_, save_folder
+from .weights import random_model, save_tiny, sized
 
 CHROMA_TINY = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=2, num_single_layers=2,
                    attention_head_dim=16, num_attention_heads=6, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
@@ -25,17 +24,11 @@ _SINGLE = {"proj_out": "linear2", "attn.norm_q": "norm.query_norm", "attn.norm_k
 
 
 def tiny_config(**size) -> dict:
-    unknown = set(size) - set(CHROMA_TINY)
-    if unknown:
-        raise ValueError(f"unknown size options {sorted(unknown)} for chroma; known: {sorted(CHROMA_TINY)}")
-    return {**CHROMA_TINY, **size}
+    return sized("chroma", CHROMA_TINY, size)
 
 
 def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
-    from diffusers import ChromaTransformer2DModel
-    model = ChromaTransformer2DModel.from_config(tiny_config(**size))
-    randomize_(model, seed)
-    return model.eval().requires_grad_(False)
+    return random_model("ChromaTransformer2DModel", tiny_config(**size), seed)
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -73,12 +66,4 @@ def _block(stem: str, index: str, rest: str, state: dict) -> dict:
 
 def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
                           prefix: str = "", max_shard_size: Optional[str] = None, **size) -> str:
-    from safetensors.torch import save_file
-    model = build_tiny_model(seed, **size)
-    if layout == "diffusers_folder":
-        save_folder(model, path, dtype, max_shard_size)
-        return path
-    state = original_state_dict(model) if layout == "original" else model.state_dict()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file({prefix + key: value for key, value in cast_like_release(state, dtype).items()}, path)
-    return path
+    return save_tiny(build_tiny_model(seed, **size), path, layout, dtype, prefix, max_shard_size, original_state_dict)

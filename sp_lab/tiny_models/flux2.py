@@ -4,12 +4,9 @@ files and as diffusers folders. Variant "klein": no guidance embedding. The pack
 original-layout writer is the inverse of diffusers' converter, written separately so that a round trip checks both."""
 from __future__ import annotations
 
-import os
-from typing import Optional
-
 import torch
 
-from .weights import cast_like_release, randomize_, save_folder
+from .weights import random_model, sized
 
 FLUX2_TINY = dict(patch_size=1, in_channels=16, out_channels=None, num_layers=1, num_single_layers=2,
                   attention_head_dim=128, num_attention_heads=3, joint_attention_dim=32, mlp_ratio=3.0,
@@ -32,19 +29,11 @@ _SINGLE_NORMS = {"attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm
 
 
 def tiny_config(variant: str = "", **size) -> dict:
-    config = dict(FLUX2_TINY, guidance_embeds=variant != "klein")
-    unknown = set(size) - set(config)
-    if unknown:
-        raise ValueError(f"unknown size options {sorted(unknown)} for flux2; known: {sorted(config)}")
-    config.update(size)
-    return config
+    return sized("flux2", dict(FLUX2_TINY, guidance_embeds=variant != "klein"), size)
 
 
 def build_tiny_model(seed: int = 0, variant: str = "", **size) -> torch.nn.Module:
-    from diffusers import Flux2Transformer2DModel
-    model = Flux2Transformer2DModel.from_config(tiny_config(variant, **size))
-    randomize_(model, seed)
-    return model.eval().requires_grad_(False)
+    return random_model("Flux2Transformer2DModel", tiny_config(variant, **size), seed)
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -63,16 +52,3 @@ def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         out.update({f"{theirs}{b}.weight": state[f"{ours}{a}.weight"] for a, b in _SINGLE.items()})
         out.update({f"{theirs}{b}.scale": state[f"{ours}{a}.weight"] for a, b in _SINGLE_NORMS.items()})
     return out
-
-
-def write_tiny_checkpoint(path: str, layout: str, dtype: str, seed: int, prefix: str, variant: str,
-                          max_shard_size: Optional[str], **size) -> str:
-    from safetensors.torch import save_file
-    model = build_tiny_model(seed, variant, **size)
-    if layout == "diffusers_folder":
-        save_folder(model, path, dtype, max_shard_size)
-        return path
-    state = original_state_dict(model) if layout == "original" else model.state_dict()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file({prefix + key: value for key, value in cast_like_release(state, dtype).items()}, path)
-    return path

@@ -12,11 +12,9 @@ Tencent-layout writer is the inverse of the loader's key plan, written separatel
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .weights import cast_like_release, randomize_, save_folder
+from .weights import randomize_, save_tiny
 
 HV_TINY = dict(in_channels=16, out_channels=16, num_attention_heads=3, attention_head_dim=128, num_layers=1,
                num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
@@ -136,16 +134,10 @@ def _fuse(state: dict, out: dict, ours: str, theirs: str, qkv: str, suffix: str 
                 out[f"{theirs.removesuffix('qkv')}{p}.{kind}"] = part
 
 
-def write_tiny_checkpoint(path: str, layout: str, dtype: str, seed: int, prefix: str, variant: str,
-                          version: str = "1.0", qkv: str = "fused", **size) -> str:
+def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
+                          prefix: str = "", variant: str = "", version: str = "1.0", qkv: str = "fused",
+                          **size) -> str:
     """Build a tiny HunyuanVideo and save it: layout "original" (Tencent names), "diffusers" (one file) or
     "diffusers_folder"."""
-    from safetensors.torch import save_file
-    model = build_tiny_model(seed, version, variant or "t2v", **size)
-    if layout == "diffusers_folder":
-        save_folder(model, path, dtype, None)
-        return path
-    state = tencent_state_dict(model, qkv) if layout == "original" else model.state_dict()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file({prefix + key: value for key, value in cast_like_release(state, dtype).items()}, path)
-    return path
+    return save_tiny(build_tiny_model(seed, version, variant or "t2v", **size), path, layout, dtype, prefix,
+                     original=lambda model: tencent_state_dict(model, qkv))

@@ -10,12 +10,11 @@ checks both.
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
 from sp_runtime.families.ltx2 import CONNECTORS
-from .weights import cast_like_release, randomize_
+from .weights import randomize_, save_tiny, sized
 
 LTX2_TINY = dict(in_channels=128, out_channels=128, num_attention_heads=3, attention_head_dim=128,
                  cross_attention_dim=384, audio_in_channels=128, audio_out_channels=128, audio_num_attention_heads=3,
@@ -41,12 +40,7 @@ def tiny_config(release: str = "2.0", **size) -> dict:
     """diffusers config of a tiny LTX-2 of `release` ("2.0", "2.3", "2.5")."""
     if release not in RELEASES:
         raise ValueError(f"unknown LTX release {release!r}; tiny models exist for {sorted(RELEASES)}")
-    config = {**LTX2_TINY, **RELEASES[release]}
-    unknown = set(size) - set(config)
-    if unknown:
-        raise ValueError(f"unknown size options {sorted(unknown)} for ltx2; known: {sorted(config)}")
-    config.update(size)
-    return config
+    return sized("ltx2", {**LTX2_TINY, **RELEASES[release]}, size)
 
 
 def connector_sizes(config) -> dict:
@@ -124,11 +118,8 @@ def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
                           prefix: str = "", variant: str = "", **size) -> str:
     """A tiny LTX-2 in ComfyUI's layout (the only layout LTX-2 ships in)."""
-    from safetensors.torch import save_file
     if layout != "original" or variant:
         raise ValueError("tiny LTX-2 checkpoints exist in ComfyUI's (original) layout only")
     model = build_tiny_model(seed, **size)
-    state = cast_like_release(original_state_dict(model), dtype)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file({prefix + key: value for key, value in state.items()}, path, metadata=release_metadata(model))
-    return path
+    return save_tiny(model, path, layout, dtype, prefix, original=original_state_dict,
+                     metadata=release_metadata(model))

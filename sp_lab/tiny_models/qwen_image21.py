@@ -4,34 +4,20 @@ single files and as diffusers folders. The package's API dispatches here. The Co
 key plan splits, written separately so that a round trip checks both."""
 from __future__ import annotations
 
-import os
-from typing import Optional
-
 import torch
 
-from .weights import cast_like_release, randomize_, save_folder
+from .weights import random_model, sized
 
 QWEN21_TINY = dict(patch_size=1, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=128,
                    num_attention_heads=5, context_in_dim=32, mlp_ratio=3, axes_dims_rope=(16, 56, 56))
 
 
 def tiny_config(**size) -> dict:
-    config = dict(QWEN21_TINY)
-    unknown = set(size) - set(config)
-    if unknown:
-        raise ValueError(f"unknown size options {sorted(unknown)} for qwen_image21; known: {sorted(config)}")
-    config.update(size)
-    if "attention_head_dim" in size and "axes_dims_rope" not in size:
-        from sp_runtime.sp.tokens import rope_axes
-        config["axes_dims_rope"] = rope_axes(config["attention_head_dim"])
-    return config
+    return sized("qwen_image21", QWEN21_TINY, size, "axes_dims_rope")
 
 
 def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
-    from diffusers import QwenImage21Transformer2DModel
-    model = QwenImage21Transformer2DModel.from_config(tiny_config(**size))
-    randomize_(model, seed)
-    return model.eval().requires_grad_(False)
+    return random_model("QwenImage21Transformer2DModel", tiny_config(**size), seed)
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -44,16 +30,3 @@ def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         elif not key.endswith("img_mlp.proj.weight"):
             out[key] = value
     return out
-
-
-def write_tiny_checkpoint(path: str, layout: str, dtype: str, seed: int, prefix: str,
-                          max_shard_size: Optional[str], **size) -> str:
-    from safetensors.torch import save_file
-    model = build_tiny_model(seed, **size)
-    if layout == "diffusers_folder":
-        save_folder(model, path, dtype, max_shard_size)
-        return path
-    state = original_state_dict(model) if layout == "original" else model.state_dict()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file({prefix + key: value for key, value in cast_like_release(state, dtype).items()}, path)
-    return path

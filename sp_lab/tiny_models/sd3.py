@@ -5,12 +5,11 @@ as diffusers folders. The ComfyUI writer is the inverse of the loader's key plan
 from diffusers' converter), so that a round trip checks both."""
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from .weights import cast_like_release, randomize_, save_folder
+from .weights import random_model, save_tiny, sized
 
 SD3_TINY = dict(sample_size=12, patch_size=2, in_channels=16, out_channels=16, num_layers=3, attention_head_dim=64,
                 num_attention_heads=3, joint_attention_dim=32, caption_projection_dim=192, pooled_projection_dim=24,
@@ -34,18 +33,11 @@ _FUSED = {"x_block.attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
 
 
 def tiny_config(variant: str = "3.5_medium", **size) -> dict:
-    config = {**SD3_TINY, **VARIANTS[variant]}
-    unknown = set(size) - set(config)
-    if unknown:
-        raise ValueError(f"unknown size options {sorted(unknown)} for sd3; known: {sorted(config)}")
-    return {**config, **size}
+    return sized("sd3", {**SD3_TINY, **VARIANTS[variant]}, size)
 
 
 def build_tiny_model(seed: int = 0, variant: str = "3.5_medium", **size) -> torch.nn.Module:
-    from diffusers import SD3Transformer2DModel
-    model = SD3Transformer2DModel.from_config(tiny_config(variant, **size))
-    randomize_(model, seed)
-    return model.eval().requires_grad_(False)
+    return random_model("SD3Transformer2DModel", tiny_config(variant, **size), seed)
 
 
 def _swapped(tensor: torch.Tensor) -> torch.Tensor:
@@ -82,12 +74,5 @@ def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
                           prefix: str = "", max_shard_size: Optional[str] = None, variant: str = "3.5_medium",
                           **size) -> str:
-    from safetensors.torch import save_file
-    model = build_tiny_model(seed, variant, **size)
-    if layout == "diffusers_folder":
-        save_folder(model, path, dtype, max_shard_size)
-        return path
-    state = original_state_dict(model) if layout == "original" else model.state_dict()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file({prefix + key: value for key, value in cast_like_release(state, dtype).items()}, path)
-    return path
+    return save_tiny(build_tiny_model(seed, variant, **size), path, layout, dtype, prefix, max_shard_size,
+                     original_state_dict)

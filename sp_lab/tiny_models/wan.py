@@ -23,12 +23,11 @@ separately so a round trip checks both.
 from __future__ import annotations
 
 import json
-import os
 from typing import Optional
 
 import torch
 
-from .weights import cast_like_release, randomize_, save_folder
+from .weights import randomize_, save_tiny, sized
 
 WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=16, in_channels=16, out_channels=16,
                 text_dim=32, freq_dim=256, ffn_dim=128, num_layers=2, cross_attn_norm=True,
@@ -49,11 +48,7 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
     """diffusers config of a tiny Wan; `size` overrides any key (e.g. num_attention_heads=3)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown Wan variant {variant!r}; tiny Wan models exist for {VARIANTS}")
-    config = dict(WAN_TINY, **{"vace": VACE_TINY, "animate": ANIMATE_TINY}.get(variant, {}))
-    unknown = set(size) - set(config)
-    if unknown:
-        raise ValueError(f"unknown size options {sorted(unknown)} for wan; known: {sorted(config)}")
-    config.update(size)
+    config = sized("wan", dict(WAN_TINY, **{"vace": VACE_TINY, "animate": ANIMATE_TINY}.get(variant, {})), size)
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     if variant in ("i2v", "flf2v", "fun_control", "camera", "animate", "animate2"):
         config.update(in_channels=36, image_dim=CLIP_DIM, added_kv_proj_dim=inner)
@@ -215,19 +210,10 @@ def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "flo
                           prefix: str = "", variant: str = "", max_shard_size: Optional[str] = None,
                           head_dim_metadata: bool = True, **size) -> str:
     """Build a tiny Wan and save it (see sp_lab.tiny_models.write_tiny_checkpoint); variant defaults to t2v."""
-    from safetensors.torch import save_file
-
     from sp_runtime.families.wan.animate2 import MODEL_TYPE
     from sp_runtime.families.wan.detect import HEAD_DIM_METADATA_KEY
     model = build_tiny_model(seed, variant or "t2v", **size)
-    if layout == "diffusers_folder":
-        save_folder(model, path, dtype, max_shard_size)
-        return path
-    state = original_state_dict(model) if layout == "original" else model.state_dict()
-    state = cast_like_release(state, dtype)
     metadata = {HEAD_DIM_METADATA_KEY: str(model.config.attention_head_dim)} if head_dim_metadata else {}
     if variant == "animate2":
         metadata["config"] = json.dumps({"transformer": {"model_type": MODEL_TYPE}})
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file({prefix + key: value for key, value in state.items()}, path, metadata=metadata)
-    return path
+    return save_tiny(model, path, layout, dtype, prefix, max_shard_size, original_state_dict, metadata=metadata)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+import os
+from typing import Callable, Optional
 
 import torch
 
@@ -35,6 +36,44 @@ def cast_like_release(state: dict, dtype: str) -> dict[str, torch.Tensor]:
     if target in (torch.float8_e4m3fn, torch.float8_e5m2):
         return {k: v.to(target if v.dim() >= 2 else torch.bfloat16).contiguous() for k, v in state.items()}
     return {k: v.to(target).contiguous() for k, v in state.items()}
+
+
+def sized(family: str, defaults: dict, size: dict, rope_key: str = "") -> dict:
+    """`defaults` with `size` overriding; ValueError naming options it does not know. rope_key: the config entry
+    of the rotary axes, derived from a new attention_head_dim unless `size` gives it too."""
+    unknown = set(size) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown size options {sorted(unknown)} for {family}; known: {sorted(defaults)}")
+    config = {**defaults, **size}
+    if rope_key and "attention_head_dim" in size and rope_key not in size:
+        from sp_runtime.sp.tokens import rope_axes
+        config[rope_key] = rope_axes(config["attention_head_dim"])
+    return config
+
+
+def random_model(class_name: str, config: dict, seed: int) -> torch.nn.Module:
+    """A float32 diffusers `class_name` model of `config` with seeded random weights, in eval mode."""
+    import diffusers
+    model = getattr(diffusers, class_name).from_config(config)
+    randomize_(model, seed)
+    return model.eval().requires_grad_(False)
+
+
+def save_tiny(model: torch.nn.Module, path: str, layout: str, dtype: str, prefix: str = "",
+              max_shard_size: Optional[str] = None, original: Optional[Callable] = None, extra: Optional[dict] = None,
+              metadata: Optional[dict] = None) -> str:
+    """Save a tiny model as released files are: a diffusers folder ("diffusers_folder"), or one safetensors file
+    with `prefix` on every key, in the original layout (`original(model)`: ComfyUI's names) or diffusers'.
+    extra: tensors added as they are (marker tensors). Returns the path."""
+    from safetensors.torch import save_file
+    if layout == "diffusers_folder":
+        save_folder(model, path, dtype, max_shard_size)
+        return path
+    state = {**cast_like_release(original(model) if layout == "original" else model.state_dict(), dtype),
+             **(extra or {})}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file({prefix + key: value for key, value in state.items()}, path, metadata=metadata)
+    return path
 
 
 def save_folder(model: torch.nn.Module, path: str, dtype: str, max_shard_size: Optional[str]) -> None:

@@ -5,12 +5,9 @@ API dispatches here; the ComfyUI writer fuses what the loader's key plan splits,
 trip checks both."""
 from __future__ import annotations
 
-import os
-from typing import Optional
-
 import torch
 
-from .weights import cast_like_release, randomize_, save_folder
+from .weights import random_model, sized
 
 Z_IMAGE_TINY = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=640, n_layers=2,
                     n_refiner_layers=1, n_heads=5, n_kv_heads=5, cap_feat_dim=32, rope_theta=256.0, t_scale=1000.0,
@@ -21,21 +18,14 @@ _RENAMES = {"all_x_embedder.2-1.": "x_embedder.", "all_final_layer.2-1.": "final
 
 
 def tiny_config(**size) -> dict:
-    config = dict(Z_IMAGE_TINY)
-    unknown = set(size) - set(config)
-    if unknown:
-        raise ValueError(f"unknown size options {sorted(unknown)} for z_image; known: {sorted(config)}")
-    config.update(size)
+    config = sized("z_image", Z_IMAGE_TINY, size)
     if "n_heads" in size and "n_kv_heads" not in size:
         config["n_kv_heads"] = config["n_heads"]
     return config
 
 
 def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
-    from diffusers import ZImageTransformer2DModel
-    model = ZImageTransformer2DModel.from_config(tiny_config(**size))
-    randomize_(model, seed)
-    return model.eval().requires_grad_(False)
+    return random_model("ZImageTransformer2DModel", tiny_config(**size), seed)
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -51,16 +41,3 @@ def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 key = key.replace(ours, theirs)
             out[key] = value
     return out
-
-
-def write_tiny_checkpoint(path: str, layout: str, dtype: str, seed: int, prefix: str,
-                          max_shard_size: Optional[str], **size) -> str:
-    from safetensors.torch import save_file
-    model = build_tiny_model(seed, **size)
-    if layout == "diffusers_folder":
-        save_folder(model, path, dtype, max_shard_size)
-        return path
-    state = original_state_dict(model) if layout == "original" else model.state_dict()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file({prefix + key: value for key, value in cast_like_release(state, dtype).items()}, path)
-    return path
