@@ -29,6 +29,14 @@ _IN_NETWORK = ("runs inside ComfyUI's own network, which an SP model does not ha
                "diffusers' transformer)")
 _REMOVE = "remove that node from the SP model's path (or sample that branch with a model from the stock loader)"
 
+def _family_rules() -> dict[str, Rule]:
+    """The transformer options the families' host hooks refuse (contract.HostHooks.refused_options)."""
+    from sp_runtime.families import families
+    return {f"transformer_options.{key}": Rule(REFUSED, f"{why}: {_REMOVE}", harmless_value=harmless)
+            for entry in families() if entry.comfy is not None
+            for key, (harmless, why) in entry.comfy.hooks.refused_options.items()}
+
+
 # "<group>.<key>": group model_options / transformer_options / patches / patches_replace / object_patches, and
 # wrappers.<type> / callbacks.<type> (key None: added without a key).
 RULES: dict[str, Rule] = {
@@ -71,9 +79,7 @@ RULES: dict[str, Rule] = {
     "transformer_options.stg_self_attn_blocks": Rule(REFUSED, f"STG skips self-attention in chosen blocks, "
                                                               f"{_IN_NETWORK}: {_REMOVE}", harmless_value=()),
     "transformer_options.stg_skip_self_attn": Rule(REFUSED, f"STG: {_IN_NETWORK}: {_REMOVE}", harmless_value=False),
-    **{f"transformer_options.{key}": Rule(REFUSED, f"an LTX-2 stream switch: the workers run every stream in full: "
-                                                   f"{_REMOVE}", harmless_value=True)
-       for key in ("run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn")},
+    **_family_rules(),  # what a family's host hooks refuse (LTX-2's stream switches)
     "transformer_options.chroma_radiance_options": Rule(REFUSED, f"Chroma Radiance options {_IN_NETWORK}: {_REMOVE}"),
     "transformer_options.animate2_cache": Rule(REFUSED, f"Wan Animate 2's cache {_IN_NETWORK}: {_REMOVE}"),
     "transformer_options.audio_embeds": Rule(REFUSED, f"InfiniteTalk's audio embeddings go into ComfyUI's own "

@@ -108,9 +108,13 @@ class HostHooks:
 
     rope_options: what becomes of ScaleROPE's transformer option rope_options: "applied" (the workers get them as
     the input `rope_options`, sp.rope_options), "ignored" (ComfyUI's model ignores them too) or "refused".
+    refused_options: transformer option -> (the value at which it is harmless, why another is refused), for the
+    switches of this family's ComfyUI network the workers do not serve; the host's allow-list
+    (nodes/model_options_policy.py) takes them in.
     """
 
     rope_options = "refused"
+    refused_options: Mapping[str, tuple[Any, str]] = {}
 
     def __init__(self, rope_options: Optional[str] = None):
         if rope_options is not None:

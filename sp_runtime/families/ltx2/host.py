@@ -33,9 +33,12 @@ def comfy_attributes(info: ModelInfo) -> dict:
 
 class PackedAudioVideo(HostHooks):
     """ComfyUI's LTXAV call <-> the pool's: both latents packed into one x, both sigmas and the gate sigmas as
-    inputs; rope_options ignored, as ComfyUI's LTXAV does."""
+    inputs; rope_options ignored, as ComfyUI's LTXAV does; its stream switches refused unless they run every
+    stream."""
 
     rope_options = "ignored"
+    refused_options = {key: (True, "an LTX-2 stream switch: the workers run every stream in full")
+                       for key in ("run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn")}
 
     def pack(self, x, timestep, inputs: dict) -> tuple:
         """ComfyUI's LTXAV call ([video, audio], (video sigma, audio sigma), ...) -> the pool's, with the gate sigmas
