@@ -24,13 +24,15 @@ def sp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
                  shards: SeqShards, text: Optional[Sequence[torch.Tensor]] = None,
                  text_mask: Optional[torch.Tensor] = None, text_first: bool = True,
                  scale: Optional[float] = None, mask: Optional[SequenceMask] = None,
-                 extra: Optional[KeyValues] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 extra: Optional[KeyValues] = None, keep: Optional[KeyValues] = None
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Attention of this rank's tokens [B, n, H, D] over the whole split sequence, plus replicated joint text.
 
     mask: which keys each query sees over the global sequence (attention.masks), applied exactly under every
     layout; extra: keys / values of another branch (KeyValues, split like a stream) every query also attends to,
-    after the sequence's own keys; neither together with text. Replicated queries over split keys (merged by
-    log-sum-exp): attention_over_key_shards.
+    after the sequence's own keys; neither together with text; keep: a KeyValues of this call's key / value, in which
+    Ulysses keeps them as exchanged (KeyValues.heads) for a later call taking it as `extra`. Replicated queries over
+    split keys (merged by log-sum-exp): attention_over_key_shards.
 
     Dispatches on the layout: one rank -> local SDPA; Ulysses only -> ulysses_attention; Ring only ->
     ring_attention; both -> hybrid_attention. Returns (output for this rank's tokens [B, n, H, D], text output
@@ -52,13 +54,14 @@ def sp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
             key, value = torch.cat([key, extra.key], dim=1), torch.cat([value, extra.value], dim=1)
         out = whole_attention(mask, *(t.transpose(1, 2) for t in (query, key, value)), scale)
         return out.transpose(1, 2), None
-    return _distributed_attention(query, key, value, seq, shards, text, text_mask, text_first, scale, mask, extra)
+    return _distributed_attention(query, key, value, seq, shards, text, text_mask, text_first, scale, mask, extra,
+                                  keep)
 
 
 @torch.compiler.disable  # compiled blocks (sp_runtime.compile) leave the exchanges to eager mode
-def _distributed_attention(query, key, value, seq, shards, text, text_mask, text_first, scale, mask, extra):
+def _distributed_attention(query, key, value, seq, shards, text, text_mask, text_first, scale, mask, extra, keep):
     if seq.ring_degree > 1:
         core = ring_attention if seq.ulysses_degree == 1 else hybrid_attention
         return core(query, key, value, seq, shards, text, text_mask, text_first, scale, mask, extra)
     return ulysses_attention(query, key, value, seq.ulysses_group, seq.ulysses_rank, shards, text, text_mask,
-                             text_first, scale, mask, extra)
+                             text_first, scale, mask, extra, keep)

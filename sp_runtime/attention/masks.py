@@ -34,11 +34,19 @@ class SequenceMask(Protocol):
 class KeyValues:
     """Extra keys / values from another branch, split over the sequence ranks like a stream of their own
     (shards.sizes[r] tokens on rank r, each [B, n, H, D]). Every query also attends to them; their global key
-    positions follow the sequence's own (total .. total + shards.total), which is where a mask addresses them."""
+    positions follow the sequence's own (total .. total + shards.total), which is where a mask addresses them.
+    heads: the same keys / values in Ulysses' layout (every token, this rank's heads: [B, h, E, D]), kept by the
+    branch's own sp_attention(keep=...), so Ulysses does not exchange them again."""
 
     key: torch.Tensor
     value: torch.Tensor
     shards: Any  # SeqShards
+    heads: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def values_times(self, factor: float) -> "KeyValues":
+        """These keys with the values times `factor` (in every layout held)."""
+        heads = None if self.heads is None else (self.heads[0], self.heads[1] * factor)
+        return KeyValues(self.key, self.value * factor, self.shards, heads)
 
 
 def whole_attention(mask: Optional[SequenceMask], query, key, value, scale):

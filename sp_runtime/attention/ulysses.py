@@ -68,21 +68,24 @@ def text_heads(text: Sequence[torch.Tensor], rank: int, degree: int) -> torch.Te
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, rank: int,
                       shards: SeqShards, text: Optional[Sequence[torch.Tensor]] = None,
                       text_mask: Optional[torch.Tensor] = None, text_first: bool = True,
-                      scale: Optional[float] = None, mask=None, extra=None
+                      scale: Optional[float] = None, mask=None, extra=None, keep=None
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Attention over a sequence split across `group` (shards.sizes[r] tokens on rank r).
 
     query/key/value: [B, n_local, H, D] local tokens with all heads; text: optional replicated (q, k, v) each
     [B, L, H, D]; text_mask: optional bool [B, L], True = attend; mask: a SequenceMask (attention.masks) over the
-    whole sequence instead of text; extra: KeyValues every query also attends to. Returns (local output
-    [B, n_local, H, D], text output [B, L, H, D] or None).
+    whole sequence instead of text; extra: KeyValues every query also attends to (exchanged unless it holds them
+    as exchanged: extra.heads); keep: a KeyValues whose heads get this call's exchanged key / value. Returns (local
+    output [B, n_local, H, D], text output [B, L, H, D] or None).
     """
     heads = query.shape[2]
     recv = exchange_to_heads(query, key, value, group, shards)
     text_local = None if text is None else text_heads(text, rank, shards.degree)
     q, k, v = _gather_sequence(recv, shards.sizes, text_local, text_first)
+    if keep is not None:
+        keep.heads = (k, v)
     if extra is not None:
-        extra_key, extra_value = extra_to_heads(extra, group)
+        extra_key, extra_value = extra.heads or extra_to_heads(extra, group)
         k, v = torch.cat([k, extra_key], dim=2), torch.cat([v, extra_value], dim=2)
     sequence_mask, mask = mask, None
     if text_mask is not None:

@@ -165,6 +165,41 @@ def test_sequence_masks_are_exact_under_ulysses_x_ring():
         assert max(errors.values()) <= 1e-5, errors
 
 
+def _run_kept_keys(rank, world_size):
+    """A branch's own attention keeps its keys / values as Ulysses exchanged them (keep=); the other branch's
+    attention takes them as extra keys without exchanging them again: 2 all-to-alls instead of 3, the same
+    output."""
+    import torch.distributed as dist
+
+    from sp_runtime.attention import KeyValues, SeqShards, sp_attention
+    from sp_runtime.config import SPConfig
+    from sp_runtime.groups import build_groups
+    seq = build_groups(SPConfig(["cpu"] * world_size, ulysses_degree=world_size)).seq
+    calls = {}
+    _counting(dist, "all_to_all_single", calls)
+    q, k, v, _, _ = _inputs(29, 3, 0, False, 2, torch.float32, seed=3)
+    pose_q, pose_k, pose_v, _, _ = _inputs(11, 3, 0, False, 2, torch.float32, seed=4)
+    shards, pose_shards = SeqShards.balanced(29, world_size), SeqShards.balanced(11, world_size)
+    (lo, hi), (pose_lo, pose_hi) = shards.range(rank), pose_shards.range(rank)
+    outputs = {}
+    for kept in (False, True):
+        keys = KeyValues(pose_k[:, pose_lo:pose_hi], pose_v[:, pose_lo:pose_hi], pose_shards)
+        sp_attention(pose_q[:, pose_lo:pose_hi], keys.key, keys.value, seq, pose_shards, keep=keys if kept else None)
+        calls.clear()
+        outputs[kept] = sp_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], seq, shards,
+                                     extra=keys.values_times(0.5))[0]
+        outputs[kept, "exchanges"] = calls.get("all_to_all_single", 0)
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (
+        q, torch.cat([k, pose_k], 1), torch.cat([v, pose_v * 0.5], 1)))).transpose(1, 2)[:, lo:hi]
+    return (torch.equal(outputs[True], outputs[False]), (outputs[True] - ref).abs().max().item(),
+            outputs[False, "exchanges"], outputs[True, "exchanges"])
+
+
+def test_kept_keys_skip_the_extra_exchange():
+    for same, err, fresh, kept in run_distributed(_run_kept_keys, 2, timeout=120):
+        assert same and err <= 1e-5 and (fresh, kept) == (3, 2), (same, err, fresh, kept)
+
+
 # ---- the LSE kernels and the merge, in one process -------------------------------------------------------------
 
 def _bhsd(*shape, dtype=torch.float32, seed=0):

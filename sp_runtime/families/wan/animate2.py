@@ -101,18 +101,19 @@ class PoseFrames:
 
 @dataclass
 class PoseGeometry(Geometry):
-    """The pose branch: plain self-attention over the pose tokens; keeps this rank's rotated keys and values (times
-    pose_strength) for the video attention of the same block."""
+    """The pose branch: plain self-attention over the pose tokens; keeps its rotated keys and values (times
+    pose_strength), as exchanged for it where Ulysses exchanged them, for the video attention of the same block."""
 
     strength: float = 1.0
-    key: Optional[torch.Tensor] = None
-    value: Optional[torch.Tensor] = None
+    keys: Optional[KeyValues] = None
 
     def attend(self, qkv, text_qkv=None, text_first: bool = True):
         query, key, value = qkv
         query, key = rotate(query, self.rope), rotate(key, self.rope)
-        self.key, self.value = key, value if self.strength == 1.0 else value * self.strength
-        return sp_attention(query, key, value, self.seq, self.shards)
+        keys = KeyValues(key, value, self.shards)
+        out = sp_attention(query, key, value, self.seq, self.shards, keep=keys)
+        self.keys = keys if self.strength == 1.0 else keys.values_times(self.strength)
+        return out
 
 
 @dataclass
@@ -133,9 +134,9 @@ class VideoGeometry(Geometry):
             value = torch.cat([value[:, :first] * self.reference_strength, value[:, first:]], dim=1)
         if self.pose is None:
             return sp_attention(query, key, value, self.seq, self.shards)
-        extra = KeyValues(self.pose.key, self.pose.value, self.pose.shards)
         return sp_attention(query, key, value, self.seq, self.shards, mask=PoseFrames(self.shards.total,
-                                                                                       self.per_frame), extra=extra)
+                                                                                       self.per_frame),
+                            extra=self.pose.keys)
 
 
 # ---------------------------------------------------------------------------------------------------------------
