@@ -24,6 +24,7 @@ FAMILIES = {
     "z_image": "sp_runtime.families.z_image",
     "sd3": "sp_runtime.families.sd3",
     "chroma": "sp_runtime.families.chroma",
+    "hidream": "sp_runtime.families.hidream",
     "wan": "sp_runtime.families.wan",
     "hunyuan_video": "sp_runtime.families.hunyuan_video",
     "hunyuan_video15": "sp_runtime.families.hunyuan_video15",

@@ -99,15 +99,16 @@ class AttentionSpec:
     """How the attention modules of a stage's blocks compute: project (attn, hidden) -> ([q, k, v], extra),
     finish (attn, out [B, S, H*D], extra) -> the module's output. A text stream joins either through
     encoder_hidden_states (projected by project_text (attn, text) -> [q, k, v], by default add_*_proj; returned
-    through to_add_out where the module has one) or, with text_prefix, as the first tokens of hidden_states
-    (single-stream blocks: out is [text, own tokens]). text_first: the text keys lead the joint sequence (False:
-    they follow, as HunyuanVideo orders them)."""
+    through to_add_out where the module has one, or finish_text (attn, text out [B, L, H*D])) or, with text_prefix,
+    as the first tokens of hidden_states (single-stream blocks: out is [text, own tokens]). text_first: the text
+    keys lead the joint sequence (False: they follow, as HunyuanVideo orders them)."""
 
     project: Callable = project_qkv
     finish: Callable = project_out
     text_prefix: bool = False
     project_text: Callable = project_added_qkv
     text_first: bool = True
+    finish_text: Optional[Callable] = None
 
 
 @dataclass(frozen=True)

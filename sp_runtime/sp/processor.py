@@ -78,7 +78,9 @@ class SPAttnProcessor:
             dtype = qkv[2].dtype
             text_out = text_out.flatten(2, 3).to(dtype).contiguous()
             to_add_out = getattr(attn, "to_add_out", None)  # a last or single-stream block leaves the text as is
-            if to_add_out is not None and not getattr(attn, "context_pre_only", False):
+            if self.spec.finish_text is not None:
+                text_out = self.spec.finish_text(attn, text_out)
+            elif to_add_out is not None and not getattr(attn, "context_pre_only", False):
                 text_out = to_add_out(text_out)
             return project_out(attn, out.flatten(2, 3).to(dtype).contiguous(), None), text_out
         if self.spec.text_prefix:  # single-stream joint attention: [text, own tokens]

@@ -95,6 +95,8 @@ class TokenGrid:
             block = block.reshape(block.shape[0], block.shape[1], rows * p, cols * p)
             top, left = row0 * p, col0 * p
             bottom, right = min(row1 * p, self.height), min(col1 * p, self.width)
+            if bottom <= top or right <= left:  # tokens past the output (e.g. HiDream E1's reference columns)
+                continue
             out[:, :, top:bottom, left:right].copy_(block[:, :, :bottom - top, :right - left])
 
 

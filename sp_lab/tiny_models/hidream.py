@@ -1,0 +1,33 @@
+"""Tiny random-weight HiDream models (diffusers' HiDreamImageTransformer2DModel at ComfyUI's 20 heads, of size 8;
+2 double + 2 single blocks, 4 routed experts of which 2 active; T5 width 32, Llama width 24, one Llama layer per
+block) and their files: ComfyUI names HiDream's weights as diffusers does, with or without
+`model.diffusion_model.`, and diffusers folders."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .weights import random_model, save_tiny, sized
+
+HIDREAM_TINY = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=2, num_single_layers=2,
+                    attention_head_dim=8, num_attention_heads=20, caption_channels=[32, 24], text_emb_dim=20,
+                    num_routed_experts=4, num_activated_experts=2, axes_dims_rope=[4, 2, 2],
+                    max_resolution=[128, 128], llama_layers=[0, 1, 2, 3])
+
+
+def tiny_config(**size) -> dict:
+    return sized("hidream", HIDREAM_TINY, size)
+
+
+def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
+    return random_model("HiDreamImageTransformer2DModel", tiny_config(**size), seed)
+
+
+def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {key: value.detach() for key, value in model.state_dict().items()}
+
+
+def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
+                          prefix: str = "", max_shard_size: Optional[str] = None, **size) -> str:
+    return save_tiny(build_tiny_model(seed, **size), path, layout, dtype, prefix, max_shard_size, original_state_dict)
