@@ -124,3 +124,80 @@ def test_refusals_name_the_input(family_pool, hidream_files):
     assert_parity(handle(x, t, **inputs), reference_forward(tiny.build_tiny_model(SEED), x, t, **inputs), "float32",
                   "hidream_after_refusals/35_tokens")
     handle.unload()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ComfyUI tier (needs COMFYUI_PATH): ComfyUI's own HiDream network, built from ComfyUI's detection of the tiny file
+# (its constants at the released size) with the tiny sizes the header cannot show.
+def _needs_comfyui():
+    import comfy_support as cs
+    return pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
+
+
+@pytest.fixture(scope="module")
+def hidream_comfy(hidream_files):
+    import comfy_support as cs
+    cs.import_comfy()
+    import comfy.model_detection
+    import comfy.ops
+    import comfy.utils
+    from comfy.ldm.hidream.model import HiDreamImageTransformer2DModel
+    path = hidream_files["comfy_prefix"]
+    state = comfy.utils.load_torch_file(path)
+    config = comfy.model_detection.detect_unet_config(state, COMFY_PREFIX)
+    sizes = {key: value for key, value in tiny.tiny_config().items() if key in config}
+    network = HiDreamImageTransformer2DModel(**{**config, **sizes}, operations=comfy.ops.disable_weight_init,
+                                             dtype=torch.float32, device="cpu")
+    state = comfy.utils.state_dict_prefix_replace(state, {COMFY_PREFIX: ""}, filter_keys=True)
+    missing, unexpected = network.eval().load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    with torch.no_grad():
+        outputs = {name: network(x, t, inputs["y"], inputs["context"], inputs["encoder_hidden_states_llama3"],
+                                 inputs.get("image_cond"), transformer_options={})
+                   for name, (x, t, inputs) in make_cases().items()}
+    return path, config, outputs
+
+
+@_needs_comfyui()
+def test_pool_equals_comfys_hidream(family_pool, hidream_comfy):
+    """At degrees 1 and 3."""
+    if family_pool.config.world_size not in (1, 3):
+        pytest.skip("ComfyUI's HiDream is checked at degrees 1 and 3")
+    path, _, expected = hidream_comfy
+    handle = family_pool.load_model(path)
+    for name, (x, t, inputs) in make_cases().items():
+        assert_parity(handle(x, t, **inputs), expected[name], "float32", f"comfyui_hidream/{name}")
+    handle.unload()
+
+
+@_needs_comfyui()
+def test_comfy_detection_equals_ours(hidream_comfy):
+    """ComfyUI's constants (released size) and ours from the tiny header: the same rules, scaled to the head size."""
+    path, theirs, _ = hidream_comfy
+    ours = hidream.detect(read_checkpoint_header(path)).config
+    assert theirs["image_model"] == "hidream"
+    for key in ("num_attention_heads", "num_routed_experts", "num_activated_experts", "in_channels", "out_channels",
+                "patch_size"):
+        assert theirs[key] == ours[key], key
+    blocks = ours["num_layers"] + ours["num_single_layers"]
+    assert ours["llama_layers"] == theirs["llama_layers"][:blocks]
+    scale = theirs["attention_head_dim"] // ours["attention_head_dim"]
+    assert [scale * dims for dims in ours["axes_dims_rope"]] == list(theirs["axes_dims_rope"])
+
+
+@_needs_comfyui()
+def test_comfy_model_class_from_header(hidream_files):
+    """The host side builds ComfyUI's HiDream model config (Flux's latent format) for these files, from ComfyUI's
+    detection of the header and from ours alone."""
+    import comfy_support as cs
+    cs.import_comfy()
+    import comfy.latent_formats
+    import comfy.supported_models
+    from sp_runtime.contract import ModelInfo
+    comfy_model = cs.import_node_module("comfy_model")
+    for layout in ("comfy_prefix", "diffusers_folder"):
+        header = read_checkpoint_header(hidream_files[layout])
+        info = ModelInfo(family="hidream", variant="", in_channels=16, out_channels=16, x_ndim=4)
+        for config in (comfy_model.comfy_model_config(header, info), comfy_model.config_from_info(info)):
+            assert type(config) is comfy.supported_models.HiDream, layout
+            assert type(config.latent_format) is comfy.latent_formats.Flux
