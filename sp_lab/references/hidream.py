@@ -17,6 +17,7 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
                       image_cond: Optional[torch.Tensor] = None, **_ignored) -> torch.Tensor:
     weight = model.final_layer.linear.weight
     compute, device = weight.dtype, weight.device
+    compute = torch.bfloat16 if compute.itemsize == 1 else compute  # fp8 storage computes in bf16 (diffusers' hooks)
     patch, batch = model.config.patch_size, x.shape[0]
     height, width = x.shape[-2:]
     latent = x if image_cond is None else torch.cat([x, image_cond.expand(batch, -1, -1, -1)], dim=-1)
