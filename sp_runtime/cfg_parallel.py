@@ -35,17 +35,19 @@ def run_forward(model: WorkerModel, x: torch.Tensor, timestep: torch.Tensor, inp
         model.forward(x, timestep, inputs, out, GroupsView(ctx, all_ranks))
         return
     half = BatchHalf(batch, groups.cfg_rank, groups.cfg_degree)
-    first = groups.cfg_rank * config.sp_degree
-    my_half = family_groups(groups, groups.seq, config.devices[first:first + config.sp_degree])
+    first = groups.cfg_rank * config.cfg_group_size
+    my_half = family_groups(groups, groups.seq, config.devices[first:first + config.cfg_group_size])
     model.forward(half.take(x), half.take(timestep), half.take(inputs), half.take(out),
                   GroupsView(ctx, my_half, half))
 
 
 def family_groups(groups: ParallelGroups, seq: SeqParallel, devices) -> ParallelGroups:
     """The layout of the ranks (on `devices`) that share `seq`, as the family sees it: no CFG axis left."""
-    layout = SPConfig(devices=devices, ulysses_degree=seq.ulysses_degree, ring_degree=seq.ring_degree)
-    return dataclasses.replace(groups, config=layout, rank=seq.rank, seq=seq, cfg_group=None, cfg_rank=0,
-                               seq_all=seq)
+    tp = groups.tp.degree
+    layout = SPConfig(devices=devices, ulysses_degree=seq.ulysses_degree, ring_degree=seq.ring_degree,
+                      tensor_parallel_degree=tp)
+    return dataclasses.replace(groups, config=layout, rank=seq.rank * tp + groups.tp.rank, seq=seq, cfg_group=None,
+                               cfg_rank=0, seq_all=seq)
 
 
 class BatchHalf:

@@ -1,4 +1,5 @@
-"""Process groups of one worker: the Ulysses, Ring and CFG axes of an SPConfig, built after init_process_group.
+"""Process groups of one worker: the Ulysses, Ring, CFG and tensor-parallel axes of an SPConfig, built after
+init_process_group.
 
 Every rank must call build_groups() in the same order (torch.distributed.new_group is collective).
 """
@@ -39,6 +40,19 @@ class SeqParallel:
         return cls(ulysses_group=None, ulysses_rank=0, ulysses_degree=1)
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """The ranks that hold one slice each of every split weight (same tokens, heads split between them)."""
+
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    degree: int
+
+    @classmethod
+    def single(cls) -> "TensorParallel":
+        return cls(None, 0, 1)
+
+
 @dataclass
 class ParallelGroups:
     """This rank's coordinates and groups on every axis, plus a gloo group over all ranks for host-side votes.
@@ -54,10 +68,13 @@ class ParallelGroups:
     cfg_rank: int
     control_group: Optional[dist.ProcessGroup]
     seq_all: Optional[SeqParallel] = None
+    tp: "TensorParallel" = None
 
     def __post_init__(self) -> None:
         if self.seq_all is None:
             self.seq_all = self.seq
+        if self.tp is None:
+            self.tp = TensorParallel.single()
 
     @property
     def cfg_degree(self) -> int:
@@ -65,11 +82,11 @@ class ParallelGroups:
 
 
 def _ranks_along(config: SPConfig, axis: str) -> list[list[int]]:
-    """All rank lists that differ only in `axis` ('ulysses', 'ring', 'cfg', or 'ring+cfg' for both)."""
-    indices = [{"cfg": 0, "ring": 1, "ulysses": 2}[name] for name in axis.split("+")]
+    """All rank lists that differ only in `axis` ('ulysses', 'ring', 'cfg', 'tp', or 'ring+cfg' for both)."""
+    indices = [{"cfg": 0, "ring": 1, "ulysses": 2, "tp": 3}[name] for name in axis.split("+")]
     groups: dict[tuple, list[int]] = {}
     for rank in range(config.world_size):
-        coords = list(config.coords(rank))
+        coords = [*config.coords(rank), config.tp_index(rank)]
         for index in indices:
             coords[index] = -1
         groups.setdefault(tuple(coords), []).append(rank)
@@ -98,10 +115,12 @@ def build_groups(config: SPConfig) -> ParallelGroups:
     ulysses_group, _ = _new_groups(config, "ulysses", rank)
     ring_group, ring_ranks = _new_groups(config, "ring", rank)
     cfg_group, _ = _new_groups(config, "cfg", rank)
+    tp_group, _ = _new_groups(config, "tp", rank)
     control_group = dist.new_group(list(range(config.world_size)), backend="gloo")
     seq = SeqParallel(ulysses_group, ulysses_index, config.ulysses_degree,
                       ring_group, ring_index, config.ring_degree, tuple(ring_ranks))
-    return ParallelGroups(config, rank, seq, cfg_group, cfg_index, control_group, _seq_all(config, rank, seq))
+    tp = TensorParallel(tp_group, config.tp_index(rank), config.tensor_parallel_degree)
+    return ParallelGroups(config, rank, seq, cfg_group, cfg_index, control_group, _seq_all(config, rank, seq), tp)
 
 
 def _seq_all(config: SPConfig, rank: int, seq: SeqParallel) -> SeqParallel:

@@ -20,6 +20,8 @@ def load_worker_model(request, device, groups, progress):
     shard = ShardSpec(groups.rank, world) if shard_option(request.options) and world > 1 else None
     with sharded_loading(shard):  # blocks read straight into this rank's shards
         worker = family(detection.family).load(request, detection, device, groups, progress)
+    if groups is not None and groups.tp.degree > 1:
+        _split_tensor_parallel(worker, groups.tp, request, detection, shard)
     if shard is not None:
         worker = shard_worker(worker, shard.rank, shard.world)  # shards a model its family loaded whole
     if isinstance(getattr(worker, "model", None), torch.nn.Module):
@@ -29,3 +31,16 @@ def load_worker_model(request, device, groups, progress):
                                                    request.options.get("quant_kernels"))
     return with_runtime_options(worker, request.options)
 
+
+
+def _split_tensor_parallel(worker, tp, request, detection, shard) -> None:
+    """The worker's blocks split across the TP group; what TP cannot serve is refused by name."""
+    degree = f"tensor_parallel_degree={tp.degree}"
+    if shard is not None:
+        raise ValueError(f"{degree} with shard_weights: both split the weights; use one of them")
+    if detection.quant:
+        raise ValueError(f"{degree} is not supported for quantized files yet ({request.path}: {detection.quant}); "
+                         f"load a float file, or use ulysses_degree / shard_weights")
+    if not hasattr(worker, "split_tensor_parallel"):
+        raise ValueError(f"{degree} is not supported for {detection.family!r} models (not run by the executor)")
+    worker.split_tensor_parallel(tp)

@@ -17,6 +17,7 @@ from ..attention import SeqShards
 from .plan import Part, Plan, Stream
 from .cross import LocalCrossAttention
 from .processor import Geometry, SPAttnProcessor, current_geometry
+from .tensor_parallel import parallelize
 from .tokens import rotary
 
 
@@ -78,6 +79,19 @@ class PlanWorker:
                     for path, module in block.named_modules():
                         if hasattr(module, "set_processor") and hasattr(module, "processor"):
                             module.set_processor(local if path in stage.local else processor)
+        self.tp_slices: dict = {}  # parameter -> sp.tensor_parallel.TPSlice of its full weight (TP only)
+
+    def split_tensor_parallel(self, tp) -> None:
+        """Split the blocks' Linears across the TP group (groups.TensorParallel) as the plan's tensor_parallel says;
+        ValueError naming the family when its plan declares none, or a custom block TP cannot see into."""
+        plan = self.plan.tensor_parallel
+        custom = [stage.blocks for stage in self.plan.stages if stage.attention is None]
+        if plan is None or custom:
+            why = f"its custom blocks ({', '.join(custom)})" if custom and plan is not None else "it declares no TP plan"
+            raise ValueError(f"tensor_parallel_degree={tp.degree} is not supported for {self.info.family!r} models "
+                             f"({why}); use ulysses_degree / ring_degree / shard_weights for this model")
+        lists = [name for stage in self.plan.stages for name in (stage.blocks, *stage.also)]
+        self.tp_slices = parallelize(self.model, lists, plan, tp.group, tp.rank, tp.degree)
 
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
                 ctx) -> None:
@@ -97,6 +111,9 @@ class PlanWorker:
                     ctx.check_cancel()
                     stage.run(block, call)
         names, tokens = plan.output, plan.head(call)
+        tp = getattr(ctx.groups, "tp", None)
+        if tp is not None and tp.rank != 0:  # the TP ranks of a group hold the same tokens: one writes them
+            return
         if isinstance(names, str):
             names, tokens = (names,), (tokens,)
         for name, stream_tokens in zip(names, tokens):

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from .tensor_parallel import TensorParallelPlan
 
 Embed = Union[str, Callable[[Any, torch.Tensor], torch.Tensor]]  # a model attribute, or (model, raw) -> states
 
@@ -142,7 +143,8 @@ class Plan:
     stream (a tuple of names: a tuple of their tokens, in that order; a replicated output stream is written by
     sequence rank 0 only). rope(config) -> (axes, theta) of the rotary tables (diffusers' FluxPosEmbed) for the parts' ids, or
     None. output_tokens(call, tokens): what becomes of the output tokens before they are unpatchified (e.g.
-    Z-Image's feature order and sign).
+    Z-Image's feature order and sign). tensor_parallel: which Linears of the stages' blocks TP splits
+    (sp.tensor_parallel; None: the family refuses tensor_parallel_degree > 1).
     """
 
     check: Callable[[Any], None]
@@ -153,3 +155,4 @@ class Plan:
     rope: Optional[Callable[[Any], tuple[Sequence[int], float]]] = None
     output: Union[str, tuple[str, ...]] = "image"
     output_tokens: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None
+    tensor_parallel: Optional[TensorParallelPlan] = None

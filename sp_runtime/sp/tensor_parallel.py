@@ -1,0 +1,198 @@
+"""Tensor parallelism of a planned model: which Linear layers of each block are split across the TP ranks (a plan
+as data, TensorParallelPlan) and the module surgery that splits them.
+
+Megatron's split, as torchtitan's parallelize.py declares it: q / k / v and the first feed-forward projection are
+column-parallel (each rank computes its slice of the output features: H/T heads), the attention output and the
+second feed-forward projection row-parallel (each rank multiplies its slice of the input features, one all-reduce
+sums the partial outputs, the bias is added once after it). Norms, modulation and embedders stay replicated.
+Heads are split by TP first; Ulysses / Ring then split each rank's H/T heads / tokens as usual (sp_attention takes
+any head count).
+
+Why not torch.distributed.tensor.parallel (ColwiseParallel / RowwiseParallel): it turns parameters into DTensors,
+which the rest of the runtime rewrites in place as plain tensors (LoRA merges from the base weights, quantized
+QuantLinear buffers, shard_weights' flat block buffers, layerwise fp8 casting); the split itself is a slice of the
+weight and one all_reduce, the same ops those classes run, so a few lines here give the same result with no DTensor
+dispatch on every call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+COLUMN, ROW = "column", "row"
+
+
+@dataclass(frozen=True)
+class Split:
+    """A Linear of every block split across the TP ranks. name: its module path inside a block, or the end of it
+    ("to_q" matches "attn.to_q"). kind: COLUMN (output features: rows of the weight, and the bias) or ROW (input
+    features: columns of the weight; the outputs are all-reduced). parts: the split feature axis is made of these
+    equal parts (a fused q / k / v: 3), or of the output widths of the named column-split Linears of the block (a
+    row split whose input is their concatenation, Flux's single-block proj_out over [attention, MLP]); each part is
+    cut in T pieces and a rank takes its piece of each. A column split under a gated activation (diffusers' GEGLU,
+    SwiGLU: [hidden, gate]) takes 2 parts by itself."""
+
+    name: str
+    kind: str
+    parts: Union[int, tuple[str, ...]] = 1
+
+
+ATTENTION_SPLITS = (Split("to_q", COLUMN), Split("to_k", COLUMN), Split("to_v", COLUMN),
+                    Split("add_q_proj", COLUMN), Split("add_k_proj", COLUMN), Split("add_v_proj", COLUMN),
+                    Split("to_qkv", COLUMN, 3), Split("to_added_qkv", COLUMN, 3),
+                    Split("to_out.0", ROW), Split("to_add_out", ROW))
+FEED_FORWARD_SPLITS = (Split("net.0.proj", COLUMN), Split("net.2", ROW))  # diffusers' FeedForward
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """What a family's blocks split (the generic declaration fits diffusers' attention modules and FeedForward;
+    a family adds its own Linears in `extra`). Attention modules of the blocks (those with `heads`) get heads / T."""
+
+    splits: tuple[Split, ...] = ATTENTION_SPLITS + FEED_FORWARD_SPLITS
+    extra: tuple[Split, ...] = ()
+
+    def all_splits(self) -> tuple[Split, ...]:
+        return self.extra + self.splits  # a family's own entry wins over a generic one for the same module
+
+
+GENERIC = TensorParallelPlan()
+
+
+@dataclass
+class TPSlice:
+    """The rows (dim 0) or columns (dim 1) of a full weight that this rank holds: `ranges` of the full axis."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    full_shape: tuple[int, ...] = field(default=())
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        dim = min(self.dim, full.dim() - 1)  # a bias is 1-D: its rows
+        pieces = [full.narrow(dim, start, stop - start) for start, stop in self.ranges]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def parallelize(model: torch.nn.Module, block_lists: Sequence[str], plan: TensorParallelPlan, group,
+                rank: int, degree: int) -> dict[str, TPSlice]:
+    """Split the model's blocks (ModuleLists named in block_lists) in place for TP rank `rank` of `degree`;
+    returns parameter name -> the slice of the full weight it now holds (for LoRAs, loading, accounting).
+    ValueError naming the module and the numbers when a width or head count is not divisible by the degree."""
+    slices: dict[str, TPSlice] = {}
+    for list_name in block_lists:
+        for index, block in enumerate(getattr(model, list_name, None) or ()):
+            prefix = f"{list_name}.{index}"
+            modules = dict(block.named_modules())
+            found = _matches(modules, plan.all_splits())
+            sizes = {path: _part_sizes(modules[path], split, path, modules, f"{prefix}.{path}", degree)
+                     for path, split in found.items()}  # all widths before any module is cut
+            for path, split in found.items():
+                for name, piece in _split_linear(modules[path], split.kind, sizes[path], group, rank,
+                                                 degree).items():
+                    slices[f"{prefix}.{path}.{name}"] = piece
+            for path, module in modules.items():
+                if _is_split_attention(path, module, found):
+                    _split_heads(module, f"{prefix}.{path}" if path else prefix, degree)
+    return slices
+
+
+def _matches(modules: dict, splits: Sequence[Split]) -> dict[str, Split]:
+    found: dict[str, Split] = {}
+    for path, module in modules.items():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        for split in splits:
+            if path == split.name or path.endswith("." + split.name):
+                found[path] = split
+                break
+    return found
+
+
+def _part_sizes(module, split: Split, path: str, modules: dict, where: str, degree: int) -> list[int]:
+    width = module.out_features if split.kind == COLUMN else module.in_features
+    if isinstance(split.parts, tuple):
+        sizes = [modules[name].out_features for name in split.parts]
+        if sum(sizes) != width:
+            raise ValueError(f"tensor parallelism: {where} has {width} input features, not the {sum(sizes)} of "
+                             f"{', '.join(split.parts)}")
+    else:
+        parts = 2 if split.kind == COLUMN and _gated(modules, path) else split.parts
+        sizes = [width // parts] * parts
+    for size in sizes:
+        if size % degree:
+            raise ValueError(f"tensor_parallel_degree={degree} does not divide the {size} "
+                             f"{'output' if split.kind == COLUMN else 'input'} features of {where}: use a degree "
+                             f"that divides {size}")
+    return sizes
+
+
+def _gated(modules: dict, path: str) -> bool:
+    """A projection inside a gated activation module ([hidden, gate] halves)."""
+    parent = modules.get(path.rsplit(".", 1)[0]) if "." in path else None
+    return parent is not None and type(parent).__name__.endswith("GLU")
+
+
+def _split_linear(module: torch.nn.Linear, kind: str, sizes: list[int], group, rank: int, degree: int
+                  ) -> dict[str, TPSlice]:
+    ranges, start = [], 0
+    for size in sizes:
+        piece = size // degree
+        ranges.append((start + rank * piece, start + (rank + 1) * piece))
+        start += size
+    dim = 0 if kind == COLUMN else 1
+    weight_slice = TPSlice(dim, tuple(ranges), tuple(module.weight.shape))
+    taken = {"weight": weight_slice}
+    module.weight = torch.nn.Parameter(weight_slice.take(module.weight.detach()).clone(), requires_grad=False)
+    if kind == COLUMN:
+        module.out_features = module.weight.shape[0]
+        if module.bias is not None:
+            bias_slice = TPSlice(0, tuple(ranges), tuple(module.bias.shape))
+            module.bias = torch.nn.Parameter(bias_slice.take(module.bias.detach()).clone(), requires_grad=False)
+            taken["bias"] = bias_slice
+    else:
+        module.in_features = module.weight.shape[1]
+        module.__class__ = _row_class(type(module))
+        module.tp_group = group
+    return taken
+
+
+_ROW_CLASSES: dict[type, type] = {}
+
+
+def _row_class(cls: type) -> type:
+    """cls with RowParallelLinear's forward (the module keeps its parameters, hooks and state-dict names)."""
+    if issubclass(cls, RowParallelLinear):
+        return cls
+    if cls not in _ROW_CLASSES:
+        _ROW_CLASSES[cls] = type(f"RowParallel{cls.__name__}", (RowParallelLinear, cls), {})
+    return _ROW_CLASSES[cls]
+
+
+class RowParallelLinear(torch.nn.Linear):
+    """A Linear holding columns of its weight: partial output, summed over the TP group, then the bias."""
+
+    tp_group: Optional[dist.ProcessGroup] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        dist.all_reduce(out, group=self.tp_group)
+        return out if self.bias is None else out + self.bias
+
+
+def _is_split_attention(path: str, module, found: dict) -> bool:
+    heads = getattr(module, "heads", None)
+    if not isinstance(heads, int) or not hasattr(module, "set_processor"):
+        return False
+    inside = f"{path}." if path else ""
+    return any(name.startswith(inside) and name[len(inside):] in ("to_q", "to_qkv") for name in found)
+
+
+def _split_heads(attn, where: str, degree: int) -> None:
+    if attn.heads % degree:
+        raise ValueError(f"tensor_parallel_degree={degree} does not divide the {attn.heads} attention heads of "
+                         f"{where}: use a degree that divides {attn.heads}")
+    attn.heads //= degree
