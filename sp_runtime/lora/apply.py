@@ -48,8 +48,11 @@ class LoraState:
     """LoRA bookkeeping for one loaded model (a diffusers module) in one worker."""
 
     def __init__(self, model: torch.nn.Module, family: str, checkpoint: "str | Header", device: torch.device,
-                 detection: Optional[Detection] = None):
+                 detection: Optional[Detection] = None, tp_slices: Optional[dict] = None):
         self.model = model
+        # tensor parallelism: parameter -> the slice of its full weight this rank holds; a LoRA is applied to the
+        # full base weight (read from the file) and the rank keeps its slice of the result: exact, as unsplit
+        self.tp_slices = tp_slices or {}
         self.family = family
         self.checkpoint = checkpoint
         self.detection = detection  # the load request's (None: detected from the checkpoint)
@@ -115,6 +118,8 @@ class LoraState:
         shards = model_shards(self.model)  # sharded blocks hold placeholders: their real shapes
         targets.update({name: meta for name, meta in (shards.meta_tensors() if shards else {}).items()
                         if name in targets})
+        targets.update({name: torch.empty(piece.full_shape, dtype=targets[name].dtype, device="meta")
+                        for name, piece in self.tp_slices.items() if name in targets})
         targets.update({name: torch.empty(module.out_features, module.in_features, device="meta")
                         for name, module in self.quantized.items()})
         return targets
@@ -178,7 +183,7 @@ class LoraState:
         grouped = {target.parameter for targets in change.groups.values() for target in targets}
         deltas = _DeltaCache(change.uses, [name for name in change.names if name not in self.quantized])
         done = iter(range(len(change.names)))
-        store = _Store(change.parameters, model_shards(self.model))
+        store = _Store(change.parameters, model_shards(self.model), self.tp_slices, self.model)
         with contextlib.ExitStack() as stack, self.base.reader(self.device) as read_base, torch.no_grad():
             handles = {}
 
@@ -302,16 +307,20 @@ def _additive_terms(key: str, target, targets: list[Target], sources: list, para
 
 
 class _Store:
-    """Writes a LoRA-patched weight: into the parameter, or for a sharded block (sharding) only this rank's bytes."""
+    """Writes a LoRA-patched weight: into the parameter, for a sharded block (sharding) only this rank's bytes, for
+    a tensor-parallel split its slice."""
 
-    def __init__(self, parameters: dict, shards):
-        self.parameters, self.shards = parameters, shards
+    def __init__(self, parameters: dict, shards, tp_slices: Optional[dict] = None, model=None):
+        self.parameters, self.shards, self.tp_slices = parameters, shards, tp_slices or {}
+        self.model = model
 
     def __call__(self, name: str, value: torch.Tensor) -> None:
         parameter = self.parameters[name]
         stored = store_as(value, parameter.dtype, name)
         located = self.shards.locate(name) if self.shards else None
-        if located:
+        if name in self.tp_slices:
+            self.model.get_parameter(name).copy_(self.tp_slices[name].take(stored))
+        elif located:
             located[0].write(located[1], stored)
         else:
             parameter.copy_(stored)
@@ -356,4 +365,4 @@ def lora_state(worker_model, checkpoint: "str | Header", device: torch.device,
     family = worker_model.info.family
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"LoRA is not supported for {family!r} models (supported: Qwen-Image, Flux, Wan)")
-    return LoraState(module, family, checkpoint, device, detection)
+    return LoraState(module, family, checkpoint, device, detection, getattr(worker_model, "tp_slices", None))

@@ -4,7 +4,9 @@ as data, TensorParallelPlan) and the module surgery that splits them.
 Megatron's split, as torchtitan's parallelize.py declares it: q / k / v and the first feed-forward projection are
 column-parallel (each rank computes its slice of the output features: H/T heads), the attention output and the
 second feed-forward projection row-parallel (each rank multiplies its slice of the input features, one all-reduce
-sums the partial outputs, the bias is added once after it). Norms, modulation and embedders stay replicated.
+sums the partial outputs, the bias is added once after it). The blocks' modulation Linears (adaLN: temb -> 6 x
+width, a third of a Flux / Qwen-Image block's weights) are split by rows too and all-gathered (GATHER: a few
+numbers per item, no tokens). Norms and embedders stay replicated.
 Heads are split by TP first; Ulysses / Ring then split each rank's H/T heads / tokens as usual (sp_attention takes
 any head count).
 
@@ -23,14 +25,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-COLUMN, ROW = "column", "row"
+COLUMN, ROW, GATHER, NORM = "column", "row", "gather", "norm"
 
 
 @dataclass(frozen=True)
 class Split:
     """A Linear of every block split across the TP ranks. name: its module path inside a block, or the end of it
-    ("to_q" matches "attn.to_q"). kind: COLUMN (output features: rows of the weight, and the bias) or ROW (input
-    features: columns of the weight; the outputs are all-reduced). parts: the split feature axis is made of these
+    ("to_q" matches "attn.to_q"). kind: COLUMN (output features: rows of the weight, and the bias), ROW (input
+    features: columns of the weight; the outputs are all-reduced) or GATHER (rows, the outputs all-gathered: the
+    module's output stays whole). NORM: an RMSNorm over the whole q / k width after a column split (Wan's
+    norms across heads): its weight sliced, the mean square all-reduced. parts: the split feature axis is made of these
     equal parts (a fused q / k / v: 3), or of the output widths of the named column-split Linears of the block (a
     row split whose input is their concatenation, Flux's single-block proj_out over [attention, MLP]); each part is
     cut in T pieces and a rank takes its piece of each. A column split under a gated activation (diffusers' GEGLU,
@@ -46,6 +50,8 @@ ATTENTION_SPLITS = (Split("to_q", COLUMN), Split("to_k", COLUMN), Split("to_v", 
                     Split("to_qkv", COLUMN, 3), Split("to_added_qkv", COLUMN, 3),
                     Split("to_out.0", ROW), Split("to_add_out", ROW))
 FEED_FORWARD_SPLITS = (Split("net.0.proj", COLUMN), Split("net.2", ROW))  # diffusers' FeedForward
+MODULATION_SPLITS = tuple(Split(name, GATHER) for name in ("norm1.linear", "norm1_context.linear", "norm.linear",
+                                                           "img_mod.1", "txt_mod.1"))
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ class TensorParallelPlan:
     """What a family's blocks split (the generic declaration fits diffusers' attention modules and FeedForward;
     a family adds its own Linears in `extra`). Attention modules of the blocks (those with `heads`) get heads / T."""
 
-    splits: tuple[Split, ...] = ATTENTION_SPLITS + FEED_FORWARD_SPLITS
+    splits: tuple[Split, ...] = ATTENTION_SPLITS + FEED_FORWARD_SPLITS + MODULATION_SPLITS
     extra: tuple[Split, ...] = ()
 
     def all_splits(self) -> tuple[Split, ...]:
@@ -91,8 +97,8 @@ def parallelize(model: torch.nn.Module, block_lists: Sequence[str], plan: Tensor
             sizes = {path: _part_sizes(modules[path], split, path, modules, f"{prefix}.{path}", degree)
                      for path, split in found.items()}  # all widths before any module is cut
             for path, split in found.items():
-                for name, piece in _split_linear(modules[path], split.kind, sizes[path], group, rank,
-                                                 degree).items():
+                cut = _split_norm if split.kind == NORM else _split_linear
+                for name, piece in cut(modules[path], split.kind, sizes[path], group, rank, degree).items():
                     slices[f"{prefix}.{path}.{name}"] = piece
             for path, module in modules.items():
                 if _is_split_attention(path, module, found):
@@ -103,7 +109,7 @@ def parallelize(model: torch.nn.Module, block_lists: Sequence[str], plan: Tensor
 def _matches(modules: dict, splits: Sequence[Split]) -> dict[str, Split]:
     found: dict[str, Split] = {}
     for path, module in modules.items():
-        if not isinstance(module, torch.nn.Linear):
+        if not isinstance(module, (torch.nn.Linear, torch.nn.RMSNorm)):
             continue
         for split in splits:
             if path == split.name or path.endswith("." + split.name):
@@ -113,7 +119,12 @@ def _matches(modules: dict, splits: Sequence[Split]) -> dict[str, Split]:
 
 
 def _part_sizes(module, split: Split, path: str, modules: dict, where: str, degree: int) -> list[int]:
-    width = module.out_features if split.kind == COLUMN else module.in_features
+    if split.kind == NORM:
+        if not isinstance(module, torch.nn.RMSNorm) or module.weight is None:
+            raise ValueError(f"tensor parallelism: {where} is not an RMSNorm with a weight ({type(module).__name__})")
+        width = module.normalized_shape[-1]
+    else:
+        width = module.in_features if split.kind == ROW else module.out_features
     if isinstance(split.parts, tuple):
         sizes = [modules[name].out_features for name in split.parts]
         if sum(sizes) != width:
@@ -125,7 +136,7 @@ def _part_sizes(module, split: Split, path: str, modules: dict, where: str, degr
     for size in sizes:
         if size % degree:
             raise ValueError(f"tensor_parallel_degree={degree} does not divide the {size} "
-                             f"{'output' if split.kind == COLUMN else 'input'} features of {where}: use a degree "
+                             f"{'input' if split.kind == ROW else 'output'} features of {where}: use a degree "
                              f"that divides {size}")
     return sizes
 
@@ -143,33 +154,34 @@ def _split_linear(module: torch.nn.Linear, kind: str, sizes: list[int], group, r
         piece = size // degree
         ranges.append((start + rank * piece, start + (rank + 1) * piece))
         start += size
-    dim = 0 if kind == COLUMN else 1
+    dim = 1 if kind == ROW else 0
     weight_slice = TPSlice(dim, tuple(ranges), tuple(module.weight.shape))
     taken = {"weight": weight_slice}
     module.weight = torch.nn.Parameter(weight_slice.take(module.weight.detach()).clone(), requires_grad=False)
-    if kind == COLUMN:
+    if kind == ROW:
+        module.in_features = module.weight.shape[1]
+    else:
         module.out_features = module.weight.shape[0]
         if module.bias is not None:
             bias_slice = TPSlice(0, tuple(ranges), tuple(module.bias.shape))
             module.bias = torch.nn.Parameter(bias_slice.take(module.bias.detach()).clone(), requires_grad=False)
             taken["bias"] = bias_slice
-    else:
-        module.in_features = module.weight.shape[1]
-        module.__class__ = _row_class(type(module))
-        module.tp_group = group
+    if kind != COLUMN:
+        module.__class__ = _parallel_class(RowParallelLinear if kind == ROW else GatheredLinear, type(module))
+        module.tp_group, module.tp_degree = group, degree
     return taken
 
 
-_ROW_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _row_class(cls: type) -> type:
-    """cls with RowParallelLinear's forward (the module keeps its parameters, hooks and state-dict names)."""
-    if issubclass(cls, RowParallelLinear):
+def _parallel_class(parallel: type, cls: type) -> type:
+    """cls with the parallel class's forward (the module keeps its parameters, hooks and state-dict names)."""
+    if issubclass(cls, parallel):
         return cls
-    if cls not in _ROW_CLASSES:
-        _ROW_CLASSES[cls] = type(f"RowParallel{cls.__name__}", (RowParallelLinear, cls), {})
-    return _ROW_CLASSES[cls]
+    if (parallel, cls) not in _CLASSES:
+        _CLASSES[parallel, cls] = type(f"{parallel.__name__}{cls.__name__}", (parallel, cls), {})
+    return _CLASSES[parallel, cls]
 
 
 class RowParallelLinear(torch.nn.Linear):
@@ -181,6 +193,45 @@ class RowParallelLinear(torch.nn.Linear):
         out = F.linear(x, self.weight)
         dist.all_reduce(out, group=self.tp_group)
         return out if self.bias is None else out + self.bias
+
+
+def _split_norm(module: torch.nn.RMSNorm, kind: str, sizes: list[int], group, rank: int, degree: int
+                ) -> dict[str, TPSlice]:
+    piece = sizes[0] // degree
+    weight_slice = TPSlice(0, ((rank * piece, (rank + 1) * piece),), tuple(module.weight.shape))
+    module.weight = torch.nn.Parameter(weight_slice.take(module.weight.detach()).clone(), requires_grad=False)
+    module.__class__ = _parallel_class(SplitRMSNorm, type(module))
+    module.tp_group, module.full_width = group, sizes[0]
+    module.normalized_shape = (piece,)
+    return {"weight": weight_slice}
+
+
+class SplitRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm over features split across the TP ranks: the mean square of the whole width (all-reduced
+    sum of squares), this rank's slice of the weight."""
+
+    tp_group: Optional[dist.ProcessGroup] = None
+    full_width: int = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        squares = x.float().pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(squares, group=self.tp_group)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        normed = (x.float() * torch.rsqrt(squares / self.full_width + eps)).to(x.dtype)
+        return normed * self.weight
+
+
+class GatheredLinear(torch.nn.Linear):
+    """A Linear holding rows of its weight: its slice of the output, all-gathered into the whole output."""
+
+    tp_group: Optional[dist.ProcessGroup] = None
+    tp_degree: int = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias).contiguous()
+        pieces = [torch.empty_like(out) for _ in range(self.tp_degree)]
+        dist.all_gather(pieces, out, group=self.tp_group)
+        return torch.cat(pieces, dim=-1)
 
 
 def _is_split_attention(path: str, module, found: dict) -> bool:

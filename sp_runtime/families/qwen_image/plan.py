@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from ...sp import Plan, Stage, Stream, image_parts, text_stream
+from ...sp.tensor_parallel import GENERIC
 from ...sp.tokens import ROPE_THETA, as_list, reference_placements, text_key_mask
 from .detection import PATCH, REF_METHODS
 
@@ -83,7 +84,7 @@ def head(call) -> torch.Tensor:
 
 
 PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims_rope, ROPE_THETA), condition=condition,
-            stages=(Stage("transformer_blocks", block),), head=head)
+            stages=(Stage("transformer_blocks", block),), head=head, tensor_parallel=GENERIC)
 
 
 def _time_condition(model, value, batch: int, ctx) -> Optional[torch.Tensor]:

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ...sp import AttentionSpec, Plan, Stage, Stream, video_part
+from ...sp.tensor_parallel import NORM, Split, TensorParallelPlan
 from ...sp.cross import Context
 from ...sp.rope_options import is_identity, scaled_positions
 from ...sp.video_tokens import conv_patch_embed, pad_to_patch_3d
@@ -32,7 +33,12 @@ def plan_for(variants) -> Plan:
     stage = Stage("blocks", partial(run_block, variants), attends="video", text=None, local=("attn2",),
                   attention=AttentionSpec(project=project_qkv), also=tuple(v for variant in variants for v in variant.also))
     return Plan(check=partial(check, variants), layout=partial(layout, variants),
-                condition=partial(condition, variants), stages=(stage,), head=head, rope=rope, output="video")
+                condition=partial(condition, variants), stages=(stage,), head=head, rope=rope, output="video",
+                tensor_parallel=None if variants else TENSOR_PARALLEL)
+
+
+# q / k norms span all heads: split with q / k, their mean square summed over the TP group (variants: not yet)
+TENSOR_PARALLEL = TensorParallelPlan(extra=tuple(Split(name, NORM) for name in ("norm_q", "norm_k", "norm_added_k")))
 
 
 def rope(config) -> tuple[tuple[int, int, int], float]:

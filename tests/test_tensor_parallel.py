@@ -1,0 +1,102 @@
+"""Tensor parallelism (a fourth axis, innermost): TP 2, TP 4, TP 2 x Ulysses 2, TP 2 x Ring 2 and TP 2 x CFG 2 give
+the single-device output of diffusers' stock forward (fp32, 1e-5 of the scale) for the families that declare a TP
+plan, at odd token counts, batch 2 (split by CFG) and 1; weights per rank shrink; what TP cannot split is refused by
+name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from family_support import assert_parity
+from sp_lab.references import reference_forward
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_runtime.config import SPConfig
+from sp_runtime.pool import WorkerPool
+from test_family_layouts import make_cases
+
+SEED = 5
+FAMILIES = ("flux", "qwen_image")
+LAYOUTS = {"tp2": (2, dict(tensor_parallel_degree=2)),
+           "tp4": (4, dict(tensor_parallel_degree=4)),
+           "u2tp2": (4, dict(ulysses_degree=2, tensor_parallel_degree=2)),
+           "r2tp2": (4, dict(ulysses_degree=1, ring_degree=2, tensor_parallel_degree=2)),
+           "cfg2tp2": (4, dict(ulysses_degree=1, cfg_degree=2, tensor_parallel_degree=2))}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def tp_pool(request):
+    world, degrees = LAYOUTS[request.param]
+    with WorkerPool(SPConfig(["cpu"] * world, **degrees)) as pool:
+        yield request.param, pool
+
+
+def heads_for(degree: int) -> int:
+    """6 heads (3 per TP-2 rank, which Ulysses 2 does not divide); 8 at TP 4."""
+    return 8 if degree == 4 else 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(family, heads) -> (checkpoint, the references of its cases, its full weight bytes), made when first asked."""
+    folder, made = tmp_path_factory.mktemp("tp"), {}
+
+    def get(family: str, heads: int):
+        if (family, heads) not in made:
+            path = write_tiny_checkpoint(family, str(folder / f"{family}_{heads}.safetensors"), seed=SEED,
+                                         num_attention_heads=heads)
+            model = build_tiny_model(family, SEED, num_attention_heads=heads)
+            refs = {name: reference_forward(family)(model, x, t, **inputs)
+                    for name, (x, t, inputs) in make_cases(family).items()}
+            made[family, heads] = path, refs, sum(p.numel() * p.element_size() for p in model.parameters())
+        return made[family, heads]
+    return get
+
+
+def test_tp_equals_single_device(tp_pool, models):
+    layout, pool = tp_pool
+    degree = pool.config.tensor_parallel_degree
+    for family in FAMILIES:
+        path, refs, full_bytes = models(family, heads_for(degree))
+        handle = pool.load_model(path)
+        for name, (x, t, inputs) in make_cases(family).items():
+            assert_parity(handle(x, t, **inputs), refs[name], "float32", f"tp/{layout}/{family}/{name}")
+        # the blocks' weights are split (the tiny models' embedders and heads are a larger share than at full size)
+        assert handle.info.weight_bytes < full_bytes * (0.6 if degree == 2 else 0.4), family
+        pool.unload(handle)
+
+
+def test_lora_at_tp2_equals_the_merged_checkpoint(tp_pool, tmp_path):
+    """A LoRA (Flux's fused qkv, kohya names) is added to the full base weight and each rank keeps its slice: the
+    result equals a checkpoint merged by hand; [] gives the base back bitwise."""
+    from safetensors.torch import load_file
+    from test_lora import STRENGTH, make_deltas, merged_state, relative, run, save_like, write_lora
+    layout, pool = tp_pool
+    if layout != "tp2":
+        pytest.skip("one layout is enough: the LoRA path does not depend on the other axes")
+    base_path = write_tiny_checkpoint("flux", str(tmp_path / "base.safetensors"), seed=2, prefix=COMFY_PREFIX)
+    base = {key[len(COMFY_PREFIX):]: value for key, value in load_file(base_path).items()}
+    deltas = make_deltas("flux", base, seed=7)
+    merged = save_like(str(tmp_path / "merged.safetensors"), base_path,
+                       {COMFY_PREFIX + key: value for key, value in merged_state("flux", base, [(deltas, STRENGTH)]).items()})
+    lora = write_lora(str(tmp_path / "lora.safetensors"), "flux", deltas, "kohya")
+    handle = pool.load_model(merged, "fp32")
+    want = run(handle, "flux")
+    handle.unload()
+    handle = pool.load_model(base_path, "fp32")
+    plain = run(handle, "flux")
+    pool.set_loras(handle, [[lora, STRENGTH]])
+    assert relative(run(handle, "flux"), want) <= 1e-5
+    pool.set_loras(handle, [])
+    assert torch.equal(run(handle, "flux"), plain)
+    handle.unload()
+
+
+def test_what_tp_cannot_split_is_refused_by_name(tp_pool, tmp_path):
+    layout, pool = tp_pool
+    if layout != "tp4":
+        pytest.skip("the refusals are checked once")
+    odd_heads = write_tiny_checkpoint("flux", str(tmp_path / "heads.safetensors"), seed=1, num_attention_heads=6)
+    with pytest.raises(Exception, match="tensor_parallel_degree=4 does not divide the .* of"):
+        pool.load_model(odd_heads)
+    with pytest.raises(Exception, match="tensor_parallel_degree=4 is not supported for 'ltx2' models"):
+        pool.load_model(write_tiny_checkpoint("ltx2", str(tmp_path / "ltx2.safetensors"), seed=1))
