@@ -4,7 +4,9 @@ with which buffer sizes, how often, and how many bytes each rank sends over its 
 It follows what sp_runtime.attention sends: Ulysses' fused q/k/v all-to-all (tokens padded to the longest shard,
 heads to a multiple of the degree) and the return all-to-all that carries the joint text output; the ring's k/v
 block shifts and the all-gather of its text rows; CFG groups split an even batch, and a batch that cannot be
-split runs on every rank, the CFG halves joined as more ring blocks.
+split runs on every rank, the CFG halves joined as more ring blocks. Tensor parallelism splits the heads first (the
+Ulysses exchanges carry H/T of them) and all-reduces the attention and MLP outputs of every block (a ring all-reduce
+sends 2 (T-1)/T of its buffer); the modulation all-gathers (a few numbers per item) are left out.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ class AttentionShape:
 class Exchange:
     """One kind of collective in a step: `elements` per rank per call (the send buffer), `calls` per step."""
 
-    kind: str            # "all_to_all" (Ulysses group), "ring_shift" (ring group), "all_gather" (ring group)
+    kind: str            # "all_to_all" (Ulysses group), "ring_shift" / "all_gather" (ring group), "all_reduce" (TP)
     name: str
     elements: int
     calls: int
@@ -66,9 +68,14 @@ def step_exchanges(shape: AttentionShape, config: SPConfig, tokens: int, text_to
     ulysses, ring, group_batch = sequence_layout(config, batch)
     shards = SeqShards.balanced(tokens, ulysses * ring)
     text = text_tokens if shape.joint_text else 0
-    heads_here = -(-shape.heads // ulysses)
+    tp = config.tensor_parallel_degree
+    heads_here = -(-(shape.heads // tp) // ulysses)
     layers = shape.layers
     exchanges = []
+    if tp > 1:  # every block: attention output and MLP output, this rank's tokens and the text, the whole width
+        exchanges.append(Exchange("all_reduce", "tensor-parallel attention / MLP output all-reduce",
+                                  group_batch * (shards.chunk + text) * shape.heads * shape.head_dim,
+                                  2 * layers, tp, 2 * (tp - 1) / tp))
     if ulysses > 1:
         chunk = max(shards.block(r * ulysses, ulysses).chunk for r in range(ring))
         fraction = (ulysses - 1) / ulysses

@@ -1,4 +1,5 @@
-"""The speed model: predicted time of one denoising step per layout (Ulysses, Ring, hybrid, CFG, shard_weights) on
+"""The speed model: predicted time of one denoising step per layout (Ulysses, Ring, hybrid, CFG, tensor parallel,
+shard_weights) on
 P devices, from the model's shape, the device's achieved throughput and the link bandwidth; and the memory each
 layout needs per device.
 
@@ -7,7 +8,9 @@ text is replicated, so every rank runs all of it) + its share of the attention (
 padded to the Ulysses degree U, over the whole sequence, split again by the Ring degree); CFG groups split the batch.
 Exchanges are sp_runtime.cli.comm's, at the link: every all-to-all sends (P-1)/P of its buffer (DeepSpeed-Ulysses'
 4 N h / P per layer for q, k, v and the output) at the per-direction bandwidth plus a latency per call; ring shifts
-overlap the attention and shard_weights' gathers the next block's compute (only what exceeds it shows).
+overlap the attention and shard_weights' gathers the next block's compute (only what exceeds it shows). Tensor
+parallelism (T) divides the block weights, their FLOPs and the heads by T (weights held ~1/T) and adds two
+all-reduces of tokens x width per block, on the critical path.
 Rank emulation (benchmarks/rank_emulation.py) measures a rank's compute on one device; `compute_s` replaces the
 FLOP estimate with it.
 """
@@ -141,15 +144,16 @@ class Layout:
     ring: int = 1
     cfg: int = 1
     shard_weights: bool = False
+    tp: int = 1
 
     @property
     def devices(self) -> int:
-        return self.ulysses * self.ring * self.cfg
+        return self.ulysses * self.ring * self.cfg * self.tp
 
     @property
     def name(self) -> str:
-        parts = [f"{axis}{degree}" for axis, degree in (("u", self.ulysses), ("r", self.ring), ("cfg", self.cfg))
-                 if degree > 1]
+        parts = [f"{axis}{degree}" for axis, degree in (("u", self.ulysses), ("r", self.ring), ("cfg", self.cfg),
+                                                        ("tp", self.tp)) if degree > 1]
         return ("".join(parts) or "1") + ("+shard_weights" if self.shard_weights else "")
 
 
@@ -167,17 +171,21 @@ class Prediction:
     parts: dict = field(default_factory=dict)
 
 
-def layouts(devices: int, cfg: bool) -> list[Layout]:
+def layouts(devices: int, cfg: bool, heads: int = 0) -> list[Layout]:
     """Every layout on 1, 2, 4, ... up to `devices` (and `devices` itself): Ulysses x Ring x CFG (CFG only for a
-    model that runs CFG), each also with shard_weights on more than one device."""
+    model that runs CFG), each also with shard_weights on more than one device; and with a tensor-parallel degree
+    that divides `heads` (0: none), TP innermost (not with shard_weights: both split the weights)."""
     counts = sorted({2 ** k for k in range(int(math.log2(devices)) + 1)} | {devices})
     found = []
     for count in counts:
         for cfg_degree in ((1, 2) if cfg and count % 2 == 0 else (1,)):
-            rest = count // cfg_degree
-            for ring in _divisors(rest):
-                for shard in ((False, True) if count > 1 else (False,)):
-                    found.append(Layout(rest // ring, ring, cfg_degree, shard))
+            for tp in _divisors(count // cfg_degree):
+                if tp > 1 and (not heads or heads % tp):
+                    continue
+                rest = count // cfg_degree // tp
+                for ring in _divisors(rest):
+                    for shard in ((False, True) if count > 1 and tp == 1 else (False,)):
+                        found.append(Layout(rest // ring, ring, cfg_degree, shard, tp))
     return found
 
 
@@ -193,9 +201,9 @@ def predict(shape: ModelShape, tokens: int, text: int, layout: Layout, device: D
     group_batch = batch // layout.cfg if batch % layout.cfg == 0 else batch
     sequence = layout.ulysses * layout.ring
     joint = tokens + (text if shape.joint_text else 0)
-    padded_heads = -(-shape.heads // layout.ulysses) * layout.ulysses
+    padded_heads = -(-shape.heads // layout.tp // layout.ulysses) * layout.ulysses
     local_tokens = -(-tokens // sequence)
-    linear_flops = 2 * group_batch * (local_tokens * shape.image_weights + text * shape.text_weights)
+    linear_flops = 2 * group_batch * (local_tokens * shape.image_weights + text * shape.text_weights) / layout.tp
     attention_flops = 4 * group_batch * shape.layers * shape.head_dim * padded_heads * joint * joint / sequence
     if not shape.joint_text:  # Wan: cross-attention of the video tokens to the text
         attention_flops += 4 * group_batch * shape.layers * shape.head_dim * padded_heads * local_tokens * text \
@@ -205,14 +213,16 @@ def predict(shape: ModelShape, tokens: int, text: int, layout: Layout, device: D
     if compute_s is None:
         compute_s = (linear_s + attention_s) * (layout.devices if device.shared_cores else 1)
     config = SPConfig(["cpu"] * layout.devices, ulysses_degree=layout.ulysses, ring_degree=layout.ring,
-                      cfg_degree=layout.cfg)
-    exchange_s, sent, ring_s = 0.0, 0, 0.0
+                      cfg_degree=layout.cfg, tensor_parallel_degree=layout.tp)
+    exchange_s, sent, ring_s, reduce_s = 0.0, 0, 0.0, 0.0
     for exchange in step_exchanges(shape.attention, config, tokens, text, batch):
         buffer = exchange.elements * element_bytes
         moved = exchange.bytes_sent(element_bytes)
         sent += moved
         if exchange.kind == "all_to_all":
             exchange_s += exchange.calls * link.all_to_all_seconds(buffer, buffer * exchange.sent_fraction)
+        elif exchange.kind == "all_reduce":  # waits for the block's output: nothing to hide it behind
+            reduce_s += exchange.calls * link.send_seconds(buffer * exchange.sent_fraction)
         else:
             ring_s += exchange.calls * link.send_seconds(buffer * exchange.sent_fraction)
     hidden_ring = max(0.0, ring_s - attention_s)  # the ring's shifts run while the previous block attends
@@ -222,12 +232,14 @@ def predict(shape: ModelShape, tokens: int, text: int, layout: Layout, device: D
         moved = weights * (layout.devices - 1) / layout.devices
         sent += int(moved)
         gather_s = max(0.0, shape.blocks * link.send_seconds(moved / shape.blocks) - compute_s)
-    step = compute_s + exchange_s + hidden_ring + gather_s
+    step = compute_s + exchange_s + hidden_ring + gather_s + reduce_s
     memory = _memory(shape, layout, weights, local_tokens, joint, text, group_batch, element_bytes)
     fits = None if device.memory_bytes is None else memory <= 0.9 * device.memory_bytes
-    return Prediction(layout.name, layout.devices, compute_s, exchange_s + hidden_ring + gather_s, step, sent, memory,
-                      fits, parts={"linear_s": linear_s, "attention_s": attention_s, "all_to_all_s": exchange_s,
-                                   "ring_shift_s": ring_s, "ring_shown_s": hidden_ring, "weight_gather_s": gather_s})
+    return Prediction(layout.name, layout.devices, compute_s, exchange_s + hidden_ring + gather_s + reduce_s, step,
+                      sent, memory, fits,
+                      parts={"linear_s": linear_s, "attention_s": attention_s, "all_to_all_s": exchange_s,
+                             "ring_shift_s": ring_s, "ring_shown_s": hidden_ring, "weight_gather_s": gather_s,
+                             "tp_all_reduce_s": reduce_s})
 
 
 def _memory(shape: ModelShape, layout: Layout, weights: float, local_tokens: int, joint: int, text: int,
@@ -235,9 +247,9 @@ def _memory(shape: ModelShape, layout: Layout, weights: float, local_tokens: int
     """Weights held (all, or 1/P + two gathered blocks with shard_weights) + a block's activations: ~12 values of
     the width per local token (residual, norms, MLP's 4x hidden), q / k / v and output of this rank's heads over the
     whole sequence (Ulysses' received buffer)."""
-    held = weights / layout.devices + 2 * weights / shape.blocks if layout.shard_weights else weights
+    held = weights / layout.devices + 2 * weights / shape.blocks if layout.shard_weights else weights / layout.tp
     width = shape.heads * shape.head_dim
-    heads_here = -(-shape.heads // layout.ulysses)
+    heads_here = -(-shape.heads // layout.tp // layout.ulysses)
     activations = group_batch * element_bytes * ((local_tokens + text) * width * 12
                                                  + 4 * joint * heads_here * shape.head_dim // layout.ring)
     return held + activations
@@ -248,7 +260,7 @@ def plan(shape: ModelShape, tokens: int, text: int, devices: int, device: Device
     """Predictions for every layout on up to `devices`, fastest first, and the recommended one: the fastest that
     fits in memory, unless fewer devices or no sharding comes within WORTH_IT of it."""
     rows = [predict(shape, tokens, text, layout, device, link, element_bytes)
-            for layout in layouts(devices, shape.cfg)]
+            for layout in layouts(devices, shape.cfg, shape.heads)]
     one = next(row for row in rows if row.devices == 1)
     for row in rows:
         row.speedup = one.step_s / row.step_s
@@ -258,7 +270,7 @@ def plan(shape: ModelShape, tokens: int, text: int, devices: int, device: Device
     if fitting:
         fastest = fitting[0].step_s
         near = [row for row in fitting if row.step_s <= fastest * WORTH_IT]
-        best = min(near, key=lambda row: (row.devices, "shard" in row.layout, row.step_s))
+        best = min(near, key=lambda row: (row.devices, "shard" in row.layout, "tp" in row.layout, row.step_s))
     return {"rows": rows, "recommended": best}
 
 

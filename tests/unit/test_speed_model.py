@@ -49,12 +49,45 @@ def test_the_plan_recommends_the_fastest_layout_that_fits_and_shards_when_nothin
                      text_weights=6_455_000_000, parameters=11_900_000_000, blocks=57)
     h100 = Device("h100", 600e12, 350e12, memory_bytes=80e9)
     result = plan(big, 4096, 512, 4, h100, Link(450e9))
-    assert {row.layout for row in result["rows"]} == {layout.name for layout in layouts(4, cfg=False)}
+    assert {row.layout for row in result["rows"]} == {layout.name for layout in layouts(4, cfg=False, heads=24)}
     assert result["recommended"].devices == 4 and "shard" not in result["recommended"].layout
     small = Device("h100", 600e12, 350e12, memory_bytes=16e9)
     tight = plan(big, 4096, 512, 4, small, Link(450e9))
-    assert tight["recommended"].layout.endswith("+shard_weights")
-    assert all(not row.fits for row in tight["rows"] if "shard" not in row.layout)
+    assert "tp" in tight["recommended"].layout or tight["recommended"].layout.endswith("+shard_weights")
+    assert all(not row.fits for row in tight["rows"] if "shard" not in row.layout and "tp" not in row.layout)
+
+
+BIG = ModelShape("big", "flux", layers=57, heads=24, head_dim=128, image_weights=6_455_000_000,
+                 text_weights=6_455_000_000, parameters=11_900_000_000, blocks=57)  # Flux.1-dev's counts
+SMALL = ModelShape("small", "flux", layers=57, heads=24, head_dim=128, image_weights=1_000_000_000,
+                   text_weights=1_000_000_000, parameters=2_000_000_000, blocks=57)
+GPU_16GB = Device("h100-16g", 600e12, 350e12, memory_bytes=16e9)
+NVLINK, PCIE = Link(450e9), Link(25e9)
+
+
+@pytest.mark.parametrize("shape, tokens, link, wanted", [
+    (SMALL, 4096, NVLINK, "sequence"),          # fits whole: no weight splitting at all
+    (BIG, 4096, NVLINK, "tp"),                  # 24 GB of bf16 on 16 GB cards, an image: TP's all-reduces are small
+    (BIG, 65536, NVLINK, "shard_weights"),      # a long video: all-reduces of 65k tokens outweigh the gathers
+    (BIG, 16384, NVLINK, "tp"),                 # the same model at 16k tokens on NVLink: TP
+    (BIG, 16384, PCIE, "shard_weights"),        # ... over PCIe the all-reduces cost more than the gathers
+])
+def test_the_recommendation_follows_model_size_resolution_and_link(shape, tokens, link, wanted):
+    """Stated inputs: 4 GPUs of 16 GB at 600 / 350 TFLOP/s, 512 text tokens, bf16; the doctor's choice between
+    plain sequence parallelism, tensor parallelism and shard_weights moves as the bytes say it should."""
+    best = plan(shape, tokens, 512, 4, GPU_16GB, link)["recommended"]
+    kind = "tp" if "tp" in best.layout else "shard_weights" if "shard" in best.layout else "sequence"
+    assert kind == wanted, best.layout
+
+
+def test_tp_divides_weights_and_adds_two_all_reduces_of_tokens_by_width_per_block():
+    tokens, text, width, element = 1000, 10, 8 * 16, 2
+    row = predict(SHAPE, tokens, text, Layout(tp=2), ONE_FLOP, NO_LINK, element_bytes=element)
+    # Wan: the text is not in the residual stream (cross-attention reads it), so only the video tokens are reduced
+    assert row.bytes_sent == SHAPE.layers * 2 * tokens * width * element * 2 * (2 - 1) / 2
+    assert row.parts["linear_s"] == pytest.approx(2 * (tokens * 1000 + text * 400) / 2)
+    whole = predict(SHAPE, tokens, text, Layout(), ONE_FLOP, NO_LINK, element_bytes=element)
+    assert row.memory_bytes < whole.memory_bytes
 
 
 def test_doctor_prints_the_predicted_table_and_its_recommendation(capsys):
