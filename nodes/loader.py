@@ -100,14 +100,22 @@ def pool_inputs() -> list:
                                  "each step moves (N-1)/N of the block weights to every device, e.g. "
                                  "Flux dev bf16 on 4 GPUs ~17 GB per device per step (~0.7 s over PCIe "
                                  "4.0 x16, far less over NVLink). Results are unchanged."),
+        io.Int.Input("tensor_parallel_degree", default=1, min=1, max=8, optional=True,
+                     tooltip="Tensor parallelism: each group of this many neighbouring devices splits every "
+                             "transformer block's weights (heads and MLP) between them, so weight memory per "
+                             "device is about 1/T; two all-reduces of the activations per block instead of "
+                             "shard_weights' weight gathers (less traffic for images, more for long videos). "
+                             "Combines with ulysses_degree, ring_degree and cfg_parallel (devices = their "
+                             "product). Float files (quantized files are refused); T must divide the heads."),
     ]
 
 
 def sp_model_spec(path: str, weight_dtype: str, devices: str, ulysses_degree: int, ring_degree: int,
                   cfg_parallel: bool, attention: str = "sdpa", fp8_exchange: bool = False,
-                  compile: bool = False, shard_weights: bool = False) -> ModelSpec:
+                  compile: bool = False, shard_weights: bool = False, tensor_parallel_degree: int = 1) -> ModelSpec:
     """The ModelSpec the pool_inputs() values ask for (options left at their defaults are not named)."""
-    config = config_from_inputs(devices, ulysses_degree, ring_degree, cfg_parallel)
+    config = config_from_inputs(devices, ulysses_degree, ring_degree, cfg_parallel,
+                                tensor_parallel_degree=tensor_parallel_degree)
     options = {"attention": attention, "fp8_exchange": fp8_exchange, "compile": compile,
                "shard_weights": shard_weights}
     defaults = {"attention": "sdpa", "fp8_exchange": False, "compile": False, "shard_weights": False}

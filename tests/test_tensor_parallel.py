@@ -10,6 +10,7 @@ import torch
 from family_support import assert_parity
 from sp_lab.references import reference_forward
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models.quant_files import write_quantized
 from sp_runtime.config import SPConfig
 from sp_runtime.pool import WorkerPool
 from test_family_layouts import make_cases
@@ -99,5 +100,12 @@ def test_what_tp_cannot_split_is_refused_by_name(tp_pool, tmp_path):
     odd_heads = write_tiny_checkpoint("flux", str(tmp_path / "heads.safetensors"), seed=1, num_attention_heads=6)
     with pytest.raises(Exception, match="tensor_parallel_degree=4 does not divide the .* of"):
         pool.load_model(odd_heads)
+    quantized = str(tmp_path / "scaled_fp8.safetensors")
+    write_quantized("flux", quantized, str(tmp_path / "reference.safetensors"), "scaled_fp8", seed=1,
+                    num_attention_heads=8)
+    with pytest.raises(Exception, match="tensor_parallel_degree=4 is not supported for quantized files yet"):
+        pool.load_model(quantized)
+    with pytest.raises(Exception, match="tensor_parallel_degree=4 with shard_weights"):
+        pool.load_model(odd_heads, shard_weights=True)
     with pytest.raises(Exception, match="tensor_parallel_degree=4 is not supported for 'ltx2' models"):
         pool.load_model(write_tiny_checkpoint("ltx2", str(tmp_path / "ltx2.safetensors"), seed=1))

@@ -18,10 +18,16 @@ def load_worker_model(request, device, groups, progress):
     detection = request.detection or detect(header, allow_internal=True)  # the pool's requests carry it
     world = groups.config.world_size if groups is not None else 1
     shard = ShardSpec(groups.rank, world) if shard_option(request.options) and world > 1 else None
+    tp = groups.tp if groups is not None and groups.tp.degree > 1 else None
+    if tp is not None:
+        _check_tensor_parallel(tp, request, detection, shard)
     with sharded_loading(shard):  # blocks read straight into this rank's shards
         worker = family(detection.family).load(request, detection, device, groups, progress)
-    if groups is not None and groups.tp.degree > 1:
-        _split_tensor_parallel(worker, groups.tp, request, detection, shard)
+    if tp is not None:
+        if not hasattr(worker, "split_tensor_parallel"):
+            raise ValueError(f"tensor_parallel_degree={tp.degree} is not supported for {detection.family!r} models "
+                             f"(not run by the executor)")
+        worker.split_tensor_parallel(tp)  # the family's TP plan: its blocks' Linears split across the TP group
     if shard is not None:
         worker = shard_worker(worker, shard.rank, shard.world)  # shards a model its family loaded whole
     if isinstance(getattr(worker, "model", None), torch.nn.Module):
@@ -32,15 +38,13 @@ def load_worker_model(request, device, groups, progress):
     return with_runtime_options(worker, request.options)
 
 
-
-def _split_tensor_parallel(worker, tp, request, detection, shard) -> None:
-    """The worker's blocks split across the TP group; what TP cannot serve is refused by name."""
+def _check_tensor_parallel(tp, request, detection, shard) -> None:
+    """What tensor parallelism cannot serve, refused by name before anything is read."""
     degree = f"tensor_parallel_degree={tp.degree}"
     if shard is not None:
         raise ValueError(f"{degree} with shard_weights: both split the weights; use one of them")
+    if request.options.get("compile"):  # the all-reduces inside the blocks are not checked under torch.compile yet
+        raise ValueError(f"{degree} with compile is not supported yet; turn compile off")
     if detection.quant:
         raise ValueError(f"{degree} is not supported for quantized files yet ({request.path}: {detection.quant}); "
                          f"load a float file, or use ulysses_degree / shard_weights")
-    if not hasattr(worker, "split_tensor_parallel"):
-        raise ValueError(f"{degree} is not supported for {detection.family!r} models (not run by the executor)")
-    worker.split_tensor_parallel(tp)

@@ -235,7 +235,8 @@ class WorkerPool:
                 memory["weights"] = self._ranks[rank]["weights"].get("resident", weights)
             ranks.append({"rank": rank, "device": device, "pid": worker.pid if worker else None, "alive": alive,
                           "exit_cause": None if alive or worker is None else worker.exit_cause(),
-                          "coords": dict(zip(("cfg", "ring", "ulysses"), self.config.coords(rank))),
+                          "coords": {**dict(zip(("cfg", "ring", "ulysses"), self.config.coords(rank))),
+                                     "tp": self.config.tp_index(rank)},
                           "memory": memory,
                           "models": [_model_summary(*entry) for entry in resident if alive],
                           "weights": self._ranks[rank]["weights"] if alive else {},

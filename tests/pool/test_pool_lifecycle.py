@@ -34,8 +34,8 @@ def test_start_and_status(pool):
     if sys.platform.startswith("linux"):
         assert all(rank["memory"]["peak"] > 0 for rank in status["ranks"])  # peak RSS (VmHWM)
     assert all(rank["memory"]["rss"] < rank["memory"]["limit"] for rank in status["ranks"])
-    assert [rank["coords"] for rank in status["ranks"]] == [{"cfg": 0, "ring": 0, "ulysses": 0},
-                                                            {"cfg": 0, "ring": 0, "ulysses": 1}]
+    assert [rank["coords"] for rank in status["ranks"]] == [{"cfg": 0, "ring": 0, "ulysses": 0, "tp": 0},
+                                                            {"cfg": 0, "ring": 0, "ulysses": 1, "tp": 0}]
     assert status["last_error"] is None
     workers = {child.pid for child in psutil.Process().children()}
     assert set(pool.worker_pids) <= workers

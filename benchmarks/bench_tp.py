@@ -1,0 +1,97 @@
+"""Tensor parallelism measured on CPU workers and set beside shard_weights and Ulysses: (1) per-rank weight bytes at
+TP 2 and 4 against the whole model (the workers' own accounting, as bench_shard_weights.py measures it), on the same
+~300 MB Qwen-Image-architecture model, and the TP output against the whole model's; (2) bytes each rank sends per
+step for TP, shard_weights and Ulysses on 4 devices, from the speed model's exchange list (sp_runtime.cli.comm), for
+full-size Qwen-Image at 1328^2 and Wan 14B at 1280x720x81, with the predicted step times on NVLink and PCIe.
+
+Usage: python benchmarks/bench_tp.py [--out benchmarks/results/tp_cpu.json]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sp_runtime import SPConfig, WorkerPool  # noqa: E402
+from sp_runtime.cli.machine import LoadMonitor, describe_machine, write_json  # noqa: E402
+from sp_runtime.cli.speed_model import Device, Layout, Link, known_shape, predict, video_tokens  # noqa: E402
+from sp_lab.cli.presets import Preset, materialize  # noqa: E402
+from sp_lab.cli.sampling import make_workload, model_timestep  # noqa: E402
+
+MIB = 2 ** 20
+BIG = Preset("tp-300mb", "qwen_image", "Qwen-Image architecture, 8 blocks, 8 heads of 64, fp32 (~300 MB)",
+             256, 256, text_tokens=32,
+             size=dict(num_layers=8, num_attention_heads=8, attention_head_dim=64, joint_attention_dim=64))
+H200 = Device("h200", matmul_flops=700e12, attention_flops=400e12, memory_bytes=141e9)
+LINKS = {"nvlink": Link(450e9), "pcie4": Link(25e9)}
+
+
+def resident(pool) -> list[int]:
+    return [rank["weights"]["resident"] for rank in pool.status()["ranks"]]
+
+
+def run_once(pool, path: str):
+    handle = pool.load_model(path, "float32")
+    workload = make_workload("qwen_image", handle.info.config, handle.info.in_channels, BIG.width, BIG.height,
+                             text_tokens=BIG.text_tokens)
+    out = handle(workload.noise, model_timestep("qwen_image", 0.7, 1), **workload.conditioning)
+    return out, resident(pool), workload.tokens
+
+
+def memory(path: str) -> dict:
+    with WorkerPool(SPConfig(["cpu"])) as pool:
+        whole_out, (whole,), tokens = run_once(pool, path)
+    rows = []
+    for degree in (2, 4):
+        with WorkerPool(SPConfig(["cpu"] * degree, tensor_parallel_degree=degree)) as pool:
+            out, per_rank, _ = run_once(pool, path)
+        error = float((out - whole_out).abs().max() / max(1.0, float(whole_out.abs().max())))
+        ratio = max(per_rank) / whole
+        rows.append({"tensor_parallel_degree": degree, "weights_per_rank_bytes": per_rank,
+                     "ratio_of_whole": round(ratio, 4), "target": 0.55 if degree == 2 else 0.30,
+                     "relative_error_vs_whole": error})
+        print(f"TP {degree}: weights per rank {max(per_rank) / MIB:.1f} MiB of {whole / MIB:.1f} MiB "
+              f"(x{ratio:.3f}); output vs whole {error:.1e} of scale", flush=True)
+    return {"model": BIG.description, "tokens": tokens, "whole_bytes": whole, "tp": rows}
+
+
+def bytes_per_step() -> list[dict]:
+    cases = [("qwen-image", "1328x1328", (1328 // 16) ** 2, 512),
+             ("wan", "1280x720x81", video_tokens(1280, 720, 81), 512)]
+    layouts = {"ulysses 4": Layout(ulysses=4), "shard_weights (u4)": Layout(ulysses=4, shard_weights=True),
+               "tp 4": Layout(tp=4), "u2 x tp 2": Layout(ulysses=2, tp=2)}
+    found = []
+    for model, size, tokens, text in cases:
+        shape = known_shape(model)
+        for name, layout in layouts.items():
+            row = {"model": model, "size": size, "tokens": tokens, "layout": name}
+            for link_name, link in LINKS.items():
+                prediction = predict(shape, tokens, text, layout, H200, link)
+                row["bytes_sent_per_rank"] = prediction.bytes_sent
+                row["memory_per_rank_bytes"] = int(prediction.memory_bytes)
+                row[f"step_ms_{link_name}"] = round(prediction.step_s * 1e3, 1)
+            found.append(row)
+            print(f"{model} {size} ({tokens} tokens) {name:<20} {row['bytes_sent_per_rank'] / 1e9:7.2f} GB sent "
+                  f"per rank per step; predicted {row['step_ms_nvlink']:.0f} ms NVLink, "
+                  f"{row['step_ms_pcie4']:.0f} ms PCIe 4", flush=True)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results", "tp_cpu.json"))
+    args = parser.parse_args()
+    monitor = LoadMonitor()
+    result = {"machine": describe_machine(), "command": "python benchmarks/bench_tp.py",
+              "how": "weights: pool.status() ranks[r]['weights']['resident'] (the workers' accounting); bytes and "
+                     "step times: sp_runtime.cli.speed_model.predict on an H200-like device (700 / 400 TFLOP/s), "
+                     "bf16, batch 2 for CFG models, NVLink 450 GB/s and PCIe 4 25 GB/s per direction",
+              "memory": memory(materialize(BIG)), "bytes_per_step": bytes_per_step()}
+    result["machine_load"] = monitor.finish()
+    write_json(args.out, result, say=True)
+
+
+if __name__ == "__main__":
+    main()
