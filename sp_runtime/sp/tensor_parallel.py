@@ -18,6 +18,7 @@ dispatch on every call.
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -169,7 +170,21 @@ def _split_linear(module: torch.nn.Linear, kind: str, sizes: list[int], group, r
     if kind != COLUMN:
         module.__class__ = _parallel_class(RowParallelLinear if kind == ROW else GatheredLinear, type(module))
         module.tp_group, module.tp_degree = group, degree
+        _rebind_hooked_forward(module)
     return taken
+
+
+def _rebind_hooked_forward(module) -> None:
+    """diffusers' hooks (layerwise fp8 casting) replaced module.forward by a wrapper around the forward bound when
+    they were registered (nn.Linear's): point the innermost one at the new class's forward."""
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is None or not getattr(registry, "_fn_refs", None):
+        return
+    inner = registry._fn_refs[0]
+    if getattr(inner, "original_forward", None) is not None:
+        raise ValueError(f"tensor parallelism cannot split a {type(module).__name__} whose forward a diffusers hook "
+                         f"replaced")
+    inner.forward = types.MethodType(type(module).forward, module)
 
 
 _CLASSES: dict[tuple[type, type], type] = {}
