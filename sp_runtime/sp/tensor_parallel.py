@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 COLUMN, ROW, GATHER, NORM = "column", "row", "gather", "norm"
+PACKED = "packed"
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,12 @@ class Split:
     equal parts (a fused q / k / v: 3), or of the output widths of the named column-split Linears of the block (a
     row split whose input is their concatenation, Flux's single-block proj_out over [attention, MLP]); each part is
     cut in T pieces and a rank takes its piece of each. A column split under a gated activation (diffusers' GEGLU,
-    SwiGLU: [hidden, gate]) takes 2 parts by itself."""
+    SwiGLU: [hidden, gate]) takes 2 parts by itself. parts=PACKED: the sizes diffusers stores on a fused Linear
+    (`_tp_packed_col_blocks` / `_tp_packed_row_blocks`, e.g. Flux.2's to_qkv_mlp_proj: q, k, v, gate, value)."""
 
     name: str
     kind: str
-    parts: Union[int, tuple[str, ...]] = 1
+    parts: Union[int, str, tuple[str, ...]] = 1
 
 
 ATTENTION_SPLITS = (Split("to_q", COLUMN), Split("to_k", COLUMN), Split("to_v", COLUMN),
@@ -68,6 +70,8 @@ class TensorParallelPlan:
 
 
 GENERIC = TensorParallelPlan()
+# single-stream blocks (Flux.1, HunyuanVideo): proj_out reads [attention output, MLP] (their column splits side by side)
+SINGLE_STREAM = TensorParallelPlan(extra=(Split("proj_mlp", COLUMN), Split("proj_out", ROW, ("attn.to_q", "proj_mlp"))))
 
 
 @dataclass
@@ -126,7 +130,13 @@ def _part_sizes(module, split: Split, path: str, modules: dict, where: str, degr
         width = module.normalized_shape[-1]
     else:
         width = module.in_features if split.kind == ROW else module.out_features
-    if isinstance(split.parts, tuple):
+    if split.parts == PACKED:
+        attribute = "_tp_packed_row_blocks" if split.kind == ROW else "_tp_packed_col_blocks"
+        sizes = list(getattr(module, attribute, None) or ())
+        if sum(sizes) != width:
+            raise ValueError(f"tensor parallelism: {where} carries no {attribute} matching its {width} features "
+                             f"(this diffusers version does not declare its fused parts)")
+    elif isinstance(split.parts, tuple):
         sizes = [modules[name].out_features for name in split.parts]
         if sum(sizes) != width:
             raise ValueError(f"tensor parallelism: {where} has {width} input features, not the {sum(sizes)} of "
@@ -254,7 +264,8 @@ def _is_split_attention(path: str, module, found: dict) -> bool:
     if not isinstance(heads, int) or not hasattr(module, "set_processor"):
         return False
     inside = f"{path}." if path else ""
-    return any(name.startswith(inside) and name[len(inside):] in ("to_q", "to_qkv") for name in found)
+    return any(name.startswith(inside) and name[len(inside):] in ("to_q", "to_qkv", "to_qkv_mlp_proj")
+               for name in found)
 
 
 def _split_heads(attn, where: str, degree: int) -> None:
@@ -262,3 +273,5 @@ def _split_heads(attn, where: str, degree: int) -> None:
         raise ValueError(f"tensor_parallel_degree={degree} does not divide the {attn.heads} attention heads of "
                          f"{where}: use a degree that divides {attn.heads}")
     attn.heads //= degree
+    if isinstance(getattr(attn, "inner_dim", None), int):  # a fused projection's q / k / v widths (Flux.2)
+        attn.inner_dim //= degree

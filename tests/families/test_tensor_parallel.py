@@ -128,3 +128,28 @@ def test_low_precision_storage_at_tp2_within_bf16_rounding(tp_pool, tmp_path):
         handle = pool.load_model(path)
         assert_parity(handle(x, t, **inputs), want, dtype, f"tp/{layout}/flux/{dtype}")
         handle.unload()
+
+
+# the other families with a TP plan at TP 2: (test module with make_cases, tiny size with a head count 2 divides and
+# an even MLP width, how many of its cases)
+OTHER_FAMILIES = {"chroma": dict(), "sd3": dict(num_attention_heads=4, caption_projection_dim=256),
+                  "flux2": dict(num_attention_heads=4), "z_image": dict(n_heads=6, dim=768),
+                  "qwen_image21": dict(num_attention_heads=4), "hunyuan_video": dict(num_attention_heads=4)}
+
+
+@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
+def test_other_families_at_tp2(tp_pool, family, tmp_path):
+    import importlib
+    layout, pool = tp_pool
+    if layout != "tp2":
+        pytest.skip("the other families run at TP 2 (the layouts' code is the same for every family)")
+    module = importlib.import_module(f"test_{family}")
+    cases = module.make_cases(16) if family == "hunyuan_video" else module.make_cases()
+    size, seed = OTHER_FAMILIES[family], module.SEED
+    path = write_tiny_checkpoint(family, str(tmp_path / f"{family}.safetensors"), seed=seed, **size)
+    model = build_tiny_model(family, seed, **size)
+    handle = pool.load_model(path)
+    for name, (x, t, inputs) in list(cases.items())[:2]:
+        want = reference_forward(family)(model, x, t, **inputs)
+        assert_parity(handle(x, t, **inputs), want, "float32", f"tp/{layout}/{family}/{name}")
+    handle.unload()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...sp import AttentionSpec, Plan, Stage, Stream, image_parts, text_stream
-from ...sp.tensor_parallel import COLUMN, ROW, Split, TensorParallelPlan
+from ...sp.tensor_parallel import SINGLE_STREAM
 from ...sp.tokens import ROPE_THETA, as_list, reference_placements
 from .detection import PATCH, REF_METHODS
 
@@ -80,9 +80,7 @@ PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims_ro
             stages=(Stage("transformer_blocks", joint_block),
                     Stage("single_transformer_blocks", joint_block, attention=AttentionSpec(text_prefix=True))),
             head=lambda call: call.model.proj_out(call.model.norm_out(call.image, call.temb)),
-            # single blocks: proj_out reads [attention output, MLP] (their column splits side by side)
-            tensor_parallel=TensorParallelPlan(extra=(Split("proj_mlp", COLUMN),
-                                                      Split("proj_out", ROW, ("attn.to_q", "proj_mlp")))))
+            tensor_parallel=SINGLE_STREAM)
 
 
 def per_item(values: torch.Tensor, batch: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from ...sp import AttentionSpec, Stage
+from ...sp.tensor_parallel import COLUMN, PACKED, ROW, Split, TensorParallelPlan
 from ...sp.tokens import as_list, reference_placements
 from .. import flux
 from .detection import PATCH
@@ -92,4 +93,7 @@ PLAN = replace(
     stages=(Stage("transformer_blocks", double_block),
             Stage("single_transformer_blocks", single_block, before=join_text,
                   attention=AttentionSpec(project_fused, finish_fused, text_prefix=True))),
-    head=lambda call: call.model.proj_out(call.model.norm_out(call.image[:, call.text.shape[1]:], call.temb)))
+    head=lambda call: call.model.proj_out(call.model.norm_out(call.image[:, call.text.shape[1]:], call.temb)),
+    # fused single-block projections by the parts diffusers declares on them; SwiGLU feed-forward [gate, value]
+    tensor_parallel=TensorParallelPlan(extra=(Split("to_qkv_mlp_proj", COLUMN, PACKED), Split("attn.to_out", ROW, PACKED),
+                                              Split("linear_in", COLUMN, 2), Split("linear_out", ROW))))

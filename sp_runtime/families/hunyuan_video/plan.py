@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ...sp import AttentionSpec, Plan, Stage, Stream, project_qkv, text_stream, video_part
+from ...sp.tensor_parallel import SINGLE_STREAM
 from ...sp.tokens import text_key_mask
 from ...sp.video_tokens import conv_patch_embed
 from .detection import ROPE_THETA
@@ -182,4 +183,4 @@ PLAN = Plan(check=check, layout=layout, condition=condition, rope=lambda config:
             stages=(Stage("transformer_blocks", token_replace_block, attention=IMAGE_FIRST),
                     Stage("single_transformer_blocks", token_replace_block,
                           attention=replace(IMAGE_FIRST, project_text=_text_like_image))),
-            head=head, output_tokens=unpatch_order)
+            head=head, output_tokens=unpatch_order, tensor_parallel=SINGLE_STREAM)

@@ -11,6 +11,7 @@ import torch
 
 from ...attention import Segment, SegmentMask
 from ...sp import Output, Part, Plan, Stage, Stream
+from ...sp.tensor_parallel import COLUMN, ROW, Split, TensorParallelPlan
 from ...sp.tokens import ROPE_THETA, TokenGrid, as_list, text_key_mask
 
 
@@ -111,7 +112,9 @@ def block(block, call) -> None:
 PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims_rope, ROPE_THETA), condition=condition,
             stages=(Stage("transformer_blocks", block, attends="sequence", text=None),),
             head=lambda call: call.model.proj_out(call.model.norm_out(call.sequence, call.temb, call.target)),
-            output="sequence")
+            output="sequence",
+            tensor_parallel=TensorParallelPlan(extra=(Split("img_mlp.proj", COLUMN), Split("img_mlp.gate_layer", COLUMN),
+                                                      Split("img_mlp.out", ROW))))  # its SwiGLU MLP
 
 
 def slot_list(value) -> list[int]:

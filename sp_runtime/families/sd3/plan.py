@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ...sp import Output, Part, Plan, Stage, Stream, text_stream
+from ...sp.tensor_parallel import GENERIC
 from ...sp.tokens import TokenGrid, pad_to_patch, patchify
 
 
@@ -72,4 +73,4 @@ def output_tokens(call, tokens: torch.Tensor) -> torch.Tensor:
 
 PLAN = Plan(check=check, layout=layout, condition=condition, stages=(Stage("transformer_blocks", joint_block),),
             head=lambda call: call.model.proj_out(call.model.norm_out(call.image, call.temb)),
-            output_tokens=output_tokens)
+            output_tokens=output_tokens, tensor_parallel=GENERIC)

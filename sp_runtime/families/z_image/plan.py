@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...sp import Output, Part, Plan, Stage, Stream
+from ...sp.tensor_parallel import COLUMN, GATHER, ROW, Split, TensorParallelPlan
 from ...sp.tokens import TokenGrid, pad_to_patch, patchify
 from .detection import PAD_MULTIPLE, PATCH
 
@@ -116,4 +117,7 @@ PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims, c
                     Stage("layers", _joint_block, attends=("caption", "image"), text=None, before=join)),
             head=lambda call: call.model.all_final_layer[f"{PATCH}-1"](call.joint[:, call.caption.shape[1]:],
                                                                        c=call.adaln),
-            output_tokens=output_tokens)
+            output_tokens=output_tokens,
+            # SwiGLU feed-forward as three Linears (w1, w3 gate and value, w2 out), adaLN modulation
+            tensor_parallel=TensorParallelPlan(extra=(Split("feed_forward.w1", COLUMN), Split("feed_forward.w3", COLUMN),
+                                                      Split("feed_forward.w2", ROW), Split("adaLN_modulation.0", GATHER))))
