@@ -131,7 +131,7 @@ def test_low_precision_storage_at_tp2_within_bf16_rounding(tp_pool, tmp_path):
 
 
 # the other families with a TP plan at TP 2: (test module with make_cases, tiny size with a head count 2 divides and
-# an even MLP width, how many of its cases)
+# an even MLP width)
 OTHER_FAMILIES = {"chroma": dict(), "sd3": dict(num_attention_heads=4, caption_projection_dim=256),
                   "flux2": dict(num_attention_heads=4), "z_image": dict(n_heads=6, dim=768),
                   "qwen_image21": dict(num_attention_heads=4), "hunyuan_video": dict(num_attention_heads=4)}
@@ -149,7 +149,7 @@ def test_other_families_at_tp2(tp_pool, family, tmp_path):
     path = write_tiny_checkpoint(family, str(tmp_path / f"{family}.safetensors"), seed=seed, **size)
     model = build_tiny_model(family, seed, **size)
     handle = pool.load_model(path)
-    for name, (x, t, inputs) in list(cases.items())[:2]:
+    for name, (x, t, inputs) in list(cases.items())[:1]:  # one case: the layouts are covered above
         want = reference_forward(family)(model, x, t, **inputs)
         assert_parity(handle(x, t, **inputs), want, "float32", f"tp/{layout}/{family}/{name}")
     handle.unload()
