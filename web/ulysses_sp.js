@@ -103,10 +103,12 @@ function renderState(pool) {
   return el("div", { className: "usp-state", "data-user-state": shown.name }, ...parts);
 }
 
-// ---- the layout as a grid: one block per CFG group, ring rows x Ulysses columns --------------------------------
+// ---- the layout as a grid: one block per CFG group, ring rows x Ulysses columns, each Ulysses column split into
+// its tensor-parallel ranks (TP is innermost: rank = ((cfg * R + ring) * U + ulysses) * T + tp, as sp_runtime.config)
 function renderGrid(pool) {
   const config = pool.config || {};
   const u = config.ulysses_degree || 1, r = config.ring_degree || 1, c = config.cfg_degree || 1;
+  const t = config.tensor_parallel_degree || 1;
   const ranks = ranksOf(pool);
   const groups = [];
   for (let cfg = 0; cfg < c; cfg += 1) {
@@ -114,11 +116,14 @@ function renderGrid(pool) {
     for (let ring = 0; ring < r; ring += 1) {
       const cells = [];
       for (let uly = 0; uly < u; uly += 1) {
-        const index = (cfg * r + ring) * u + uly;
-        const rank = ranks[index] || { rank: index, device: pool.devices[index] };
-        cells.push(el("td", { className: "usp-cell" + (rank.alive === false ? " usp-dead" : ""),
-          "data-rank": index, title: `rank ${index}: ulysses ${uly}, ring ${ring}, cfg ${cfg}` },
-          el("b", {}, `r${index}`), el("br"), rank.device));
+        for (let tp = 0; tp < t; tp += 1) {
+          const index = ((cfg * r + ring) * u + uly) * t + tp;
+          const rank = ranks[index] || { rank: index, device: pool.devices[index] };
+          const where = `ulysses ${uly}, ring ${ring}, cfg ${cfg}` + (t > 1 ? `, tp ${tp}` : "");
+          cells.push(el("td", { className: "usp-cell" + (rank.alive === false ? " usp-dead" : "") +
+            (t > 1 && tp === 0 && uly > 0 ? " usp-tp-first" : ""), "data-rank": index, title: `rank ${index}: ${where}` },
+            el("b", {}, `r${index}`), el("br"), rank.device));
+        }
       }
       rows.push(el("tr", {}, el("th", { className: "usp-axis" }, r > 1 ? `ring ${ring}` : ""), ...cells));
     }
@@ -127,7 +132,8 @@ function renderGrid(pool) {
         : null,
       el("table", { className: "usp-grid-table" }, ...rows)));
   }
-  const title = `Ulysses ${u} × Ring ${r} × CFG ${c} = ${pool.world_size} ranks (${pool.backend})`;
+  const title = `Ulysses ${u} × Ring ${r} × CFG ${c}` + (t > 1 ? ` × TP ${t}` : "") +
+    ` = ${pool.world_size} ranks (${pool.backend})`;
   return el("div", { className: "usp-grid", "data-layout": pool.layout },
     el("div", { className: "usp-label" }, "layout ", el("b", {}, pool.layout), ` · ${title}`), ...groups);
 }
@@ -386,6 +392,7 @@ const STYLE = `
 .usp-cell { border: 1px solid var(--border-color); background: var(--comfy-input-bg); border-radius: 4px;
   padding: 2px 6px; text-align: center; min-width: 44px; }
 .usp-cell.usp-dead { border-color: #b91c1c; background: #b91c1c33; }
+.usp-cell.usp-tp-first { border-left-width: 3px; }  /* where a Ulysses column's TP group starts */
 .usp-axis { font-weight: normal; color: var(--descrip-text, #888); padding-right: 4px; }
 .usp-row { display: flex; align-items: center; gap: 6px; margin: 2px 0; }
 .usp-row-name { width: 72px; flex: none; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }

@@ -120,6 +120,26 @@ def test_panel_shows_an_empty_state_then_the_pool_drawn(server, page, tmp_path):
             page.screenshot(path=os.path.join(os.environ["SP_PANEL_SCREENSHOT"], f"panel_{palette}.png"))
 
 
+def test_grid_splits_each_ulysses_column_into_its_tp_ranks(server, page):
+    """A TP pool's status (the running pool's, its layout restated as Ulysses 1 x TP 2) draws rank r at
+    ((cfg * R + ring) * U + ulysses) * T + tp, as sp_runtime.config numbers the ranks, and names the TP axis."""
+    open_panel(page)
+    page.wait_for_selector(POOL, timeout=30_000)
+    titles = page.evaluate("""async () => {
+        const api = window.comfyAPI.api.api;
+        const status = await (await api.fetchApi("/ulysses_sp/status")).json();
+        const pool = status.pools.find((p) => p.devices.join(",") === "cpu,cpu");
+        Object.assign(pool.config, { ulysses_degree: 1, ring_degree: 1, cfg_degree: 1, tensor_parallel_degree: 2 });
+        pool.layout = "tp2";
+        api.dispatchEvent(new CustomEvent("ulysses_sp.status", { detail: status }));
+        const grid = document.querySelector("#ulysses-sp-panel .usp-pool[data-devices='cpu,cpu'] .usp-grid");
+        return [grid.querySelector(".usp-label").innerText,
+                ...[...grid.querySelectorAll(".usp-cell")].map((cell) => cell.title)];
+    }""")
+    assert "TP 2" in titles[0], titles
+    assert titles[1:] == ["rank 0: ulysses 0, ring 0, cfg 0, tp 0", "rank 1: ulysses 0, ring 0, cfg 0, tp 1"]
+
+
 def test_chart_gains_one_point_per_step_while_sampling(server, page):
     open_panel(page)
     page.wait_for_selector(POOL, timeout=30_000)
