@@ -10,7 +10,7 @@ from .gather import gather_rows
 from .hybrid import hybrid_attention
 from .key_shards import attention_over_key_shards
 from .local import joint_local_attention, local_attention
-from .masks import FunctionMask, KeyValues, Segment, SegmentMask, SequenceMask, whole_attention
+from .masks import FunctionMask, KeyValues, Segment, SegmentMask, SequenceMask, TILE_ROWS, whole_attention
 from .ring import ring_attention
 from .shards import SeqShards
 from .ulysses import ulysses_attention

@@ -56,13 +56,20 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def masked_attention_with_lse(query, key, value, keep: Optional[torch.Tensor], scale=None):
-    """attention_with_lse under a bool mask [B or 1, 1, Lq, Lk] (True = attend; None = all): a query row that sees
-    no key of this block gets out 0 and lse -inf, which LseMerger adds as nothing."""
+    """attention_with_lse under a mask broadcastable to [B or 1, 1, Lq, Lk]: bool (True = attend), an additive float
+    bias (-inf = masked), or None (all keys). A query row that sees no key of this block gets out 0 and lse -inf,
+    which LseMerger adds as nothing."""
     if keep is None:
         return attention_with_lse(query, key, value, None, scale)
-    dead = ~keep.any(dim=-1, keepdim=True)  # rows without a visible key: attended unmasked, then dropped
-    bias = torch.zeros(keep.shape, dtype=query.dtype, device=query.device)
-    bias.masked_fill_(~(keep | dead), float("-inf"))
+    if keep.dtype == torch.bool:
+        dead = ~keep.any(dim=-1, keepdim=True)  # rows without a visible key: attended unmasked, then dropped
+        bias = torch.zeros(keep.shape, dtype=query.dtype, device=query.device)
+        bias.masked_fill_(~(keep | dead), float("-inf"))
+    else:
+        bias = keep.to(device=query.device, dtype=query.dtype)
+        dead = torch.isneginf(bias).all(dim=-1, keepdim=True)
+        if bool(dead.any()):
+            bias = bias.masked_fill(dead, 0.0)
     out, lse = attention_with_lse(query, key, value, bias, scale)
     if bool(dead.any()):
         out = out.masked_fill(dead, 0.0)

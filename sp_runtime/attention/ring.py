@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from ..groups import SeqParallel
 from .gather import all_gather_into
-from .lse import LseMerger, attention_with_lse, key_padding_bias, masked_attention_with_lse
+from .lse import LseMerger, attention_with_lse, key_padding_bias
+from .masks import masked_block_with_lse
 from .shards import SeqShards
 
 
@@ -66,10 +67,8 @@ def ring_attention_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                           mask)
     if extra_kv is not None and queries.shape[2] and extra_kv[0].shape[2]:
         total, rows_lo = sum(block_sizes), sum(block_sizes[:rank])
-        keep = None if mask is None else mask.block((rows_lo, rows_lo + queries.shape[2]),
-                                                    (total, total + extra_kv[0].shape[2]), queries.device)
-        if keep is None or bool(keep.any()):
-            merger.add(*masked_attention_with_lse(queries, *extra_kv, keep, scale))
+        _add_masked(merger, mask, queries, *extra_kv, (rows_lo, rows_lo + queries.shape[2]),
+                    (total, total + extra_kv[0].shape[2]), scale)
 
     if merger.out is None:  # no query rows (or, masked, no visible key block) here
         merged = queries.new_empty(queries.shape)
@@ -97,9 +96,7 @@ def _attend_ring(queries, blocks, seq, block_sizes, text, text_mask, scale, mask
             bias = None
             if mask is not None:
                 source = (rank - step) % degree
-                keep = mask.block(rows, (starts[source], starts[source] + size), queries.device)
-                if keep is None or bool(keep.any()):
-                    merger.add(*masked_attention_with_lse(queries, keys, values, keep, scale))
+                _add_masked(merger, mask, queries, keys, values, rows, (starts[source], starts[source] + size), scale)
             elif step == text_step:
                 keys, values = torch.cat([text[1], keys], dim=2), torch.cat([text[2], values], dim=2)
                 bias = None if text_mask is None else _text_bias(text_mask, size, queries.dtype)
@@ -109,6 +106,17 @@ def _attend_ring(queries, blocks, seq, block_sizes, text, text_mask, scale, mask
             request.wait()
         current, incoming = incoming, current  # the sent buffer is free again: it receives the next block
     return merger
+
+
+def _add_masked(merger: LseMerger, mask, queries, keys, values, rows, cols, scale) -> None:
+    """The partial result of queries at global rows over keys at cols under `mask` (by query tiles), if any query
+    sees a key there."""
+    if mask is None:
+        merger.add(*attention_with_lse(queries, keys, values, None, scale))
+        return
+    partial = masked_block_with_lse(mask, queries, keys, values, rows, cols, scale)
+    if partial is not None:
+        merger.add(*partial)
 
 
 def _first_nonempty_step(block_sizes: Sequence[int], rank: int) -> int:

@@ -200,6 +200,74 @@ def test_kept_keys_skip_the_extra_exchange():
         assert same and err <= 1e-5 and (fresh, kept) == (3, 2), (same, err, fresh, kept)
 
 
+def _guide_reference_bias(total, start, log_w):
+    """LTX-2's guide mask written out densely from its definition (independent of GuideMask.block)."""
+    bias = torch.zeros(total, total)
+    end = start + log_w.numel()
+    bias[:start, start:end] = log_w[None, :]
+    bias[start:end, :start] = log_w[:, None]
+    return bias[None, None]
+
+
+def _sub_layouts(world_size):
+    """name -> this rank's SeqParallel (None: not in it) for Ulysses 1-4, Ring 2 and Ulysses 2 x Ring 2 in one world
+    of 4 ranks (every rank makes every group: new_group is collective)."""
+    import torch.distributed as dist
+
+    from sp_runtime.config import SPConfig
+    from sp_runtime.groups import SeqParallel, build_groups
+    rank = dist.get_rank() if world_size > 1 else 0
+    layouts = {"u1": SeqParallel.single() if rank == 0 else None}
+    if world_size == 1:
+        return layouts
+    for degree in (2, 3):
+        group = dist.new_group(list(range(degree)))
+        layouts[f"u{degree}"] = SeqParallel(group, rank, degree) if rank < degree else None
+    group = dist.new_group([0, 1])
+    layouts["r2"] = SeqParallel(None, 0, 1, group, rank, 2, (0, 1)) if rank < 2 else None
+    layouts["u4"] = build_groups(SPConfig(["cpu"] * 4)).seq
+    layouts["u2r2"] = build_groups(SPConfig(["cpu"] * 4, ulysses_degree=2, ring_degree=2)).seq
+    return layouts
+
+
+def _run_structured(rank, world_size):
+    import sp_runtime.attention.masks as masks
+    from sp_runtime.attention import SeqShards, sp_attention
+    from sp_runtime.families.ltx2.guides import GuideMask, log_weights
+    masks.TILE_ROWS = 7  # tiles that straddle shards, cuts and ring blocks at these tiny sizes
+    total, guides = 61, 18
+    q, k, v, _, _ = _inputs(total, 3, 0, False, 2, torch.float32, seed=7)
+    weights = torch.tensor([0.7] * 9 + [1.0] * 3 + [0.0] + [0.25])  # 14 of 18 guide tokens weighted
+    log_w = log_weights(weights, torch.float32)
+    segments = _masks(total)["segments"]
+    cases = {"guides": (GuideMask(total - guides, log_w), _guide_reference_bias(total, total - guides, log_w)),
+             "block_causal": (segments, segments.block((0, total), (0, total), q.device))}
+    errors = {}
+    for layout, seq in _sub_layouts(world_size).items():
+        if seq is None:
+            continue
+        shards = SeqShards.balanced(total, seq.degree)
+        lo, hi = shards.range(seq.rank)
+        for name, (mask, dense) in cases.items():
+            ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=dense)
+            out = sp_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], seq, shards, mask=mask)[0]
+            scale = max(1.0, ref.abs().max().item())
+            errors[layout, name] = (out - ref.transpose(1, 2)[:, lo:hi]).abs().max().item() / scale
+    return errors
+
+
+def test_structured_masks_are_exact_at_every_layout():
+    """Block-structured masks, asked for query tiles only (TILE_ROWS 7 here): LTX-2's guide mask (an additive bias:
+    log-weights between denoised and weighted guide tokens, a zero weight, unweighted guide tokens after) and a
+    block-causal SegmentMask equal one SDPA under the dense mask, at Ulysses 1-4, Ring 2 and Ulysses 2 x Ring 2, 61
+    tokens (uneven shards), 3 heads, batch 2."""
+    per_rank = [_run_structured(0, 1)] + run_distributed(_run_structured, 4, timeout=300)
+    layouts = {layout for errors in per_rank for layout, _ in errors}
+    assert layouts == {"u1", "u2", "u3", "u4", "r2", "u2r2"}, layouts
+    worst = max(max(errors.values()) for errors in per_rank)
+    assert worst <= 1e-5, per_rank
+
+
 # ---- the LSE kernels and the merge, in one process -------------------------------------------------------------
 
 def _bhsd(*shape, dtype=torch.float32, seed=0):

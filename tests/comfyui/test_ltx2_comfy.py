@@ -99,13 +99,19 @@ def make_calls(seed=5):
             "inpaint": (rand(2, 128, 3, 5, 3), rand(2, 8, 2, 16), torch.tensor([0.9, 0.6]), inpaint,
                         rand(2, 6, CAPTION), 24.0, {}),
             "guides": (rand(2, 128, 5, 3, 3), rand(2, 8, 7, 16), torch.tensor([0.8, 0.6]), guided,
-                       rand(2, 9, CAPTION), 24.0, guide_conds((0, 17), (3, 3)))}
+                       rand(2, 9, CAPTION), 24.0, guide_conds((0, 17), (3, 3))),
+            "guides_0.7": (rand(2, 128, 5, 3, 3), rand(2, 8, 7, 16), torch.tensor([0.8, 0.6]), guided,
+                           rand(2, 9, CAPTION), 24.0, guide_conds((0, 17), (3, 3), strengths=(0.7, 1.0)))}
 
 
-def guide_conds(frames, size):
+GUIDE_CALLS = ("guides", "guides_0.7")
+
+
+def guide_conds(frames, size, strengths=None):
     """keyframe_idxs and guide_attention_entries as ComfyUI's newest LTXVAddGuide makes them for one-frame guides
     at these pixel frames (its patchifier's corners, latent_to_pixel_coords with the causal fix one-frame guides
-    take, plus the frame index), repeated to batch 2 as its CONDRegular does."""
+    take, plus the frame index), repeated to batch 2 as its CONDRegular does; `strengths` per guide (1.0 each by
+    default; another makes ComfyUI's model build its per-guide self-attention mask)."""
     from comfy.ldm.lightricks.symmetric_patchifier import SymmetricPatchifier, latent_to_pixel_coords
     bounds = []
     for frame in frames:
@@ -113,8 +119,8 @@ def guide_conds(frames, size):
         coords = latent_to_pixel_coords(corners, ltx2_host.VAE_SCALE_FACTORS, causal_fix=True)
         coords[:, 0] += frame
         bounds.append(coords)
-    entries = [{"pre_filter_count": size[0] * size[1], "strength": 1.0, "pixel_mask": None,
-                "latent_shape": [1, *size]} for _ in frames]
+    entries = [{"pre_filter_count": size[0] * size[1], "strength": strength, "pixel_mask": None,
+                "latent_shape": [1, *size]} for strength in strengths or [1.0] * len(frames)]
     return {"keyframe_idxs": torch.cat(bounds, dim=2).repeat(2, 1, 1, 1), "guide_attention_entries": entries}
 
 
@@ -151,10 +157,12 @@ def expected(comfy, files):
     return results
 
 
-def check_pool(pool, files, expected, layout):
+def check_pool(pool, files, expected, layout, calls=None):
     for name, path in files.items():
         handle = pool.load_model(path)
         for call, (video, audio, sigma, mask, prompt, rate, conds) in make_calls().items():
+            if calls is not None and call not in calls:
+                continue
             timesteps, reference = expected[name, call]
             got = pool_call(handle, video, audio, timesteps, mask, prompt, rate, conds)
             for output, want, what in zip(got, reference, ("video", "audio")):
@@ -174,11 +182,32 @@ def test_pool_equals_comfyuis_ltxav_under_cfg_parallel(layout_pool, files, expec
     check_pool(pool, files, expected, layout)
 
 
+def test_guides_at_any_strength_equal_comfyuis_under_ring(layout_pool, files, expected):
+    """Guides at strengths 0.7 and 1.0 (ComfyUI's per-guide self-attention mask, sp_attention's structured
+    GuideMask) per query block x key block of the ring: pure Ring 3 and Ulysses 2 x Ring 2 (uneven shards)."""
+    layout, pool = layout_pool
+    if layout not in ("u1r3", "u2r2"):
+        pytest.skip("checked on the Ring layouts")
+    check_pool(pool, {"release": files["release"]}, expected, layout, GUIDE_CALLS)
+
+
+def test_guide_strength_changes_comfyuis_output(comfy, files, expected):
+    """Guards against a strength that does nothing: the same call with both guides at 1.0 gives another video and
+    audio (the mask reaches ComfyUI's model, so a pool that dropped it would fail the parity tests)."""
+    video, audio, sigma, mask, prompt, rate, _ = make_calls()["guides_0.7"]
+    full = comfy_call(comfy_model(comfy, files["release"]), video, audio, sigma, mask, prompt, rate,
+                      guide_conds((0, 17), (3, 3)))[1]
+    for at_full, weak in zip(full, expected["release", "guides_0.7"][1]):
+        assert (at_full - weak).abs().max() > 1e-3 * weak.abs().max()
+
+
 def test_diffusers_reference_equals_comfyui(files, expected):
     """test_ltx2's reference (diffusers' stock forward with ComfyUI's choices hooked in) on the release file's
     conventions, per token as ComfyUI's model reads the timesteps."""
     model = build_tiny_model("ltx2", SEED)
     for call, (video, audio, sigma, mask, prompt, rate, conds) in make_calls().items():
+        if call == "guides_0.7":
+            continue  # the diffusers-based reference has no guide mask
         (video_t, audio_t), reference = expected["release", call]
         video_t = ltx2_host.comfy_video_sigma(video_t, video.shape, mask)
         got = ltx2_reference.reference_forward(model, video, audio, video_t, prompt, audio_t, rate,

@@ -159,14 +159,18 @@ def test_guide_positions_change_the_output(ltx2_references):
 
 
 def test_guides_that_need_an_attention_mask_are_clear_errors():
-    """A guide strength other than 1 (or a guide attention mask) makes ComfyUI build a per-guide attention mask, and an
-    IC-LoRA guide dilated for reference_downscale_factor > 1 drops tokens: both refused, naming what to change."""
+    """A guide strength other than 1 becomes the input guide_weights (one weight per guide token; none at strength 1,
+    where ComfyUI builds no mask); a guide attention mask (pixel_mask) and an IC-LoRA guide dilated for
+    reference_downscale_factor > 1 (drops tokens) are refused, naming what to change."""
     video, audio, sigma, inputs = make_cases()["guides"]
-    for strength in (0.5, 1.5):
-        weak = {**inputs, **guide_conds((0, 17), (3, 3), strength=strength)}
-        expected = rf"strength \[{strength}, {strength}\].*strength 1.0 and no attention_mask work"
-        with pytest.raises(ValueError, match=expected):
-            ltx2.COMFY.hooks.pack([video, audio], sigma, weak)
+    assert "guide_weights" not in ltx2.COMFY.hooks.pack([video, audio], sigma, inputs)[2]
+    weak = {**inputs, **guide_conds((0, 17), (3, 3), strength=0.7)}
+    weights = ltx2.COMFY.hooks.pack([video, audio], sigma, weak)[2]["guide_weights"]
+    assert weights.shape == (2, 18) and bool((weights == torch.tensor(0.7)).all())
+    masked = {**inputs, "guide_attention_entries": [{**entry, "pixel_mask": torch.ones(1, 1, 1, 24, 24)}
+                                                    for entry in inputs["guide_attention_entries"]]}
+    with pytest.raises(ValueError, match=r"attention_mask \(LTXVAddGuide's pixel mask, 2 guide"):
+        ltx2.COMFY.hooks.pack([video, audio], sigma, masked)
     dilated = inputs["denoise_mask"].clone()
     dilated[:, :, 3:, 1] = -1.0
     with pytest.raises(ValueError, match="reference_downscale_factor"):

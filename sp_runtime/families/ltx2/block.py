@@ -11,7 +11,7 @@ audio-to-video residual (ComfyUI's order).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -30,6 +30,7 @@ class Conditioning:
     cross_rope: tuple            # audio <-> video attention rotary of these tokens
     text: torch.Tensor           # [B, L', dim] projected prompt
     prompt_temb: Optional[torch.Tensor] = None  # [B, 1, 2 dim] prompt AdaLN (LTX-2.3); None: its static table
+    mask: Any = None             # the self-attention's sequence mask (the video's guides.GuideMask) or None
 
 
 def conditioning(model, prefix: str, batch: int, timestep, gate_timestep, rope, cross_rope, text,
@@ -102,7 +103,7 @@ def audio_video_block(block, v: torch.Tensor, a: torch.Tensor, video: Conditioni
     a_shift, a_scale, a_gate, a_shift_mlp, a_scale_mlp, a_gate_mlp = a_mods[:6]
     normed = block.norm1(v) * (1 + v_scale) + v_shift
     query, key, value = _heads(block.attn1, normed, normed, video.rope, video.rope)
-    attended, _ = sp_attention(query, key, value, seq, shards)
+    attended, _ = sp_attention(query, key, value, seq, shards, mask=video.mask)
     v = v + _out(block.attn1, attended, v, normed) * v_gate
 
     normed = block.audio_norm1(a) * (1 + a_scale) + a_shift

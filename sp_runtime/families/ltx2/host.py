@@ -3,6 +3,8 @@ host hooks that turn its call `diffusion_model([video, audio], (video sigma, aud
 pool's packed call and back (the packed call is described in plan.py)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ...contract import ComfyHost, HostHooks, ModelInfo
@@ -10,7 +12,7 @@ from ...contract import ComfyHost, HostHooks, ModelInfo
 VAE_SCALE_FACTORS = (8, 32, 32)
 PATCHIFIERS = "comfy.ldm.lightricks.symmetric_patchifier"
 # inputs of ComfyUI's LTXAV call the host handles itself (the timesteps already carry the denoise masks; the guide
-# attention entries are checked to ask for no attention mask, check_guides)
+# attention entries become the input guide_weights, guide_weights())
 HOST_ONLY_INPUTS = ("denoise_mask", "audio_denoise_mask", "guide_attention_entries")
 UNSUPPORTED_INPUTS = ("ref_audio", "generated_keyframes")
 
@@ -53,12 +55,15 @@ class PackedAudioVideo(HostHooks):
                              f"not supported under sequence parallelism yet")
         check_guides(inputs)
         video, audio = x
+        weights = guide_weights(inputs.get("guide_attention_entries"), video.shape[0])
         packed = torch.cat([video.flatten(1), audio.flatten(1)], dim=1).unsqueeze(1)
         video_sigma, audio_sigma = timestep if isinstance(timestep, (list, tuple)) else (timestep, timestep)
         gates = {"a2v_gate_sigma": audio_sigma.max(), "v2a_gate_sigma": video_sigma.max()}
         video_sigma = comfy_video_sigma(video_sigma, video.shape, inputs.get("denoise_mask"))
         inputs = {key: value for key, value in inputs.items() if key not in HOST_ONLY_INPUTS}
         inputs.update(latent_shapes=[list(video.shape), list(audio.shape)], audio_timestep=audio_sigma, **gates)
+        if weights is not None:
+            inputs["guide_weights"] = weights
         return packed, video_sigma, inputs
 
     def unpack(self, out: torch.Tensor, x) -> list:
@@ -69,21 +74,29 @@ class PackedAudioVideo(HostHooks):
 
 
 def check_guides(inputs: dict) -> None:
-    """Guides (LTXVAddGuide) that ComfyUI runs as extra video tokens at keyframe_idxs' positions work; refused with a
-    clear error: the per-guide attention mask ComfyUI builds for a guide strength other than 1 or a guide attention
-    mask, and the token filter of guides dilated for IC-LoRAs with reference_downscale_factor > 1 (negative denoise
-    mask)."""
-    attenuated = [entry for entry in inputs.get("guide_attention_entries") or ()
-                  if entry["strength"] != 1.0 or entry.get("pixel_mask") is not None]
-    if attenuated:
-        strengths = [float(entry["strength"]) for entry in attenuated]
-        raise ValueError(f"LTX-2 guides with a strength other than 1.0 or an attention_mask (LTXVAddGuide strength "
-                         f"{strengths}) need a per-guide attention mask, which is not supported under sequence "
-                         f"parallelism yet; guides with strength 1.0 and no attention_mask work")
+    """Guides (LTXVAddGuide) that ComfyUI runs as extra video tokens at keyframe_idxs' positions work, at any strength
+    (guide_weights); refused with a clear error: a guide attention mask (pixel_mask), and the token filter of guides
+    dilated for IC-LoRAs with reference_downscale_factor > 1 (negative denoise mask)."""
+    masked = [entry for entry in inputs.get("guide_attention_entries") or () if entry.get("pixel_mask") is not None]
+    if masked:
+        raise ValueError(f"LTX-2 guides with an attention_mask (LTXVAddGuide's pixel mask, {len(masked)} guide(s)) "
+                         f"are not supported under sequence parallelism yet; guides at any strength without an "
+                         f"attention_mask work")
     mask = inputs.get("denoise_mask")
     if inputs.get("keyframe_idxs") is not None and mask is not None and bool((mask < 0).any()):
         raise ValueError("LTX-2 guides dilated for an IC-LoRA with reference_downscale_factor > 1 (negative denoise "
                          "mask) are not supported under sequence parallelism yet; use a LoRA with factor 1")
+
+
+def guide_weights(entries, batch: int) -> Optional[torch.Tensor]:
+    """LTXVAddGuide's guide attention entries -> one weight per guide token (each guide's strength over its
+    pre_filter_count tokens, in order) [batch, W], the same for every item (ComfyUI's mask is one for the batch), or
+    None when every strength is 1 (ComfyUI builds no mask then)."""
+    if not entries or all(float(entry["strength"]) == 1.0 for entry in entries):
+        return None
+    weights = [torch.full((int(entry["pre_filter_count"]),), float(entry["strength"]), dtype=torch.float32)
+               for entry in entries]
+    return torch.cat(weights).expand(batch, -1).contiguous()
 
 
 def comfy_video_sigma(sigma: torch.Tensor, shape, denoise_mask) -> torch.Tensor:

@@ -6,7 +6,8 @@ concatenated (input `latent_shapes`); timestep the video sigma [B] or per video 
 (default: the video's); context the text encoder output (LTX-2.3 / 2.5: its video and audio features side by side),
 or LTX-2.0's connector output [B, L', 2C]; `frame_rate` (25); `a2v_gate_sigma` / `v2a_gate_sigma` (default: the
 largest audio / video sigma of the call); `keyframe_idxs` [B, 3, G, 2], the pixel bounds of the last G video tokens
-(guide frames appended by LTXVAddGuide). The output is packed like x (guide frames included).
+(guide frames appended by LTXVAddGuide); `guide_weights` [W <= G], the guide strengths per guide token from the
+first guide token on (the video self-attention then adds log w between denoised and guide tokens, guides.py). The output is packed like x (guide frames included).
 
 PLAN: stream "video" split (guide tokens with it), each rank embedding, modulating and writing its own; stream
 "audio" replicated (25 tokens per second against thousands per video frame: an exchange per attention would cost
@@ -27,6 +28,7 @@ import torch
 from ...sp import Output, Part, Plan, Stage, Stream
 from ...sp.video_tokens import VideoGrid
 from .block import audio_video_block, conditioning, output_head
+from .guides import guide_mask
 from .text import connect_text
 
 DEFAULT_FRAME_RATE = 25.0       # ComfyUI's LTXAV default frame_rate
@@ -131,6 +133,7 @@ def condition(call) -> None:
         call.video_cond.prompt_temb = _prompt_temb(model.prompt_adaln, full_sigma * scale, dtype)
         call.audio_cond.prompt_temb = _prompt_temb(model.audio_prompt_adaln, audio_sigma * scale, dtype)
     guides = 0 if keyframes is None else keyframes.shape[2]
+    call.video_cond.mask = _guide_mask(call, guides)
     call.video = mark_pixel_frames(model, call.video, coords, (shard.lo, shard.hi), grid.count - guides)
 
 
@@ -206,6 +209,17 @@ def _keyframe_positions(call) -> Optional[torch.Tensor]:
                          f"whole latent frames of {per_frame} tokens, at most the {grid.count} video tokens "
                          f"(ComfyUI's LTXVAddGuide makes them; crop the guides before upscaling the latent)")
     return positions
+
+
+def _guide_mask(call, guides: int):
+    """Input guide_weights (LTXVAddGuide strengths per guide token) as the video self-attention's GuideMask."""
+    given = call.inputs.get("guide_weights")
+    if given is None:
+        return None
+    if not guides:
+        raise ValueError("guide_weights needs guide tokens: give keyframe_idxs too")
+    weights = call.ctx.to_device("guide_weights", given, torch.float32)
+    return guide_mask(weights, call.grid.count, guides, call.dtype)
 
 
 def comfy_video_coords(model, batch: int, shape: tuple[int, int, int], frame_rate: float, device,
