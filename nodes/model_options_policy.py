@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 HOST, WORKERS, REFUSED = "host-only", "served by the workers", "refused"
 _ANY = object()
@@ -18,6 +18,7 @@ class Rule:
     kind: str
     why: str  # host / workers: what it does; refused: why and what to do
     harmless_value: Any = _ANY  # a refused switch is harmless (host-only) while it holds this value
+    serves: Optional[Callable[[Any], bool]] = None  # a served key is refused at values for which this is False
 
 
 class RefusedOption(RuntimeError):
@@ -29,6 +30,7 @@ _IN_NETWORK = ("runs inside ComfyUI's own network, which an SP model does not ha
                "diffusers' transformer)")
 _REMOVE = "remove that node from the SP model's path (or sample that branch with a model from the stock loader)"
 
+
 def _family_rules() -> dict[str, Rule]:
     """The transformer options the families' host hooks refuse (contract.HostHooks.refused_options)."""
     from sp_runtime.families import families
@@ -36,6 +38,12 @@ def _family_rules() -> dict[str, Rule]:
             for entry in families() if entry.comfy is not None
             for key, (harmless, why) in entry.comfy.hooks.refused_options.items()}
 
+
+_KV_CACHE = ("FluxKVCache (Flux.2 klein's reference KV cache) sets it to index_timestep_zero together with its "
+             "attn1_patch and post_input patches: the first step's reference keys / values per block are cached "
+             "in ComfyUI's network and reused by later steps without the reference tokens, a cross-step state the "
+             "SP workers do not keep (they run every step in full, references included: ComfyUI's result without "
+             "the node); remove FluxKVCache")
 
 # "<group>.<key>": group model_options / transformer_options / patches / patches_replace / object_patches, and
 # wrappers.<type> / callbacks.<type> (key None: added without a key).
@@ -89,7 +97,7 @@ RULES: dict[str, Rule] = {
     # ---- patches / patches_replace: all run inside ComfyUI's network ----
     **{f"patches.{name}": Rule(REFUSED, f"a model patch ('{name}', e.g. from {nodes}) {_IN_NETWORK}: {_REMOVE}")
        for name, nodes in {
-           "attn1_patch": "Hypernetwork, HyperTile, ToMe, Flux Kontext / model-patch nodes",
+           "attn1_patch": "Hypernetwork, HyperTile, ToMe, FluxKVCache, model-patch nodes",
            "attn2_patch": "Hypernetwork, IP-Adapter style nodes",
            "attn1_output_patch": "HyperTile, ToMe, NAG", "attn2_output_patch": "attention output patches",
            "input_block_patch": "PatchModelAddDownscale", "input_block_patch_after_skip": "PatchModelAddDownscale",
@@ -97,14 +105,19 @@ RULES: dict[str, Rule] = {
            "middle_block_after_patch": "middle-block patches", "emb_patch": "embedding patches",
            "forward_timestep_embed_patch": "timestep-embedding patches",
            "double_block": "model-patch ControlNets (QwenImageDiffsynthControlnet, USO, ...)",
-           "post_input": "Flux / model-patch nodes", "noise_refiner": "Z-Image model patches",
+           "post_input": "FluxKVCache, Flux / model-patch nodes", "noise_refiner": "Z-Image model patches",
            "mlp_patch": "Anima LLLite model patches",
            "post_cfg_function": "model patches"}.items()},
     **{f"patches_replace.{name}": Rule(REFUSED, f"block / attention replacements ('{name}', e.g. from {nodes}) "
                                                 f"{_IN_NETWORK}: {_REMOVE}")
-       for name, nodes in {"dit": "SkipLayerGuidanceDiT", "attn1": "SelfAttentionGuidance, PerturbedAttention",
+       for name, nodes in {"attn1": "SelfAttentionGuidance, PerturbedAttention",
                            "attn2": "cross-attention replacements", "double_block": "block replacements",
                            "single_block": "block replacements"}.items()},
+    "patches_replace.dit": Rule(
+        WORKERS, "block skips (SkipLayerGuidanceDiT / SkipLayerGuidanceDiTSimple: the blocks their guidance pass "
+                 "leaves out, carried per call as the workers' skip_blocks input); other block replacements "
+                 f"('dit' entries that do more than return their input) {_IN_NETWORK}: {_REMOVE}",
+        serves=lambda entries: block_skips(entries) is not None),
     # ---- wrappers (key None: added without a key) ----
     "wrappers.outer_sample.easycache": Rule(HOST, "EasyCache: skips model calls on the host"),
     "wrappers.calc_cond_batch.easycache": Rule(HOST, "EasyCache: skips model calls on the host"),
@@ -125,11 +138,11 @@ RULES: dict[str, Rule] = {
     "object_patches.latent_format": Rule(HOST, "latent format (host maths)"),
     "object_patches.diffusion_model": Rule(HOST, "the SP proxy itself (LoRA (Ulysses SP), TorchCompileModel)"),
     "object_patches.diffusion_model.default_ref_method": Rule(
-        REFUSED, "Flux Kontext's reference-latent method set on ComfyUI's network: use the `ReferenceLatent` "
-                 "conditioning's method instead, or remove FluxKontextMultiReferenceLatentMethod"),
+        REFUSED, f"Flux Kontext's reference-latent method set on ComfyUI's network: use the `ReferenceLatent` "
+                 f"conditioning's method instead, or remove FluxKontextMultiReferenceLatentMethod ({_KV_CACHE})"),
     "object_patches.diffusion_model.params.default_ref_method": Rule(
-        REFUSED, "Flux Kontext's reference-latent method set on ComfyUI's network: remove "
-                 "FluxKontextMultiReferenceLatentMethod"),
+        REFUSED, f"Flux Kontext's reference-latent method set on ComfyUI's network: remove "
+                 f"FluxKontextMultiReferenceLatentMethod ({_KV_CACHE})"),
 }
 _UNKNOWN = Rule(REFUSED, "not on ulysses-sp's list of options the workers serve or that are safe on the host "
                          "(an option the workers do not implement would be dropped silently): remove that node for "
@@ -187,7 +200,42 @@ def refused(keys: dict[str, Any]) -> list[str]:
         rule = rule_for(key)
         if rule.kind == REFUSED and not _harmless(rule, value):
             out.append(key)
+        elif rule.kind == WORKERS and rule.serves is not None and not rule.serves(value):
+            out.append(key)
     return out
+
+
+# ----- block skips (patches_replace["dit"]) -----
+class _Probe(dict):
+    """The arguments a block replacement gets, as a marker: a skip returns them unchanged."""
+
+
+def _never_called(args):
+    raise RuntimeError("not a block skip: it runs the original block")
+
+
+def is_block_skip(replacement) -> bool:
+    """Whether a patches_replace["dit"] entry skips its block (returns its arguments unchanged, as
+    SkipLayerGuidanceDiT's `skip` does). Only plain Python functions are probed (no builtins, no bound objects)."""
+    if not inspect.isfunction(replacement):
+        return False
+    probe = _Probe()
+    try:
+        return replacement(probe, {"original_block": _never_called}) is probe
+    except Exception:  # noqa: BLE001 - any replacement that does more than return its input is not a skip
+        return False
+
+
+def block_skips(entries) -> Optional[dict[str, list[int]]]:
+    """patches_replace["dit"] ({(kind, index): replacement}) -> {kind: sorted indices} when every entry is a block
+    skip; None when any is not (then refused)."""
+    skips: dict[str, set[int]] = {}
+    for key, replacement in (entries or {}).items():
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int)
+                and is_block_skip(replacement)):
+            return None
+        skips.setdefault(key[0], set()).add(key[1])
+    return {kind: sorted(indices) for kind, indices in sorted(skips.items())}
 
 
 def _harmless(rule: Rule, value) -> bool:

@@ -117,6 +117,7 @@ class SPDiffusionModel(torch.nn.Module):
         self._check_options(transformer_options, kwargs.get("control"))
         extra = {key: value for key, value in kwargs.items() if key not in HOST_ONLY_KEYS}
         extra.update(self._rope_input(transformer_options))
+        extra.update(_skip_input(transformer_options))
         hooks = self.hooks
         extra.update(hooks.call_inputs(transformer_options, extra))
         try:
@@ -166,6 +167,13 @@ class SPDiffusionModel(torch.nn.Module):
                               f"workers for {self.info.family} models yet (implemented for: "
                               f"{', '.join(applied)}); remove the ScaleROPE node")
         return {"rope_options": values}
+
+
+def _skip_input(transformer_options: dict) -> dict:
+    """SkipLayerGuidanceDiT's block skips of this call (patches_replace["dit"], checked by the policy to be skips
+    only) as the workers' `skip_blocks` input ({block kind: indices}); the family's plan maps them to its blocks."""
+    skips = policy.block_skips((transformer_options.get("patches_replace") or {}).get("dit"))
+    return {"skip_blocks": skips} if skips else {}
 
 
 def _as_node_error(error: Exception) -> Exception:

@@ -52,6 +52,7 @@ class Call:
         self.x, self.timestep, self.inputs, self.ctx = x, timestep, inputs, ctx
         self.device, self.seq, self.batch = ctx.device, ctx.groups.seq, x.shape[0]
         self.shards: dict[str, Shard] = {}
+        self.skip: frozenset[int] = frozenset()  # the current stage's blocks to leave out (input skip_blocks)
 
     def input(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """An input ("x" or a name in inputs) on the device, cached across calls while unchanged, in the compute
@@ -102,14 +103,19 @@ class PlanWorker:
             call.shards[stream.name] = shard = _shard(stream, call.seq, rope, call.device)
             setattr(call, stream.name, _embed(self.model, stream, shard.lo, shard.hi, call.batch))
         plan.condition(call)
+        skips = block_skips(plan, inputs.get("skip_blocks"), self.info.family)
         for stage in plan.stages:
             if stage.before is not None:
                 stage.before(call)
+            call.skip = skips.get(stage.blocks, frozenset())
             geometry = nullcontext() if stage.attention is None else current_geometry(_geometry(call, stage))
             with geometry:
-                for block in getattr(self.model, stage.blocks):
+                for index, block in enumerate(getattr(self.model, stage.blocks)):
                     ctx.check_cancel()
+                    if index in call.skip and not stage.skips_in_run:
+                        continue
                     stage.run(block, call)
+            call.skip = frozenset()
         names, tokens = plan.output, plan.head(call)
         tp = getattr(ctx.groups, "tp", None)
         if tp is not None and tp.rank != 0:  # the TP ranks of a group hold the same tokens: one writes them
@@ -123,6 +129,26 @@ class PlanWorker:
             if plan.output_tokens is not None:
                 stream_tokens = plan.output_tokens(call, stream_tokens)
             _write(out, stream_tokens, shard)
+
+
+def block_skips(plan: Plan, given, family: str) -> dict[str, frozenset[int]]:
+    """Input skip_blocks ({ComfyUI block kind: [indices]}, SkipLayerGuidanceDiT's skipped blocks for this call) ->
+    {stage blocks: indices}, through the plan's comfy_blocks."""
+    if not given:
+        return {}
+    if plan.comfy_blocks is None:
+        raise ValueError(f"skipping blocks (skip_blocks, e.g. SkipLayerGuidanceDiT) is not supported for {family} "
+                         f"models under sequence parallelism yet; remove the node")
+    if not isinstance(given, dict) or not all(isinstance(indices, (list, tuple)) and
+                                              all(isinstance(i, int) and not isinstance(i, bool) for i in indices)
+                                              for indices in given.values()):
+        raise ValueError(f"skip_blocks must map a block kind to a list of block indices, got {given!r}")
+    skips: dict[str, frozenset[int]] = {}
+    for kind, indices in given.items():
+        stage = plan.comfy_blocks.get(kind)
+        if stage is not None:
+            skips[stage] = skips.get(stage, frozenset()) | frozenset(indices)
+    return skips
 
 
 def _shard(stream: Stream, seq, rope, device) -> Shard:

@@ -122,7 +122,10 @@ class Stage:
     the shards of call.shards.
     local: attention modules of each block (by name inside the block) that attend locally to a replicated
     sp.cross.Context passed as their encoder_hidden_states; also: more ModuleLists whose blocks the stage's run
-    calls (e.g. Wan VACE's hint blocks), their attention set up like the stage's."""
+    calls (e.g. Wan VACE's hint blocks), their attention set up like the stage's.
+    skips_in_run: the run itself leaves out the main block of the indices in call.skip (a run that does more per
+    block than call it, e.g. Wan's variant hooks, which ComfyUI runs around a skipped block too); otherwise the
+    executor does not call run for those blocks."""
 
     blocks: str
     run: Callable[[torch.nn.Module, Any], None]
@@ -132,6 +135,7 @@ class Stage:
     before: Optional[Callable[[Any], None]] = None
     local: tuple[str, ...] = ()
     also: tuple[str, ...] = ()
+    skips_in_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,10 @@ class Plan:
     sequence rank 0 only). rope(config) -> (axes, theta) of the rotary tables (diffusers' FluxPosEmbed) for the parts' ids, or
     None. output_tokens(call, tokens): what becomes of the output tokens before they are unpatchified (e.g.
     Z-Image's feature order and sign). tensor_parallel: which Linears of the stages' blocks TP splits
-    (sp.tensor_parallel; None: the family refuses tensor_parallel_degree > 1).
+    (sp.tensor_parallel; None: the family refuses tensor_parallel_degree > 1). comfy_blocks: ComfyUI's block kinds
+    of patches_replace["dit"] (the blocks SkipLayerGuidanceDiT skips, input skip_blocks) -> the stage (its `blocks`)
+    whose blocks they index, as ComfyUI's model for the family counts them (kinds it does not address are ignored,
+    as ComfyUI's model ignores them); None: block skips are refused for the family.
     """
 
     check: Callable[[Any], None]
@@ -156,3 +163,4 @@ class Plan:
     output: Union[str, tuple[str, ...]] = "image"
     output_tokens: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None
     tensor_parallel: Optional[TensorParallelPlan] = None
+    comfy_blocks: Optional[dict[str, str]] = None

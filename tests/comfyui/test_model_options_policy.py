@@ -41,6 +41,8 @@ CORE_NODE_KEYS = {
     "SetHookKeyframes / hooks": ["transformer_options.hooks"],
     "LTXVApplySTG": ["transformer_options.stg_self_attn_blocks"],
     "FluxKontextMultiReferenceLatentMethod": ["object_patches.diffusion_model.default_ref_method"],
+    "FluxKVCache": ["patches.attn1_patch", "patches.post_input", "object_patches.diffusion_model.default_ref_method",
+                    "object_patches.diffusion_model.params.default_ref_method"],
     "WanAnimate2 cache": ["transformer_options.animate2_cache", "callbacks.on_cleanup.None"],
     "WanInfiniteTalkToVideo": ["transformer_options.audio_embeds", "wrappers.outer_sample.infinite_talk_outer_sample"],
     "MultiGPU CFG Split": ["model_options.multigpu_clones"],
@@ -87,7 +89,7 @@ def test_every_key_the_core_nodes_set_is_classified(policy):
     unclassified = {node: [key for key in keys if key not in policy.RULES] for node, keys in CORE_NODE_KEYS.items()}
     assert not {node: keys for node, keys in unclassified.items() if keys}
     assert policy.rule_for("transformer_options.rope_options").kind == policy.WORKERS
-    assert policy.rule_for("patches_replace.dit").kind == policy.REFUSED
+    assert policy.rule_for("patches_replace.dit").kind == policy.WORKERS  # SkipLayerGuidanceDiT's skips only
 
 
 @pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
@@ -162,3 +164,18 @@ def test_rope_positions_are_placed_as_comfy_places_them_and_integer_ones_match_t
     cos, sin = rotary_axis(torch.arange(40), 16, 10000.0)
     assert cos.equal(cos_table) and sin.equal(sin_table)
     assert is_identity(None) and is_identity({"scale_x": 1.0, "shift_t": 0.0}) and not is_identity({"scale_x": 2})
+
+
+def test_block_skips_are_served_and_other_block_replacements_refused(policy):
+    """SkipLayerGuidanceDiT's replacement returns its arguments (a skip): served as {kind: indices}; one that runs
+    the original block, a builtin, or a key that is not (kind, index) is refused."""
+    def skip(args, extra_args):
+        return args
+
+    served = {("double_block", 9): skip, ("double_block", 7): skip, ("single_block", 1): skip}
+    assert policy.block_skips(served) == {"double_block": [7, 9], "single_block": [1]}
+    assert policy.refused({"patches_replace.dit": served}) == []
+    for entries in ({("double_block", 0): lambda args, extra: extra["original_block"](args)},
+                    {("double_block", 0): print}, {"double_block": skip}, {**served, ("single_block", 2): dict}):
+        assert policy.block_skips(entries) is None
+        assert policy.refused({"patches_replace.dit": entries}) == ["patches_replace.dit"]

@@ -31,10 +31,12 @@ def plan_for(variants) -> Plan:
     """The plan of a Wan with these registered variants (none: PLAN)."""
     variants = tuple(variants)
     stage = Stage("blocks", partial(run_block, variants), attends="video", text=None, local=("attn2",),
-                  attention=AttentionSpec(project=project_qkv), also=tuple(v for variant in variants for v in variant.also))
+                  attention=AttentionSpec(project=project_qkv), also=tuple(v for variant in variants for v in variant.also),
+                  skips_in_run=True)
     return Plan(check=partial(check, variants), layout=partial(layout, variants),
                 condition=partial(condition, variants), stages=(stage,), head=head, rope=rope, output="video",
-                tensor_parallel=None if variants else TENSOR_PARALLEL)
+                tensor_parallel=None if variants else TENSOR_PARALLEL,
+                comfy_blocks={"double_block": "blocks"})
 
 
 # q / k norms span all heads: split with q / k, their mean square summed over the TP group (variants: not yet)
@@ -131,14 +133,17 @@ def condition(variants, call) -> None:
 
 
 def run_block(variants, block, call) -> None:
-    """One main block on this rank's tokens, the variants' hooks around it (or a variant's block instead)."""
+    """One main block on this rank's tokens, the variants' hooks around it (or a variant's block instead); a block
+    in call.skip (SkipLayerGuidanceDiT) is left out, its hooks run, as ComfyUI's Wan models do."""
     index = call.block_index
     call.block_index += 1
     for variant in variants:
         if variant.before is not None:
             variant.before(call, index, block)
     override = next((variant.block for variant in variants if variant.block is not None), None)
-    if override is not None:
+    if index in call.skip:
+        pass
+    elif override is not None:
         call.video = override(block, call)
     else:
         call.video = block(call.video, call.context, call.block_modulation, None)
