@@ -101,17 +101,21 @@ def make_calls(seed=5):
             "guides": (rand(2, 128, 5, 3, 3), rand(2, 8, 7, 16), torch.tensor([0.8, 0.6]), guided,
                        rand(2, 9, CAPTION), 24.0, guide_conds((0, 17), (3, 3))),
             "guides_0.7": (rand(2, 128, 5, 3, 3), rand(2, 8, 7, 16), torch.tensor([0.8, 0.6]), guided,
-                           rand(2, 9, CAPTION), 24.0, guide_conds((0, 17), (3, 3), strengths=(0.7, 1.0)))}
+                           rand(2, 9, CAPTION), 24.0, guide_conds((0, 17), (3, 3), strengths=(0.7, 1.0))),
+            "guides_masked": (rand(2, 128, 5, 3, 3), rand(2, 8, 7, 16), torch.tensor([0.8, 0.6]), guided,
+                              rand(2, 9, CAPTION), 24.0, guide_conds((0, 17), (3, 3), strengths=(1.0, 0.9),
+                                                                     pixel_masks=(None, rand(1, 1, 1, 20, 20).abs())))}
 
 
-GUIDE_CALLS = ("guides", "guides_0.7")
+GUIDE_CALLS = ("guides", "guides_0.7", "guides_masked")
 
 
-def guide_conds(frames, size, strengths=None):
+def guide_conds(frames, size, strengths=None, pixel_masks=None):
     """keyframe_idxs and guide_attention_entries as ComfyUI's newest LTXVAddGuide makes them for one-frame guides
     at these pixel frames (its patchifier's corners, latent_to_pixel_coords with the causal fix one-frame guides
     take, plus the frame index), repeated to batch 2 as its CONDRegular does; `strengths` per guide (1.0 each by
-    default; another makes ComfyUI's model build its per-guide self-attention mask)."""
+    default; another makes ComfyUI's model build its per-guide self-attention mask) and `pixel_masks` (LTXVAddGuide's
+    attention_mask as its entry holds it, [1, 1, F, H, W], or None) per guide."""
     from comfy.ldm.lightricks.symmetric_patchifier import SymmetricPatchifier, latent_to_pixel_coords
     bounds = []
     for frame in frames:
@@ -119,8 +123,9 @@ def guide_conds(frames, size, strengths=None):
         coords = latent_to_pixel_coords(corners, ltx2_host.VAE_SCALE_FACTORS, causal_fix=True)
         coords[:, 0] += frame
         bounds.append(coords)
-    entries = [{"pre_filter_count": size[0] * size[1], "strength": strength, "pixel_mask": None,
-                "latent_shape": [1, *size]} for strength in strengths or [1.0] * len(frames)]
+    entries = [{"pre_filter_count": size[0] * size[1], "strength": strength, "pixel_mask": pixel_mask,
+                "latent_shape": [1, *size]}
+               for strength, pixel_mask in zip(strengths or [1.0] * len(frames), pixel_masks or [None] * len(frames))]
     return {"keyframe_idxs": torch.cat(bounds, dim=2).repeat(2, 1, 1, 1), "guide_attention_entries": entries}
 
 
@@ -201,12 +206,22 @@ def test_guide_strength_changes_comfyuis_output(comfy, files, expected):
         assert (at_full - weak).abs().max() > 1e-3 * weak.abs().max()
 
 
+@pytest.mark.parametrize("shape,latent", [((1, 1, 1, 20, 20), (1, 3, 3)), ((2, 1, 9, 10, 12), (3, 3, 4)),
+                                          ((1, 1, 3, 8, 8), (5, 2, 2)), ((1, 1, 1, 8, 8), (3, 2, 2))])
+def test_guide_pixel_masks_reduce_as_comfyuis_model_reduces_them(comfy, shape, latent):
+    """latent_mask_weights equals ComfyUI's LTXV model's reduction of a guide's attention_mask to latent tokens:
+    groups of pixel frames, fewer pixel frames than latent frames, one pixel frame."""
+    mask = torch.rand(*shape, generator=torch.Generator().manual_seed(3))
+    want = comfy.LTXAVModel._downsample_mask_to_latent(mask, *latent)
+    assert torch.allclose(ltx2_host.latent_mask_weights(mask, *latent), want, atol=1e-7)
+
+
 def test_diffusers_reference_equals_comfyui(files, expected):
     """test_ltx2's reference (diffusers' stock forward with ComfyUI's choices hooked in) on the release file's
     conventions, per token as ComfyUI's model reads the timesteps."""
     model = build_tiny_model("ltx2", SEED)
     for call, (video, audio, sigma, mask, prompt, rate, conds) in make_calls().items():
-        if call == "guides_0.7":
+        if call in ("guides_0.7", "guides_masked"):
             continue  # the diffusers-based reference has no guide mask
         (video_t, audio_t), reference = expected["release", call]
         video_t = ltx2_host.comfy_video_sigma(video_t, video.shape, mask)

@@ -159,18 +159,20 @@ def test_guide_positions_change_the_output(ltx2_references):
 
 
 def test_guides_that_need_an_attention_mask_are_clear_errors():
-    """A guide strength other than 1 becomes the input guide_weights (one weight per guide token; none at strength 1,
-    where ComfyUI builds no mask); a guide attention mask (pixel_mask) and an IC-LoRA guide dilated for
-    reference_downscale_factor > 1 (drops tokens) are refused, naming what to change."""
+    """A guide strength other than 1 or a guide attention mask (pixel_mask) becomes the input guide_weights (one
+    weight per guide token; none at strength 1 without a mask, where ComfyUI builds no mask); an IC-LoRA guide dilated
+    for reference_downscale_factor > 1 (drops tokens) is refused, naming what to change."""
     video, audio, sigma, inputs = make_cases()["guides"]
     assert "guide_weights" not in ltx2.COMFY.hooks.pack([video, audio], sigma, inputs)[2]
     weak = {**inputs, **guide_conds((0, 17), (3, 3), strength=0.7)}
     weights = ltx2.COMFY.hooks.pack([video, audio], sigma, weak)[2]["guide_weights"]
     assert weights.shape == (2, 18) and bool((weights == torch.tensor(0.7)).all())
-    masked = {**inputs, "guide_attention_entries": [{**entry, "pixel_mask": torch.ones(1, 1, 1, 24, 24)}
+    half = torch.ones(1, 1, 1, 24, 24)
+    half[..., :12] = 0.5  # left half of the pixels at 0.5: the first latent column 0.5, the third 1, the middle 0.75
+    masked = {**inputs, "guide_attention_entries": [{**entry, "pixel_mask": half}
                                                     for entry in inputs["guide_attention_entries"]]}
-    with pytest.raises(ValueError, match=r"attention_mask \(LTXVAddGuide's pixel mask, 2 guide"):
-        ltx2.COMFY.hooks.pack([video, audio], sigma, masked)
+    weights = ltx2.COMFY.hooks.pack([video, audio], sigma, masked)[2]["guide_weights"]
+    assert torch.allclose(weights[0, :3], torch.tensor([0.5, 0.75, 1.0])) and weights.shape == (2, 18)
     dilated = inputs["denoise_mask"].clone()
     dilated[:, :, 3:, 1] = -1.0
     with pytest.raises(ValueError, match="reference_downscale_factor"):

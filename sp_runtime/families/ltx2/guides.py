@@ -1,7 +1,8 @@
-"""LTX-2's guide attention mask (LTXVAddGuide at a strength other than 1): the guide tokens appended at the end of the
-video get per-token weights w, and the video's self-attention adds log w to the scores between the denoised tokens
-and the guide tokens, both ways (ComfyUI's per-guide self-attention mask, as its LTXV model builds it). A structured
-sp_attention mask (attention.SequenceMask): every layout asks it for query tiles, so it never becomes S x S."""
+"""LTX-2's guide attention mask (LTXVAddGuide at a strength other than 1 or with an attention_mask): the guide tokens
+appended at the end of the video get per-token weights w, and the video's self-attention adds log w to the scores
+between the denoised tokens and the guide tokens, both ways (ComfyUI's per-guide self-attention mask, as its LTXV
+model builds it). A structured sp_attention mask (attention.SequenceMask): every layout asks it for query tiles,
+so it never becomes S x S."""
 from __future__ import annotations
 
 from dataclasses import dataclass

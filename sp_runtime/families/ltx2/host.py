@@ -75,13 +75,8 @@ class PackedAudioVideo(HostHooks):
 
 def check_guides(inputs: dict) -> None:
     """Guides (LTXVAddGuide) that ComfyUI runs as extra video tokens at keyframe_idxs' positions work, at any strength
-    (guide_weights); refused with a clear error: a guide attention mask (pixel_mask), and the token filter of guides
-    dilated for IC-LoRAs with reference_downscale_factor > 1 (negative denoise mask)."""
-    masked = [entry for entry in inputs.get("guide_attention_entries") or () if entry.get("pixel_mask") is not None]
-    if masked:
-        raise ValueError(f"LTX-2 guides with an attention_mask (LTXVAddGuide's pixel mask, {len(masked)} guide(s)) "
-                         f"are not supported under sequence parallelism yet; guides at any strength without an "
-                         f"attention_mask work")
+    and with an attention mask (guide_weights); refused with a clear error: the token filter of guides dilated for
+    IC-LoRAs with reference_downscale_factor > 1 (negative denoise mask)."""
     mask = inputs.get("denoise_mask")
     if inputs.get("keyframe_idxs") is not None and mask is not None and bool((mask < 0).any()):
         raise ValueError("LTX-2 guides dilated for an IC-LoRA with reference_downscale_factor > 1 (negative denoise "
@@ -89,14 +84,52 @@ def check_guides(inputs: dict) -> None:
 
 
 def guide_weights(entries, batch: int) -> Optional[torch.Tensor]:
-    """LTXVAddGuide's guide attention entries -> one weight per guide token (each guide's strength over its
-    pre_filter_count tokens, in order) [batch, W], the same for every item (ComfyUI's mask is one for the batch), or
-    None when every strength is 1 (ComfyUI builds no mask then)."""
-    if not entries or all(float(entry["strength"]) == 1.0 for entry in entries):
+    """LTXVAddGuide's guide attention entries -> the weights of the guide tokens [batch, W], the same for every item
+    (ComfyUI's mask is one for the batch), or None when ComfyUI builds no mask (every strength 1, no pixel mask).
+    Each guide gives its strength per token, or with a pixel mask (LTXVAddGuide's attention_mask) the mask's
+    per-token means (latent_mask_weights, batch item 0) x strength for at most its tokens; they follow each other
+    from the first guide token on, as ComfyUI concatenates them."""
+    entries = [entry for entry in entries or () if int(entry["pre_filter_count"]) > 0]
+    if not any(float(entry["strength"]) != 1.0 or entry.get("pixel_mask") is not None for entry in entries):
         return None
-    weights = [torch.full((int(entry["pre_filter_count"]),), float(entry["strength"]), dtype=torch.float32)
-               for entry in entries]
-    return torch.cat(weights).expand(batch, -1).contiguous()
+    weights = []
+    for entry in entries:
+        count, strength = int(entry["pre_filter_count"]), float(entry["strength"])
+        pixel_mask, shape = entry.get("pixel_mask"), entry.get("latent_shape")
+        if pixel_mask is not None and shape is not None:
+            weights.append(latent_mask_weights(pixel_mask.float(), *shape)[0, :count] * strength)
+        else:
+            weights.append(torch.full((count,), strength))
+    weights = torch.cat(weights)
+    if bool((weights == 1.0).all()):
+        return None
+    return weights.expand(batch, -1).contiguous()
+
+
+def latent_mask_weights(mask: torch.Tensor, frames: int, rows: int, cols: int) -> torch.Tensor:
+    """A pixel mask [B, 1, F, H, W] in [0, 1] -> per latent token weights [B, frames x rows x cols], as ComfyUI's LTXV
+    model reduces a guide's attention_mask: area means per frame to the latent size, then in time the first pixel
+    frame for the first latent frame and the means of equal groups of the others (trailing frames that fill no
+    group dropped; too few frames: nearest frame; one pixel frame: repeated)."""
+    batch, _, pixel_frames = mask.shape[:3]
+    spatial = torch.nn.functional.interpolate(mask.transpose(1, 2).reshape(batch * pixel_frames, 1, *mask.shape[3:]),
+                                              size=(rows, cols), mode="area")
+    spatial = spatial.reshape(batch, pixel_frames, 1, rows, cols).transpose(1, 2)
+    first = spatial[:, :, :1]
+    if pixel_frames > 1 and frames > 1:
+        group = (pixel_frames - 1) // (frames - 1)
+        if group < 1:
+            rest = spatial[:, 0, 1:].permute(0, 2, 3, 1).reshape(batch * rows * cols, 1, pixel_frames - 1)
+            rest = torch.nn.functional.interpolate(rest, size=frames - 1, mode="nearest")
+            rest = rest.reshape(batch, rows, cols, frames - 1).permute(0, 3, 1, 2).unsqueeze(1)
+        else:
+            rest = spatial[:, :, 1:1 + (frames - 1) * group].reshape(batch, 1, frames - 1, group, rows, cols).mean(3)
+        latent = torch.cat([first, rest], dim=2)
+    elif frames > 1:
+        latent = first.expand(-1, -1, frames, -1, -1)
+    else:
+        latent = first
+    return latent.reshape(batch, -1)
 
 
 def comfy_video_sigma(sigma: torch.Tensor, shape, denoise_mask) -> torch.Tensor:

@@ -6,8 +6,9 @@ concatenated (input `latent_shapes`); timestep the video sigma [B] or per video 
 (default: the video's); context the text encoder output (LTX-2.3 / 2.5: its video and audio features side by side),
 or LTX-2.0's connector output [B, L', 2C]; `frame_rate` (25); `a2v_gate_sigma` / `v2a_gate_sigma` (default: the
 largest audio / video sigma of the call); `keyframe_idxs` [B, 3, G, 2], the pixel bounds of the last G video tokens
-(guide frames appended by LTXVAddGuide); `guide_weights` [W <= G], the guide strengths per guide token from the
-first guide token on (the video self-attention then adds log w between denoised and guide tokens, guides.py). The output is packed like x (guide frames included).
+(guide frames appended by LTXVAddGuide); `guide_weights` [B, W <= G], the weights of the guide tokens from the
+first on (strength, x a guide attention mask's mean there; the video self-attention adds log w between denoised
+and guide tokens, guides.py). The output is packed like x (guide frames included).
 
 PLAN: stream "video" split (guide tokens with it), each rank embedding, modulating and writing its own; stream
 "audio" replicated (25 tokens per second against thousands per video frame: an exchange per attention would cost
@@ -212,7 +213,7 @@ def _keyframe_positions(call) -> Optional[torch.Tensor]:
 
 
 def _guide_mask(call, guides: int):
-    """Input guide_weights (LTXVAddGuide strengths per guide token) as the video self-attention's GuideMask."""
+    """Input guide_weights (LTXVAddGuide's weights per guide token) as the video self-attention's GuideMask."""
     given = call.inputs.get("guide_weights")
     if given is None:
         return None
