@@ -101,6 +101,22 @@ def find_layout(header: Header, original_anchors: Sequence[str], diffusers_ancho
     return None
 
 
+def two_layouts(header: Header, folder: Optional[dict], anchors: tuple[Sequence[str], Sequence[str]],
+                architecture: Callable[[dict, str], Optional[dict]]) -> Optional[tuple[str, str, dict]]:
+    """(layout, prefix, config) of a file of a family with an original and a diffusers key layout: a diffusers
+    folder of its class (folder: folder_entries' answer) as ("diffusers", "", its entries), else the layout whose
+    anchors (original, diffusers) the header holds, with architecture(tensors without prefix, layout); None for
+    another family's file (or where architecture says None)."""
+    if folder is not None:
+        return ("diffusers", "", folder) if folder else None
+    found = find_layout(header, *anchors)
+    if found is None:
+        return None
+    layout, prefix, keys = found
+    config = architecture(keys, layout)
+    return None if config is None else (layout, prefix, config)
+
+
 def layout_keys(table: Mapping[str, tuple[str, str]], layout: str) -> dict[str, str]:
     """fact -> its key in `layout` ("original" or "diffusers"), from a family's table of (original, diffusers) keys."""
     index = ("original", "diffusers").index(layout)

@@ -7,7 +7,7 @@ from typing import Optional
 from ...sp.tokens import rope_axes
 from ...contract import Detection
 from ..flux.detection import shared_architecture
-from ...checkpoints.loading import count_blocks, find_layout, folder_entries, layout_keys, shape_of
+from ...checkpoints.loading import count_blocks, folder_entries, layout_keys, shape_of, two_layouts
 from ...checkpoints.header import Header
 
 NAME = "chroma"
@@ -33,18 +33,11 @@ KEYS = {"embed": ("img_in.weight", "x_embedder.weight"),
 
 def detect(header: Header) -> Optional[Detection]:
     folder = folder_entries(header, CLASS_NAME, CONFIG_KEYS, {"axes_dims_rope": (16, 56, 56)}, ("axes_dims_rope",))
-    if folder is not None:
-        return _detection(header, "diffusers", "", {**folder, "out_channels": folder.get("out_channels")
-                                                    or folder["in_channels"]}) if folder else None
-    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
-    if found is None:
-        return None
-    layout, prefix, keys = found
-    if RADIANCE_KEY in keys:
-        raise ValueError(f"{header.path!r} is Chroma Radiance (pixel space: a NeRF decoder head per patch, which "
-                         f"diffusers' ChromaTransformer2DModel has not), which is not supported; Chroma (HD, v48-v50) "
-                         f"loads")
-    return _detection(header, layout, prefix, architecture(keys, layout))
+    if folder:
+        folder["out_channels"] = folder.get("out_channels") or folder["in_channels"]
+    found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS),
+                        lambda keys, layout: architecture(keys, layout, header.path))
+    return None if found is None else _detection(header, *found)
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
@@ -52,8 +45,11 @@ def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detect
                      files=header.source.files)
 
 
-def architecture(keys: dict, layout: str) -> dict:
+def architecture(keys: dict, layout: str, path: str = "") -> dict:
     """ChromaTransformer2DModel config from header shapes (keys without prefix)."""
+    if RADIANCE_KEY in keys:
+        raise ValueError(f"{path!r} is Chroma Radiance (pixel space: a NeRF decoder head per patch, which diffusers' "
+                         f"ChromaTransformer2DModel has not), which is not supported; Chroma (HD, v48-v50) loads")
     config = shared_architecture(keys, layout_keys(KEYS, layout), "Chroma")
     approximator_hidden, approximator_in = shape_of(keys, f"{GUIDANCE}.in_proj.weight")
     return {**config, "axes_dims_rope": rope_axes(config["attention_head_dim"]),

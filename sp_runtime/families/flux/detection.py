@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...checkpoints.header import Header
-from ...checkpoints.loading import count_blocks, find_layout, folder_entries, layout_keys, shape_of
+from ...checkpoints.loading import count_blocks, folder_entries, layout_keys, shape_of, two_layouts
 from ...contract import Detection
 from ...sp.tokens import rope_axes
 
@@ -26,14 +26,10 @@ def detect(header: Header) -> Optional[Detection]:
     """Flux.1 from its header alone (no weights read); None when the file is another family."""
     folder = folder_entries(header, "FluxTransformer2DModel", CONFIG_KEYS, {"axes_dims_rope": (16, 56, 56)},
                             ("axes_dims_rope",))
-    if folder is not None:  # diffusers' out_channels None: as many as in
-        return _detection(header, "diffusers", "", {**folder, "out_channels": folder.get("out_channels")
-                                                    or folder["in_channels"]}) if folder else None
-    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
-    if found is None:
-        return None
-    layout, prefix, keys = found
-    return _detection(header, layout, prefix, architecture(keys, layout))
+    if folder:  # diffusers' out_channels None: as many as in
+        folder["out_channels"] = folder.get("out_channels") or folder["in_channels"]
+    found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS), architecture)
+    return None if found is None else _detection(header, *found)
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...checkpoints.header import Header
-from ...checkpoints.loading import count_blocks, find_layout, folder_entries, layout_keys, shape_of
+from ...checkpoints.loading import count_blocks, folder_entries, layout_keys, shape_of, two_layouts
 from ...contract import Detection
 from ...sp.tokens import rope_axes
 from .keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_names
@@ -34,14 +34,8 @@ def detect(header: Header) -> Optional[Detection]:
     if any(key.endswith(VERSION_15_KEYS) for key in header.tensors):
         return None
     folder = folder_entries(header, "HunyuanVideoTransformer3DModel", CONFIG_KEYS, tuples=("rope_axes_dim",))
-    if folder is not None:
-        return _detection(header, "diffusers", "", folder) if folder else None
-    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
-    if found is None:
-        return None
-    layout, prefix, keys = found
-    config = architecture(comfy_names(keys) if layout == "original" else keys, layout)
-    return None if config is None else _detection(header, layout, prefix, config)
+    found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS), architecture)
+    return None if found is None else _detection(header, *found)
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
@@ -50,9 +44,9 @@ def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detect
 
 
 def architecture(keys: dict, layout: str) -> Optional[dict]:
-    """HunyuanVideoTransformer3DModel config from a header (keys without prefix, ComfyUI or diffusers names);
+    """HunyuanVideoTransformer3DModel config from a header (keys without prefix: Tencent, ComfyUI or diffusers names);
     None for a 2-D patch (HunyuanImage 2.1)."""
-    names = layout_keys(ARCHITECTURE_KEYS, layout)
+    names, keys = layout_keys(ARCHITECTURE_KEYS, layout), comfy_names(keys) if layout == "original" else keys
     if len(shape_of(keys, names["embed"])) != 5:
         return None
     return {**shared_architecture(keys, names, "HunyuanVideo"),

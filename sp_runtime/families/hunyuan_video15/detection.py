@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...checkpoints.header import Header
-from ...checkpoints.loading import count_blocks, find_layout, folder_entries, layout_keys, shape_of
+from ...checkpoints.loading import count_blocks, folder_entries, layout_keys, shape_of, two_layouts
 from ...contract import Detection
 from ..hunyuan_video.detection import shared_architecture
 from ..hunyuan_video.keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_names
@@ -32,14 +32,9 @@ SR = "sr"  # the variant of meanflow (super-resolution) files
 def detect(header: Header) -> Optional[Detection]:
     """HunyuanVideo 1.5 from its header alone; None for other files."""
     folder = folder_entries(header, "HunyuanVideo15Transformer3DModel", CONFIG_KEYS, tuples=("rope_axes_dim",))
-    if folder is not None:
-        return _detection(header, "diffusers", "", folder) if folder else None
-    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
-    if found is None:
-        return None
-    layout, prefix, keys = found
-    return _detection(header, layout, prefix, architecture(comfy_names(keys) if layout == "original" else keys,
-                                                           layout, header.path))
+    found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS),
+                        lambda keys, layout: architecture(keys, layout, header.path))
+    return None if found is None else _detection(header, *found)
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
@@ -48,8 +43,9 @@ def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detect
 
 
 def architecture(keys: dict, layout: str, path: str = "") -> dict:
-    """HunyuanVideo15Transformer3DModel config from a header (keys without prefix, ComfyUI or diffusers names)."""
-    names = layout_keys(ARCHITECTURE_KEYS, layout)
+    """HunyuanVideo15Transformer3DModel config from a header (keys without prefix: Tencent, ComfyUI or diffusers
+    names)."""
+    names, keys = layout_keys(ARCHITECTURE_KEYS, layout), comfy_names(keys) if layout == "original" else keys
     if names["guidance"] in keys or count_blocks(keys, names["single_blocks"]):
         raise ValueError(f"{path!r} is a HunyuanVideo 1.5 variant with a guidance embedding or single-stream blocks, "
                          f"which diffusers' HunyuanVideo 1.5 (and so ulysses-sp) does not have")

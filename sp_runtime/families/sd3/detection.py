@@ -7,7 +7,7 @@ import math
 from typing import Optional
 
 from ...contract import Detection
-from ...checkpoints.loading import count_blocks, find_layout, folder_entries, layout_keys, shape_of
+from ...checkpoints.loading import count_blocks, folder_entries, layout_keys, shape_of, two_layouts
 from ...checkpoints.header import Header
 
 NAME = "sd3"
@@ -34,16 +34,9 @@ KEYS = {"embed": ("x_embedder.proj.weight", "pos_embed.proj.weight"),
 
 def detect(header: Header) -> Optional[Detection]:
     folder = folder_entries(header, CLASS_NAME, CONFIG_KEYS, {"dual_attention_layers": ()}, ("dual_attention_layers",))
-    if folder is not None:
-        return _detection(header, "diffusers", "", folder) if folder else None
-    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
-    if found is None:
-        return None
-    layout, prefix, keys = found
-    if "context_processor.layers.0.attn.qkv.weight" in keys:
-        raise ValueError(f"{header.path!r} is an MMDiT with a context processor, which is not supported (SD3 and "
-                         f"SD3.5 Large / Medium load)")
-    return _detection(header, layout, prefix, architecture(keys, layout))
+    found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS),
+                        lambda keys, layout: architecture(keys, layout, header.path))
+    return None if found is None else _detection(header, *found)
 
 
 def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
@@ -58,9 +51,12 @@ def variant_of(config: dict) -> str:
     return "3.5_large" if config.get("qk_norm") else "3_medium"
 
 
-def architecture(keys: dict, layout: str) -> dict:
+def architecture(keys: dict, layout: str, path: str = "") -> dict:
     """SD3Transformer2DModel config from header shapes (keys without prefix) in the "original" (ComfyUI) or
     "diffusers" layout."""
+    if "context_processor.layers.0.attn.qkv.weight" in keys:
+        raise ValueError(f"{path!r} is an MMDiT with a context processor, which is not supported (SD3 and SD3.5 "
+                         f"Large / Medium load)")
     names = layout_keys(KEYS, layout)
     width, in_channels, patch, _ = shape_of(keys, names["embed"])
     head_dim = shape_of(keys, names["head_norm"])[0] if names["head_norm"] in keys else HEAD_DIM
