@@ -22,6 +22,7 @@ FAMILIES = {
     "flux": "sp_runtime.families.flux",
     "flux2": "sp_runtime.families.flux2",
     "z_image": "sp_runtime.families.z_image",
+    "lumina2": "sp_runtime.families.lumina2",
     "sd3": "sp_runtime.families.sd3",
     "chroma": "sp_runtime.families.chroma",
     "hidream": "sp_runtime.families.hidream",

@@ -72,7 +72,8 @@ class SPAttnProcessor:
         if geometry is None:
             raise RuntimeError("SPAttnProcessor runs inside the sequence-parallel executor only")
         qkv, extra = self.spec.project(attn, hidden_states)
-        if encoder_hidden_states is not None:  # joint attention with the text passed apart
+        if encoder_hidden_states is not None and encoder_hidden_states is not hidden_states:  # joint attention
+            # with the text passed apart (Lumina 2's blocks pass their own states as both: self-attention)
             out, text_out = geometry.attend(qkv, self.spec.project_text(attn, encoder_hidden_states),
                                             self.spec.text_first)
             dtype = qkv[2].dtype

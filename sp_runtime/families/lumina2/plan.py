@@ -1,0 +1,100 @@
+"""Lumina 2's sequence-parallel plan (NextDiT as ComfyUI runs Lumina-Image 2.0 / NetaYume, on diffusers'
+Lumina2Transformer2DModel): Z-Image's streams without its padding: the caption and the image are two split streams,
+`context_refiner` and `noise_refiner` attend within one, `layers` over their rank-wise union (nothing is masked:
+ComfyUI's NextDiT reads past the caption mask, so the order changes nothing). Differences from Z-Image: no pad
+tokens, grouped key / value heads (repeated to the query heads before the exchange, as both codes do before
+attention), t = 1 - sigma unscaled, rotary theta 10000, SiLU before every modulation."""
+from __future__ import annotations
+
+import torch
+
+from ...sp import AttentionSpec, Output, Part, Plan, Stage, Stream
+from ...sp.tokens import TokenGrid, pad_to_patch, patchify
+from ..z_image.plan import image_axes, output_tokens
+from .detection import PATCH, ROPE_THETA
+
+UNSUPPORTED_INPUTS = ("ref_latents", "ref_contexts", "siglip_feats", "direct_context", "ref_frames")
+
+
+def check(call) -> None:
+    config, x, inputs = call.config, call.x, call.inputs
+    for name in UNSUPPORTED_INPUTS:
+        value = inputs.get(name)
+        if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0):  # ComfyUI's default []
+            raise ValueError(f"{name} (Z-Image Omni / Ming-Image inputs) is not supported by the sequence-parallel "
+                             f"Lumina 2")
+    if x.dim() != 4 or x.shape[1] != config.in_channels:
+        raise ValueError(f"x has shape {tuple(x.shape)}; Lumina 2 takes [B, {config.in_channels}, H, W]")
+    context = inputs.get("context")
+    if context is None or context.dim() != 3 or context.shape[-1] != config.cap_feat_dim or \
+            context.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"Lumina 2 needs context [batch, text tokens, {config.cap_feat_dim}] (the Gemma text "
+                         f"encoder output); got {None if context is None else tuple(context.shape)}")
+    # attention_mask and num_tokens are read past as ComfyUI's NextDiT does; so is clip_text_pooled, which only
+    # NewBie's clip_text_pooled_proj reads (NewBie files are refused at detection)
+
+
+def layout(call) -> list[Stream]:
+    """Caption ids (1 + i, 0, 0); image ids (captions + 1, row, col) with rows and columns under rope_options;
+    image patches in ComfyUI's (row, col, channel) feature order."""
+    context, x = call.input("context"), call.input("x")
+    captions = context.shape[1]
+    caption_ids = torch.zeros(captions, 3)
+    caption_ids[:, 0] = torch.arange(captions) + 1
+    grid = TokenGrid.of(x.shape[-2], x.shape[-1], PATCH)
+    tokens = patchify(pad_to_patch(x, PATCH), PATCH).unflatten(-1, (x.shape[1], PATCH, PATCH))
+    image_ids = torch.zeros(grid.count, 3)
+    image_ids[:, 0] = captions + 1
+    rows, cols = image_axes(grid.rows, grid.cols, call.inputs.get("rope_options"))
+    image_ids[:, 1] = rows.repeat_interleave(grid.cols)
+    image_ids[:, 2] = cols.repeat(grid.rows)
+    image = Part(tokens.permute(0, 1, 3, 4, 2).flatten(2), image_ids, "x_embedder", Output(grid))
+    return [Stream("caption", [Part(context, caption_ids, _embed_caption)]), Stream("image", [image])]
+
+
+def _embed_caption(model, raw: torch.Tensor) -> torch.Tensor:
+    return model.time_caption_embed.caption_embedder(raw)
+
+
+def project_grouped_qkv(attn, hidden: torch.Tensor):
+    """q, k, v [B, S, heads, D]: the key / value heads normalised, then each repeated for its group of query heads
+    (ComfyUI's and diffusers' order: kv head j serves query heads j * n_rep ... j * n_rep + n_rep - 1)."""
+    query = attn.to_q(hidden).unflatten(-1, (attn.heads, -1))
+    head_dim = query.shape[-1]
+    key, value = (proj(hidden).unflatten(-1, (-1, head_dim)) for proj in (attn.to_k, attn.to_v))
+    query, key = attn.norm_q(query).to(value.dtype), attn.norm_k(key).to(value.dtype)
+    repeats = attn.heads // key.shape[2]
+    return [query, key.repeat_interleave(repeats, dim=2), value.repeat_interleave(repeats, dim=2)], None
+
+
+def condition(call) -> None:
+    """ComfyUI's t_embedder(1 - sigma) (time_scale 1): sinusoids in float32, cast to the compute dtype, the MLP."""
+    embed = call.model.time_caption_embed
+    call.adaln = embed.timestep_embedder(embed.time_proj(1 - call.sigma()).to(call.dtype))
+
+
+def join(call) -> None:
+    call.joint = torch.cat([call.caption, call.image], dim=1)
+
+
+def _caption_block(block, call) -> None:
+    call.caption = block(call.caption, None, None)
+
+
+def _image_block(block, call) -> None:
+    call.image = block(call.image, None, None, call.adaln)
+
+
+def _joint_block(block, call) -> None:
+    call.joint = block(call.joint, None, None, call.adaln)
+
+
+GROUPED = AttentionSpec(project=project_grouped_qkv)
+PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dim_rope, ROPE_THETA),
+            condition=condition,
+            stages=(Stage("context_refiner", _caption_block, attends="caption", text=None, attention=GROUPED),
+                    Stage("noise_refiner", _image_block, attends="image", text=None, attention=GROUPED),
+                    Stage("layers", _joint_block, attends=("caption", "image"), text=None, attention=GROUPED,
+                          before=join)),
+            head=lambda call: call.model.norm_out(call.joint[:, call.caption.shape[1]:], call.adaln),
+            output_tokens=output_tokens)

@@ -1,0 +1,167 @@
+"""Lumina 2 (Lumina-Image 2.0, NetaYume) under Ulysses SP: the pool's output equals diffusers' stock
+Lumina2Transformer2DModel forward on one process (sp_lab.references.lumina2, fed ComfyUI's call: t = 1 - sigma,
+output negated, circular padding, every caption token attended) at degrees 1-4 and under Ring 3, Ulysses 2 x Ring 2
+and Ulysses 2 x CFG 2, on a tiny Lumina 2 (6 query heads over 2 key / value heads: degrees 4 and 5 divide neither);
+caption / image streams of 11 / 35 tokens, an odd latent with a masked caption, 3 / 2 tokens (fewer than ranks),
+batch 2. ComfyUI files with and without prefix, diffusers files and folders; the key plan against diffusers'
+converter; detection against Z-Image and refusals of NewBie and Ming-Image by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.references.lumina2 import reference_forward
+from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
+from sp_lab.tiny_models import lumina2 as tiny
+from sp_runtime.checkpoints.header import Header, read_checkpoint_header
+from sp_runtime.detection import detect as detect_any
+from sp_runtime.families import lumina2, z_image
+
+pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
+SEED = 6
+LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": dict(layout="diffusers"),
+           "diffusers_folder": dict(layout="diffusers_folder")}
+
+
+def make_cases(seed=4):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    t2 = torch.tensor([0.8, 0.25])
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, 7:] = 0  # ComfyUI's NextDiT reads past the mask: every caption token is attended
+    return {"t2i": (rand(2, 16, 10, 14), t2, {"context": rand(2, 11, 32)}),
+            "odd_latent_masked": (rand(2, 16, 9, 13), t2, {"context": rand(2, 11, 32), "attention_mask": mask,
+                                                           "num_tokens": 11}),
+            "few_tokens": (rand(1, 16, 2, 4), t2[:1], {"context": rand(1, 3, 32)})}
+
+
+@pytest.fixture(scope="module")
+def lumina_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lumina2")
+    return {name: write_tiny_checkpoint("lumina2", str(folder / (name if "folder" in name else
+                                                                  f"{name}.safetensors")), seed=SEED, **kw)
+            for name, kw in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def lumina_references():
+    model = tiny.build_tiny_model(SEED)
+    return {name: reference_forward(model, *case[:2], **case[2]) for name, case in make_cases().items()}
+
+
+def _check(pool, what, path, references, names=None):
+    handle = pool.load_model(path)
+    assert (handle.info.family, handle.info.weight_dtype) == ("lumina2", "float32")
+    for name, (x, t, inputs) in make_cases().items():
+        if names is None or name in names:
+            assert_parity(handle(x, t, **inputs), references[name], "float32", f"lumina2_{what}/{name}")
+    handle.unload()
+
+
+def test_fp32_parity_every_degree(family_pool, lumina_files, lumina_references):
+    """Every case on the ComfyUI file with prefix; the other layouts (loading differs, the forward does not) at
+    degree 1."""
+    degree = family_pool.config.world_size
+    _check(family_pool, f"degree{degree}", lumina_files["comfy_prefix"], lumina_references)
+    if degree == 1:
+        for layout in ("comfy", "diffusers", "diffusers_folder"):
+            _check(family_pool, layout, lumina_files[layout], lumina_references, names=("t2i",))
+
+
+def test_fp32_parity_ring_and_cfg_layouts(layout_pool, lumina_files, lumina_references):
+    name, pool = layout_pool
+    _check(pool, name, lumina_files["comfy_prefix"], lumina_references)
+
+
+def test_timestep_caption_and_padding_matter(lumina_references):
+    """Guards against a test that cannot fail: the timestep, every caption token and the wrap-around padding count."""
+    model = tiny.build_tiny_model(SEED)
+    x, t, inputs = make_cases()["odd_latent_masked"]
+    want = lumina_references["odd_latent_masked"]
+    assert relative_error(reference_forward(model, x, t.flip(0), **inputs), want) > 100 * FP32_TOL
+    assert relative_error(reference_forward(model, x, t, inputs["context"][:, :7]), want) > 100 * FP32_TOL
+    zero_padded = reference_forward(model, torch.nn.functional.pad(x, (0, 1, 0, 1)), t, **inputs)[..., :9, :13]
+    assert relative_error(zero_padded, want) > 100 * FP32_TOL
+
+
+def test_key_plan_equals_diffusers_converter():
+    """Our plan over ComfyUI's names gives exactly the tensors diffusers' convert_lumina2_to_diffusers gives (its
+    q / k / v split is fixed at the released 2304 / 768 rows: a full-width qkv, the rest tiny)."""
+    from diffusers.loaders.single_file_utils import convert_lumina2_to_diffusers
+    model = tiny.build_tiny_model(SEED)
+    original = tiny.original_state_dict(model)
+    for key in [key for key in original if key.endswith(".attention.qkv.weight")]:
+        original[key] = torch.randn(2304 + 2 * 768, 4)
+    config = {**tiny.tiny_config(), "hidden_size": 2304, "num_attention_heads": 24, "num_kv_heads": 8}
+    plan = lumina2.original_plan(original, config)
+    ours = {target: (tensor if transform is None else transform(tensor))
+            for key, tensor in original.items() for target, transform in plan.get(key, [])}
+    theirs = convert_lumina2_to_diffusers(dict(original))
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+    assert set(ours) == set(model.state_dict())
+
+
+def test_detection_of_every_layout_and_of_neighbours(lumina_files, tmp_path):
+    expected = {"comfy_prefix": ("original", COMFY_PREFIX), "comfy": ("original", ""), "diffusers": ("diffusers", ""),
+                "diffusers_folder": ("diffusers", "")}
+    want = tiny.tiny_config()
+    for layout, path in lumina_files.items():
+        header = read_checkpoint_header(path)
+        detection = detect_any(header)
+        assert (detection.family, detection.layout, detection.prefix) == ("lumina2", *expected[layout])
+        for key in lumina2.CONFIG_KEYS:
+            value = detection.config[key]
+            assert (tuple(value) if isinstance(value, (list, tuple)) else value) == want[key], key
+        assert z_image.detect(header) is None
+    neighbour = read_checkpoint_header(write_tiny_checkpoint("z_image", str(tmp_path / "z.safetensors"), seed=1))
+    assert lumina2.detect(neighbour) is None and detect_any(neighbour).family == "z_image"
+
+
+def released_header() -> dict:
+    """Header entries of Lumina-Image 2.0 / NetaYume (2304 wide, 24 heads over 8, 26 layers, Gemma 2 2304 features)."""
+    keys = {"cap_embedder.1.weight": (2304, 2304), "t_embedder.mlp.0.weight": (1024, 256), "x_embedder.weight":
+            (2304, 64), "norm_final.weight": (2304,)}
+    for stem, count in (("layers", 26), ("noise_refiner", 2), ("context_refiner", 2)):
+        for block in range(count):
+            keys[f"{stem}.{block}.attention.qkv.weight"] = (2304 + 2 * 768, 2304)
+            keys[f"{stem}.{block}.attention.q_norm.weight"] = (96,)
+            keys[f"{stem}.{block}.feed_forward.w1.weight"] = (9216, 2304)
+            keys[f"{stem}.{block}.attention.k_norm.weight"] = (96,)  # ComfyUI detects Lumina 2 by it
+            if stem != "context_refiner":
+                keys[f"{stem}.{block}.adaLN_modulation.1.weight"] = (9216, 1024)
+    return {COMFY_PREFIX + key: ("BF16", shape) for key, shape in keys.items()}
+
+
+def test_released_header_and_refused_variants():
+    """The released sizes read as ComfyUI's detection fixes them; NewBie and Ming-Image files are refused by name."""
+    header = released_header()
+    config = detect_any(Header("NetaYumev35_pretrained_all_in_one.safetensors", header)).config
+    assert config == {"patch_size": 2, "in_channels": 16, "hidden_size": 2304, "num_layers": 26,
+                      "num_refiner_layers": 2, "num_attention_heads": 24, "num_kv_heads": 8, "multiple_of": 256,
+                      "ffn_dim_multiplier": None, "cap_feat_dim": 2304, "axes_dim_rope": (32, 32, 32),
+                      "axes_lens": (300, 512, 512)}
+    for key, needle in (("clip_text_pooled_proj.0.weight", "NewBie"), ("__ming_image__", "Ming-Image")):
+        with pytest.raises(ValueError, match=needle):
+            detect_any(Header("x.safetensors", {**header, COMFY_PREFIX + key: ("BF16", (1024,))}))
+
+
+def test_refusals_name_the_input(family_pool, lumina_files):
+    if family_pool.config.world_size != 2:
+        pytest.skip("checked at degree 2")
+    handle = family_pool.load_model(lumina_files["comfy_prefix"])
+    x, t, inputs = make_cases()["t2i"]
+    bad = {"ref_latents": {**inputs, "ref_latents": [x]}, "ref_frames": {**inputs, "ref_frames": [x]},
+           "context": {**inputs, "context": inputs["context"][..., :8]}}
+    for needle, changed in bad.items():
+        with pytest.raises(Exception, match=needle):
+            handle(x, t, **changed)
+    with pytest.raises(Exception, match="4-D latents"):
+        handle(x[:, :, None], t, **inputs)
+    assert_parity(handle(x, t, **inputs), reference_forward(tiny.build_tiny_model(SEED), x, t, **inputs), "float32",
+                  "lumina2_after_refusals/t2i")
+    handle.unload()
