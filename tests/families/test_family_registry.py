@@ -46,10 +46,11 @@ def test_comfyui_knows_the_model_families():
     assert {name for name in FAMILIES if comfy_host(name)} == {"qwen_image", "qwen_image21", "flux", "flux2",
                                                                "wan", "hunyuan_video", "hunyuan_video15",
                                                                "z_image", "lumina2", "ltx2", "sd3", "chroma",
-                                                               "hidream"}
+                                                               "hidream", "minimax_h3"}
     assert comfy_host("sd3").model_class("3.5_medium") == "SD3"
     assert comfy_host("hidream").model_class("") == "HiDream"
     assert comfy_host("lumina2").model_class("") == "Lumina2"
+    assert comfy_host("minimax_h3").model_class("pruned") == "MiniMaxH3"
     assert comfy_host("chroma").model_class("") == "Chroma"
     assert comfy_host("hunyuan_video").model_class("i2v") == "HunyuanVideoI2V"
     assert comfy_host("hunyuan_video15").model_class("") == "HunyuanVideo15"
