@@ -7,6 +7,8 @@ plan against diffusers' converter and the hand-written writer, detection (prefix
 the host's packing (audio scale, keyframe noise) and refusals by name."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -191,3 +193,61 @@ def test_refusals_name_what_is_not_served(mm_files):
                             (dict(latent_shapes=[[1, 4, 2, 4, 6], [1, 6, 1, 6]]), "stereo")):
         with pytest.raises(ValueError, match=message):
             worker.forward(x, t, {**inputs, **change}, out, LocalContext(groups))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ComfyUI tier (needs COMFYUI_PATH at a ComfyUI with comfy/ldm/minimax): ComfyUI's own MiniMaxH3Model, built from
+# its own detection of the tiny file, called as its model class calls it (the payload's keyframes, noise augmentation
+# and audio scale); the pool gets the call through the host hooks.
+
+def _needs_comfyui():
+    import os
+    import comfy_support as cs
+    path = cs.comfyui_path()
+    missing = path is None or not os.path.isfile(os.path.join(path, "comfy", "ldm", "minimax", "model.py"))
+    return pytest.mark.skipif(missing, reason=cs.NO_COMFYUI + " (with comfy/ldm/minimax)")
+
+
+def comfy_network(path: str):
+    import comfy_support as cs
+    cs.import_comfy()
+    import comfy.model_detection
+    import comfy.ops
+    import comfy.utils
+    from comfy.ldm.minimax.model import MiniMaxH3Model
+    state = comfy.utils.load_torch_file(path)
+    config = comfy.model_detection.detect_unet_config(state, COMFY_PREFIX)
+    network = MiniMaxH3Model(**{k: v for k, v in config.items() if k != "image_model"},
+                             operations=comfy.ops.disable_weight_init, dtype=torch.float32, device="cpu")
+    missing, unexpected = network.load_state_dict(
+        comfy.utils.state_dict_prefix_replace(state, {COMFY_PREFIX: ""}, filter_keys=True), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return network.eval().requires_grad_(False)
+
+
+@_needs_comfyui()
+@pytest.mark.parametrize("family_pool", [2], indirect=True)
+def test_pool_equals_comfys_minimax_h3(family_pool, tmp_path):
+    from sp_runtime.families.minimax_h3.host import PackedMiniMax
+    for variant in ("pruned", "full"):
+        path = tiny.write_tiny_checkpoint(str(tmp_path / f"{variant}.safetensors"), seed=SEED, variant=variant,
+                                          prefix=COMFY_PREFIX)
+        network, handle = comfy_network(path), family_pool.load_model(path)
+        for name, (x, t, inputs) in make_cases().items():
+            video_shape, audio_shape = inputs["latent_shapes"]
+            split = math.prod(video_shape[1:])
+            video, audio = x[:1, 0, :split].reshape(1, *video_shape[1:]), x[:1, 0, split:].reshape(1, *audio_shape[1:])
+            payload = {"seed": 3, "visual_cond_noise_aug": 0.99, "audio_scale": 1.5,
+                       "cond_video_latents": inputs.get("keyframe_latents", []),
+                       "keyframes": [{"latent": latent, "resolved_frame_index": index} for latent, index in
+                                     zip(inputs.get("keyframe_latents", []), inputs.get("keyframe_frames", []))]}
+            with torch.inference_mode():
+                theirs = network([video, audio], t[:1], inputs["context"][:1], transformer_options={},
+                                 minimax_payload=dict(payload))
+            hooks = PackedMiniMax()
+            packed, timestep, call = hooks.pack([video, audio], t[:1], {"context": inputs["context"][:1],
+                                                                        "minimax_payload": dict(payload)})
+            ours = hooks.unpack(handle(packed, timestep, **call), [video, audio])
+            for stream, (got, want) in enumerate(zip(ours, theirs)):
+                assert_parity(got, want, "float32", f"comfyui_minimax_h3_{variant}/{name}/{('video', 'audio')[stream]}")
+        handle.unload()
