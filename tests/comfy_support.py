@@ -174,6 +174,8 @@ NEEDS_NEWER_COMFYUI = {
     "hunyuan_video15_720p_t2v": (("EmptyHunyuanVideo15Latent", "HunyuanVideo15LatentUpscaleWithModel",
                                   "HunyuanVideo15SuperResolution", "LatentUpscaleModelLoader"),
                                  "0.4.0 (HunyuanVideo 1.5 and its SR model)"),
+    "minimax_h3_t2v": (("ComfyMathExpression", "ComfySwitchNode", "MiniMaxH3ImageToVideo", "ResolutionSelector",
+                        "VAEDecodeAudio"), "0.30.0 (MiniMax H3)"),
 }
 
 
@@ -184,6 +186,9 @@ def declared_inputs(node_spec: dict, values: dict, prefix: str = "") -> dict:
     declared = {}
     for name, spec in {**node_spec.get("required", {}), **node_spec.get("optional", {})}.items():
         declared[prefix + name] = spec
+        template = (spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}).get("template") or {}
+        grown = template.get("names") or [f"{template.get('prefix')}{i}" for i in range(template.get("max", 0))]
+        declared.update({f"{prefix}{name}.{part}": spec for part in grown})  # a V3 Autogrow's inputs (values.a)
         chosen = next((option for option in _dynamic_options(spec) if option["key"] == values.get(prefix + name)),
                       None)
         if chosen:
