@@ -36,6 +36,7 @@ NOT_IMAGE_VIDEO = "not an image / video diffusion model"
 # Variants a served family's detector refuses with an error naming them (the family's own detection.py).
 REFUSED_VARIANTS = {"Chroma Radiance": "chroma/detection.py",
                     "MiniMax H3 reference blocks": "minimax_h3/plan.py (input refs, which its templates set)",
+                    "NewBie / Ming-Image (NextDiT with pooled text / reference frames)": "lumina2/detection.py",
                     "Wan-based variant (modules Wan's detector does not know)": "wan/detection.py"}
 
 # (file-name pattern, kinds, label): kinds is a FAMILIES name, an OTHER_KINDS / REFUSED_VARIANTS name, NOT_IMAGE_VIDEO,
@@ -65,7 +66,9 @@ KINDS = [
     (r"^(hidream_i1|hidream_e1)", ("hidream", "HiDream"), "HiDream I1 / E1"),
     (r"^hidream_o1", "HiDream-O1", "HiDream-O1"),
     (r"^(sd_xl|svd)", "SDXL / SD1.x UNet", "SDXL / SVD UNet"),
-    (r"^(NetaYume|NewBie|ming_image)", "Lumina 2", "Lumina 2 / NextDiT (NetaYume, NewBie, Ming-Image)"),
+    (r"^NetaYume", "lumina2", "Lumina 2 (NetaYume)"),
+    (r"^(NewBie|ming_image)", "NewBie / Ming-Image (NextDiT with pooled text / reference frames)",
+     "NewBie / Ming-Image"),
     (r"^(minimax_h3_ref2va|fasth3_omniref)", "MiniMax H3 reference blocks", "MiniMax H3 ref2va / omni-ref"),
     (r"^(minimax_h3|fastvideo_fasth3)", "minimax_h3", "MiniMax H3 (t2va, fl2va, FastH3)"),
     (r"^anima", "cosmos_predict2", "Cosmos-Predict2 / Anima"),
