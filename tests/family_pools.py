@@ -1,9 +1,12 @@
 """pytest plugin of the model-family tests: one worker pool per Ulysses degree (1-4) and one per Ring / hybrid /
 CFG layout, shared by the family test modules (each declares `pytest_plugins = ["family_pools"]`). Session scope
 lets pytest run every degree-1 test of all modules, then every degree-2 test, ..., so each pool starts once (and
-only one pool of each fixture is up at a time)."""
+only one pool of each fixture is up at a time). `family_subject(name)`: a family's conformance files and reference
+outputs (sp_lab.conformance), made once for the conformance suite and the family's own tests."""
 import pytest
 
+from family_support import assert_parity
+from sp_lab.conformance import conformance
 from sp_runtime.config import SPConfig
 from sp_runtime.pool import WorkerPool
 
@@ -63,3 +66,34 @@ def pytest_terminal_summary(terminalreporter):
     for (kind, dtype), (error, count) in sorted(worst.items()):
         terminalreporter.write_line(f"{kind:<22} {dtype:<14} {error:.2e} (tolerance {TOLERANCE[dtype]:.1e}, "
                                     f"{count} outputs)")
+
+
+class Subject:
+    """One family's files and reference outputs, made on first use and kept for the session."""
+
+    def __init__(self, name: str, folder):
+        self.name, self.folder, self.spec = name, folder, conformance(name)
+        self.path = self.spec.write(str(folder))
+        self.forward = self.spec.reference(self.path)
+        self.outputs = {case: self.forward(x, t, **inputs) for case, (x, t, inputs) in self.spec.cases().items()}
+
+    def check(self, pool, path: str, what: str, cases=None, **load) -> None:
+        handle = pool.load_model(path, **{**self.spec.load_options, **load})
+        assert handle.info.family == self.name, (handle.info.family, self.name)
+        for case, (x, t, inputs) in self.spec.cases().items():
+            if cases is None or case in cases:
+                assert_parity(handle(x, t, **inputs), self.outputs[case], "float32", f"{self.name}_{what}/{case}")
+        handle.unload()
+
+
+@pytest.fixture(scope="session")
+def family_subject(tmp_path_factory):
+    """family_subject(name): the family's conformance Subject (sp_lab.conformance), shared by the conformance suite
+    and the family's own test file."""
+    made: dict[str, Subject] = {}
+
+    def subject(name: str) -> Subject:
+        if name not in made:
+            made[name] = Subject(name, tmp_path_factory.mktemp(f"conformance_{name}"))
+        return made[name]
+    return subject

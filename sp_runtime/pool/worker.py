@@ -228,6 +228,10 @@ class Worker:
         if key not in self.models:
             raise KeyError(f"model {key} is not loaded in worker rank {self.rank}")
         check_unchanged(self.requests[key].path, self.requests[key].stamp)  # LoRAs re-read the base weights
+        if key not in self.lora_states and not message["loras"] and message.get("patches") is None:
+            # nothing was ever applied: the weights are the base (also for a family without LoRA support, whose
+            # refused LoRA must not leave every later call failing on this restore)
+            return {"parameters": 0, "updated": 0, "skipped": []}
         if key not in self.lora_states:
             from ..lora.apply import lora_state
             request = self.requests[key]

@@ -1,8 +1,6 @@
-"""Chroma under Ulysses SP: the pool's output equals diffusers' stock ChromaTransformer2DModel forward on one process
-(sp_lab.references.chroma, fed ComfyUI's call) at degrees 1-4 and under Ring 3, Ulysses 2 x Ring 2 and Ulysses 2 x
-CFG 2, on a tiny Chroma (6 heads, which degree 4 does not divide; 2 double + 2 single blocks): 35 and 24 image tokens
-(odd latent size padded by wrap-around), 2 tokens (fewer than ranks), batch 2, a text padding mask and a guidance
-other than ComfyUI's default 0. ComfyUI files with and without prefix, diffusers files and folders; detection
+"""Chroma under Ulysses SP, what is special to it (test_family_conformance.py checks its parity at every degree and
+layout, its file layouts, a quantized file and a LoRA from sp_lab.conformance: a tiny Chroma, 6 heads, 2 double +
+2 single blocks, 35 and 24 image tokens, 2 tokens, batch 2, a text padding mask and a guidance other than 0): detection
 against Flux.1 and of Chroma Radiance (refused by name); the key plan against a hand-written writer and against
 diffusers' converter at full size; a LoRA on the fused single-block linear1."""
 from __future__ import annotations
@@ -12,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.conformance.cases import chroma_cases as make_cases
 from sp_lab.references.chroma import reference_forward
 from sp_runtime.families import chroma, flux, sd3
 from sp_runtime.detection import detect as detect_any
@@ -25,20 +24,6 @@ LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": 
            "diffusers_folder": dict(layout="diffusers_folder")}
 
 
-def make_cases(seed=3):
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, 5:] = 0
-    return {"35_tokens": (rand(2, 16, 10, 14), torch.tensor([0.7, 0.3]), {"context": rand(2, 7, 32)}),
-            "odd_masked_guided": (rand(2, 16, 7, 11), torch.tensor([0.4, 0.9]),
-                                  {"context": rand(2, 9, 32), "attention_mask": mask,
-                                   "guidance": torch.tensor([2.5, 2.5])}),
-            "2_tokens": (rand(1, 16, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}
-
-
 @pytest.fixture(scope="module")
 def chroma_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chroma")
@@ -47,32 +32,9 @@ def chroma_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def chroma_references():
-    model = tiny.build_tiny_model(SEED)
-    return {name: reference_forward(model, *case[:2], **case[2]) for name, case in make_cases().items()}
-
-
-def _check(pool, what, path, references, names=None):
-    handle = pool.load_model(path)
-    assert handle.info.family == "chroma"
-    for name, (x, t, inputs) in make_cases().items():
-        if names is None or name in names:
-            assert_parity(handle(x, t, **inputs), references[name], "float32", f"chroma_{what}/{name}")
-    handle.unload()
-
-
-def test_fp32_parity_every_degree(family_pool, chroma_files, chroma_references):
-    """Every case on the ComfyUI file with prefix; the other layouts at degree 1."""
-    degree = family_pool.config.world_size
-    _check(family_pool, f"degree{degree}", chroma_files["comfy_prefix"], chroma_references)
-    if degree == 1:
-        for layout in ("comfy", "diffusers", "diffusers_folder"):
-            _check(family_pool, layout, chroma_files[layout], chroma_references, names=("35_tokens",))
-
-
-def test_fp32_parity_ring_and_cfg_layouts(layout_pool, chroma_files, chroma_references):
-    name, pool = layout_pool
-    _check(pool, name, chroma_files["comfy_prefix"], chroma_references)
+def chroma_references(family_subject):
+    """The conformance suite's outputs (same seed and cases)."""
+    return family_subject("chroma").outputs
 
 
 def test_mask_guidance_and_timestep_matter(chroma_references):

@@ -1,13 +1,15 @@
-"""Flux.2 under Ulysses SP: the pool's output equals diffusers' stock forward on one process (ComfyUI's call and
-position ids around it) at degrees 1-4, for original files with and without prefix, diffusers files and folders,
-dev (guidance) and klein; head size 128 with 3 heads (2 and 4 do not divide them), odd token counts, batch 2,
-reference latents at index 10, 20 or side by side; our key plan equals diffusers' converter at full width."""
+"""Flux.2 under Ulysses SP, what is special to it (test_family_conformance.py checks dev's parity against diffusers'
+stock forward, ComfyUI's call and position ids around it, at every degree and layout, its file layouts, a quantized
+file and a LoRA, from sp_lab.conformance: head size 128 with 3 heads, odd token counts, batch 2, reference latents
+at index 10, 20 or side by side): klein at degrees 1-2; detection; our key plan equals diffusers' converter at full
+width; a LoRA on the fused qkv."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from family_support import FP32_TOL, assert_parity, relative_error
+from family_support import FP32_TOL, assert_parity, at_worlds, relative_error
+from sp_lab.conformance.cases import flux2_cases as make_cases
 from sp_lab.references.flux2 import reference_forward as flux2_reference
 from sp_runtime.families import flux, flux2, qwen_image21
 from sp_runtime.checkpoints.header import read_checkpoint_header
@@ -20,25 +22,6 @@ FILES = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "klein": dict(variant="klein
                                                                          max_shard_size="10MB")}
 
 
-def make_cases(seed=6):
-    """ComfyUI calls (x, timestep, kwargs): image tokens 15 (+ 12 + 8 references), text 7; batch 2 and 1."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
-    t2, guidance = torch.tensor([0.7, 0.3]), torch.tensor([4.0, 4.0])
-    refs = [rand(2, 16, 3, 4), rand(2, 16, 4, 2)]
-    return {
-        "t2i": (rand(2, 16, 5, 3), t2, {"context": rand(2, 7, 32), "guidance": guidance}),
-        "two_refs_index": (rand(2, 16, 5, 3), t2, {"context": rand(2, 7, 32), "guidance": guidance,
-                                                   "ref_latents": refs}),
-        "refs_offset": (rand(2, 16, 5, 3), t2, {"context": rand(2, 7, 32), "guidance": guidance,
-                                                "ref_latents": refs, "ref_latents_method": "offset"}),
-        "batch_1_no_guidance": (rand(1, 16, 3, 3), t2[:1], {"context": rand(1, 4, 32)}),
-    }
-
-
 @pytest.fixture(scope="session")
 def f2_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("flux2")
@@ -46,27 +29,21 @@ def f2_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def f2_references():
-    """Stock diffusers outputs from in-memory models (independent of our loader, key plan and SP forward)."""
-    models = {"dev": build_tiny_model("flux2", SEED), "klein": build_tiny_model("flux2", SEED, variant="klein")}
-    return {variant: {name: flux2_reference(model, *case[:2], **case[2])
-                      for name, case in make_cases().items()} for variant, model in models.items()}
+def f2_references(family_subject):
+    """Stock diffusers outputs from in-memory models: dev's are the conformance suite's (same seed and cases)."""
+    klein = build_tiny_model("flux2", SEED, variant="klein")
+    return {"dev": family_subject("flux2").outputs,
+            "klein": {name: flux2_reference(klein, *case[:2], **case[2]) for name, case in make_cases().items()}}
 
 
-def test_fp32_parity_every_layout(family_pool, f2_files, f2_references):
-    """Every case on the ComfyUI file at every degree, klein at degrees 1, 2; the diffusers layouts (only loading
-    differs) at degree 1."""
-    world = family_pool.config.world_size
-    for name, path in f2_files.items():
-        if (name.startswith("diffusers") and world > 1) or (name == "klein" and world > 2):
-            continue
-        handle = family_pool.load_model(path)
-        variant = "klein" if name == "klein" else "dev"
-        assert (handle.info.family, handle.info.variant) == ("flux2", variant)
-        for case, (x, t, inputs) in make_cases().items():
-            if not name.startswith("diffusers") or case == "two_refs_index":
-                assert_parity(handle(x, t, **inputs), f2_references[variant][case], "float32", f"flux2_{name}/{case}")
-        handle.unload()
+@at_worlds(1, 2)
+def test_klein_parity(family_pool, f2_files, f2_references):
+    """klein (no guidance embedder) at degrees 1 and 2; the conformance suite runs dev's files."""
+    handle = family_pool.load_model(f2_files["klein"])
+    assert (handle.info.family, handle.info.variant) == ("flux2", "klein")
+    for case, (x, t, inputs) in make_cases().items():
+        assert_parity(handle(x, t, **inputs), f2_references["klein"][case], "float32", f"flux2_klein/{case}")
+    handle.unload()
 
 
 def test_references_guidance_and_placement_matter(f2_references):

@@ -1,8 +1,9 @@
-"""Qwen-Image 2.1 under Ulysses SP: the pool's output equals diffusers' stock forward on one process (fed ComfyUI's
-call translated to diffusers' convention) at degrees 1-4, for ComfyUI files with and without prefix, diffusers files
-and folders; head size 128 with 5 heads (no degree divides them), odd joint lengths, batch 2, references spliced
-into the text at image slots (block-causal mask), text padding masks; the fused-MLP key plan equals diffusers'
-converter at full width; LoRAs on the fused MLP; Ring and Ulysses x Ring apply the mask exactly per block pair."""
+"""Qwen-Image 2.1 under Ulysses SP, what is special to it (test_family_conformance.py checks its parity against
+diffusers' stock forward, fed ComfyUI's call translated to diffusers' convention, at every degree and layout (Ring and
+Ulysses x Ring apply the block-causal mask per block pair), its file layouts, a quantized file and a LoRA, from
+sp_lab.conformance: head size 128 with 5 heads, odd joint lengths, batch 2, references spliced into the text at
+image slots, text padding masks): detection; the fused-MLP key plan equals diffusers' converter at full width;
+LoRAs on the fused MLP."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.conformance.cases import qwen_image21_cases as make_cases
 from sp_lab.references.qwen_image21 import reference_forward as qwen_image21_reference
 from sp_runtime.families import flux, qwen_image, qwen_image21
 from sp_runtime.checkpoints.header import read_checkpoint_header
@@ -21,27 +23,6 @@ LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "diffusers": dict(layout="
            "diffusers_folder": dict(layout="diffusers_folder", max_shard_size="20MB")}
 
 
-def make_cases(seed=4):
-    """ComfyUI calls (x, timestep, kwargs); joint lengths 29, 65, 53 and 45 (text + references + target)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
-    t2 = torch.tensor([0.7, 0.3])
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, 6:] = 0  # the second prompt is shorter: padding that must not be attended
-    refs = [rand(2, 16, 3, 4), rand(2, 16, 4, 6)]  # the second: other row parity than the target (half-token ids)
-    return {
-        "t2i": (rand(2, 16, 5, 4), t2, {"context": rand(2, 9, 32)}),
-        "edit_slots_masked": (rand(2, 16, 5, 4), t2, {"context": rand(2, 9, 32), "ref_latents": refs,
-                                                      "image_slots": [2, 5], "attention_mask": mask}),
-        "refs_after_text": (rand(1, 16, 4, 4), t2[:1], {"context": rand(1, 5, 32), "ref_latents": [rand(1, 16, 4, 6)]}),
-        "adjacent_refs": (rand(2, 16, 5, 4), t2, {"context": rand(2, 9, 32), "ref_latents": refs,
-                                                  "image_slots": [4, 4]}),
-    }
-
-
 @pytest.fixture(scope="session")
 def q21_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen21")
@@ -50,23 +31,9 @@ def q21_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def q21_references():
-    """Stock diffusers outputs from the in-memory model (independent of our loader, key plan and SP forward)."""
-    model = build_tiny_model("qwen_image21", SEED)
-    return {name: qwen_image21_reference(model, *case[:2], **case[2]) for name, case in make_cases().items()}
-
-
-def test_fp32_parity_every_layout(family_pool, q21_files, q21_references):
-    """Every case on the ComfyUI file; the other layouts (loading differs, the forward does not) at degree 1."""
-    for layout, path in q21_files.items():
-        if layout != "comfy_prefix" and family_pool.config.world_size > 1:
-            continue
-        handle = family_pool.load_model(path)
-        assert (handle.info.family, handle.info.weight_dtype) == ("qwen_image21", "float32")
-        for name, (x, t, inputs) in make_cases().items():
-            if layout == "comfy_prefix" or name == "edit_slots_masked":
-                assert_parity(handle(x, t, **inputs), q21_references[name], "float32", f"qwen21_{layout}/{name}")
-        handle.unload()
+def q21_references(family_subject):
+    """The conformance suite's outputs (same seed and cases)."""
+    return family_subject("qwen_image21").outputs
 
 
 def test_the_mask_the_slots_and_the_references_matter(q21_references):
@@ -151,12 +118,3 @@ def test_lora_on_the_fused_mlp_splits_like_the_weight(q21_files, tmp_path):
         assert relative_error(after[key], before[key] + part) <= 1e-6, key
     state.set([])
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
-
-
-def test_fp32_parity_ring_and_hybrid(layout_pool, q21_files, q21_references):
-    """The block-causal mask through sp_attention's mask extension, per query block x key block (old: refused)."""
-    name, pool = layout_pool
-    handle = pool.load_model(q21_files["comfy_prefix"])
-    for case, (x, t, inputs) in make_cases().items():
-        assert_parity(handle(x, t, **inputs), q21_references[case], "float32", f"qwen21_{name}/{case}")
-    handle.unload()

@@ -1,17 +1,16 @@
-"""SD3 / SD3.5 under Ulysses SP: the pool's output equals diffusers' stock SD3Transformer2DModel forward on one
-process (sp_lab.references.sd3, fed ComfyUI's call) at degrees 1-4 and under Ring 3, Ulysses 2 x Ring 2 and
-Ulysses 2 x CFG 2, on a tiny SD3.5 Medium (MMDiT-X: a second attention in block 0; 3 heads of 64, which no degree
-above 1 divides; q/k RMS norms): 35 and 24 image tokens (odd latent size padded by wrap-around), 2 tokens (fewer
-than ranks), batch 2. ComfyUI files with and without prefix, diffusers files and folders; detection against
-neighbouring families and at released sizes; the key plan (diffusers' converter) against a hand-written writer;
-a LoRA on the fused qkv; refusals by name."""
+"""SD3 / SD3.5 under Ulysses SP, what is special to it (test_family_conformance.py checks its parity at every degree
+and layout, its file layouts, a quantized file and a LoRA from sp_lab.conformance, on a tiny SD3.5 Medium: MMDiT-X
+with a second attention in block 0, 3 heads of 64 that no degree above 1 divides, q/k RMS norms): SD3.5 Large's
+layout; detection of every layout, against neighbouring families and at released sizes; the key plan (diffusers'
+converter) against a hand-written writer; a LoRA on the fused qkv; refusals by name; ComfyUI's own MMDiT."""
 from __future__ import annotations
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from family_support import FP32_TOL, assert_parity, relative_error
+from family_support import FP32_TOL, assert_parity, at_worlds, relative_error
+from sp_lab.conformance.cases import sd3_cases as make_cases
 from sp_lab.references.sd3 import reference_forward
 from sp_runtime.families import flux, sd3, z_image
 from sp_runtime.detection import detect as detect_any
@@ -25,18 +24,6 @@ LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": 
            "diffusers_folder": dict(layout="diffusers_folder"), "large_comfy": dict(variant="3.5_large")}
 
 
-def make_cases(seed=2):
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-    return {"35_tokens": (rand(2, 16, 10, 14), torch.tensor([700.0, 300.0]), {"context": rand(2, 7, 32),
-                                                                              "y": rand(2, 24)}),
-            "odd_latent": (rand(2, 16, 7, 11), torch.tensor([400.0, 900.0]), {"context": rand(2, 5, 32),
-                                                                              "y": rand(2, 24)}),
-            "2_tokens": (rand(1, 16, 2, 4), torch.tensor([500.0]), {"context": rand(1, 3, 32), "y": rand(1, 24)})}
-
-
 @pytest.fixture(scope="module")
 def sd3_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sd3")
@@ -45,36 +32,22 @@ def sd3_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sd3_references():
-    models = {variant: tiny.build_tiny_model(SEED, variant) for variant in ("3.5_medium", "3.5_large")}
-    return {(variant, name): reference_forward(model, *case[:2], **case[2])
-            for variant, model in models.items() for name, case in make_cases().items()}
+def sd3_references(family_subject):
+    """SD3.5 Medium's outputs: the conformance suite's (same seed and cases); SD3.5 Large's one case: here."""
+    references = {("3.5_medium", name): out for name, out in family_subject("sd3").outputs.items()}
+    x, t, inputs = make_cases()["35_tokens"]
+    references["3.5_large", "35_tokens"] = reference_forward(tiny.build_tiny_model(SEED, "3.5_large"), x, t, **inputs)
+    return references
 
 
-def _check(pool, what, path, references, variant="3.5_medium", names=None):
-    handle = pool.load_model(path)
-    assert (handle.info.family, handle.info.variant) == ("sd3", variant)
-    for name, (x, t, inputs) in make_cases().items():
-        if names is None or name in names:
-            assert_parity(handle(x, t, **inputs), references[variant, name], "float32", f"sd3_{what}/{name}")
+@at_worlds(2)
+def test_sd35_large_layout(family_pool, sd3_files, sd3_references):
+    """SD3.5 Large's layout (no second attention); the conformance suite runs SD3.5 Medium's files."""
+    handle = family_pool.load_model(sd3_files["large_comfy"])
+    assert (handle.info.family, handle.info.variant) == ("sd3", "3.5_large")
+    x, t, inputs = make_cases()["35_tokens"]
+    assert_parity(handle(x, t, **inputs), sd3_references["3.5_large", "35_tokens"], "float32", "sd3_large/35_tokens")
     handle.unload()
-
-
-def test_fp32_parity_every_degree(family_pool, sd3_files, sd3_references):
-    """Every case on the ComfyUI file with prefix; the other layouts at degree 1 (loading differs, the forward
-    does not), SD3.5 Large's layout (no second attention) at degree 2."""
-    degree = family_pool.config.world_size
-    _check(family_pool, f"degree{degree}", sd3_files["comfy_prefix"], sd3_references)
-    if degree == 1:
-        for layout in ("comfy", "diffusers", "diffusers_folder"):
-            _check(family_pool, layout, sd3_files[layout], sd3_references, names=("odd_latent",))
-    if degree == 2:
-        _check(family_pool, "large", sd3_files["large_comfy"], sd3_references, "3.5_large", ("35_tokens",))
-
-
-def test_fp32_parity_ring_and_cfg_layouts(layout_pool, sd3_files, sd3_references):
-    name, pool = layout_pool
-    _check(pool, name, sd3_files["comfy_prefix"], sd3_references)
 
 
 def test_positions_timestep_and_text_matter(sd3_references):

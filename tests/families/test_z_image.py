@@ -1,8 +1,7 @@
-"""Z-Image under Ulysses SP: the pool's output equals diffusers' stock forward on one process (fed ComfyUI's call:
-t = 1 - sigma, output negated, circular padding to the patch) at degrees 1-4 and under Ulysses x Ring, for
-ComfyUI files with and without prefix, diffusers files and folders; head size 128 with 5 heads (no degree above 1
-divides them), caption and image streams of 9-40 and 9-35 tokens (padded to 32 with learned tokens), batch 2; the
-joint split at 30 heads x 128 exact at degrees 3, 5, 6 and 8; ScaleROPE's rope_options at Ulysses 2; our key plan
+"""Z-Image under Ulysses SP, what is special to it (test_family_conformance.py checks its parity against diffusers'
+stock forward fed ComfyUI's call, t = 1 - sigma, output negated, circular padding to the patch, at every degree and
+layout, its file layouts, a quantized file and a LoRA, from sp_lab.conformance: head size 128 with 5 heads, caption
+and image streams of 9-40 and 9-35 tokens padded to 32 with learned tokens, batch 2): the joint split at 30 heads x 128 exact at degrees 3, 5, 6 and 8; ScaleROPE's rope_options at Ulysses 2; our key plan
 equals diffusers' converter at full width; LoRAs on the fused qkv; unsupported inputs refused."""
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from family_support import FP32_TOL, PARITY_LOG, LocalContext, assert_parity, relative_error
+from sp_lab.conformance.cases import z_image_cases as make_cases
 from sp_lab.references.z_image import reference_forward as z_image_reference
 from sp_runtime.families import flux, flux2, qwen_image, qwen_image21, z_image
 from sp_runtime.checkpoints.header import read_checkpoint_header
@@ -23,26 +23,6 @@ LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": 
            "diffusers_folder": dict(layout="diffusers_folder", max_shard_size="20MB")}
 
 
-def make_cases(seed=8):
-    """ComfyUI calls (x, timestep, kwargs): (caption, image) tokens before padding: (9, 15), (40, 35), (32, 32),
-    (33, 9)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
-    t2 = torch.tensor([0.7, 0.3])
-    mask = torch.ones(2, 40, dtype=torch.long)
-    mask[1, 30:] = 0  # ComfyUI's NextDiT reads past the mask: the padded tokens are attended
-    return {
-        "t2i": (rand(2, 16, 10, 6), t2, {"context": rand(2, 9, 32)}),
-        "odd_latent_masked": (rand(2, 16, 9, 13), t2, {"context": rand(2, 40, 32), "attention_mask": mask,
-                                                       "num_tokens": 40}),
-        "no_padding": (rand(2, 16, 8, 16), t2, {"context": rand(2, 32, 32)}),
-        "batch_1": (rand(1, 16, 6, 6), t2[:1], {"context": rand(1, 33, 32)}),
-    }
-
-
 @pytest.fixture(scope="session")
 def zi_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("z_image")
@@ -51,35 +31,9 @@ def zi_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def zi_references():
-    """Stock diffusers outputs from the in-memory model (independent of our loader, key plan and SP forward)."""
-    model = build_tiny_model("z_image", SEED)
-    return {name: z_image_reference(model, *case[:2], **case[2]) for name, case in make_cases().items()}
-
-
-def test_fp32_parity_every_layout(family_pool, zi_files, zi_references):
-    """Every case on the ComfyUI file with prefix; the other layouts (loading differs, the forward does not) at
-    degree 1."""
-    for layout, path in zi_files.items():
-        if layout != "comfy_prefix" and family_pool.config.world_size > 1:
-            continue
-        handle = family_pool.load_model(path)
-        assert (handle.info.family, handle.info.weight_dtype) == ("z_image", "float32")
-        for name, (x, t, inputs) in make_cases().items():
-            if layout == "comfy_prefix" or name == "odd_latent_masked":
-                assert_parity(handle(x, t, **inputs), zi_references[name], "float32", f"z_image_{layout}/{name}")
-        handle.unload()
-
-
-@pytest.mark.parametrize("layout_pool", ["u2r2"], indirect=True)  # the shared pool of family_pools
-def test_ulysses_x_ring(layout_pool, zi_files, zi_references):
-    """Ulysses 2 x Ring 2 (the joint split's uneven shards travel around the ring too)."""
-    workers = layout_pool[1]
-    handle = workers.load_model(zi_files["comfy_prefix"])
-    for name in ("odd_latent_masked", "batch_1"):
-        x, t, inputs = make_cases()[name]
-        assert_parity(handle(x, t, **inputs), zi_references[name], "float32", f"z_image_u2r2/{name}")
-    handle.unload()
+def zi_references(family_subject):
+    """The conformance suite's outputs (same seed and cases)."""
+    return family_subject("z_image").outputs
 
 
 ROPE_OPTIONS = dict(scale_x=0.5, shift_x=3.0, scale_y=1.5, shift_y=-2.0, scale_t=2.0, shift_t=1.0)  # ComfyUI's

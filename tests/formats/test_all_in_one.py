@@ -11,7 +11,7 @@ from sp_lab.references import reference_forward
 from sp_runtime.detection import detect
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 from sp_lab.tiny_models.weights import pack_all_in_one
-from test_family_layouts import make_cases
+from sp_lab.conformance.cases import qwen_flux_wan_cases as make_cases
 
 pytest_plugins = ["family_pools"]  # the shared plain pools (degree 2 here)
 SEED = 5

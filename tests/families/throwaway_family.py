@@ -1,20 +1,24 @@
-"""Adding a family is one plan and one registry line: a throwaway family declared here, over a tiny diffusers
+"""Adding a family is one plan and one registry line: a throwaway family declared here (not a test file: the
+conformance suite, tests/families/test_family_conformance.py, imports it), over a tiny diffusers
 SD3Transformer2DModel (a DiT none of the project's families uses: learned positions, no rotary, joint attention
 with the image first, a last block that leaves the text unprojected, (p, q, c) output features), runs through the
-pool at Ulysses 1-4 and under Ring / Ulysses x Ring / CFG layouts against diffusers' own single-device forward.
+pool at Ulysses 1-4 and under Ring / Ulysses x Ring / CFG layouts against diffusers' own single-device forward,
+with no test of its own: the suite runs it because it is registered.
 
-This module is the family: register_family at import (so every pool of the session, started later, knows it) and
-the workers import it by name (its folder goes on their PYTHONPATH). Nothing of the project is changed for it.
+This module is the family: register_family and register_conformance at import (so every pool of the session,
+started later, knows it, and the suite parametrizes over it) and the workers import it by name (its folder goes on
+their PYTHONPATH). Nothing of the project is changed for it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 import pytest
 import torch
 
-from family_support import assert_parity
+from sp_lab.conformance import Conformance, register_conformance
 from sp_runtime.families import register_family
 from sp_runtime.contract import Detection, ModelInfo
 from sp_runtime.checkpoints.loading import choose_dtypes
@@ -22,7 +26,6 @@ from sp_runtime.checkpoints.header import FAMILY_METADATA_KEY
 from sp_runtime.sp import Output, Part, Plan, PlanWorker, Stage, Stream, text_stream
 from sp_runtime.sp.tokens import TokenGrid
 
-pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 FAMILY, DESCRIPTION = "sd3_test", ""
 CONFIG = dict(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=3, attention_head_dim=8,
               num_attention_heads=5, joint_attention_dim=12, caption_projection_dim=40, pooled_projection_dim=8,
@@ -76,7 +79,7 @@ PLAN = Plan(check=check, layout=layout, condition=condition, stages=(Stage("tran
             output_tokens=lambda call, tokens: tokens.unflatten(-1, (2, 2, 4)).permute(0, 1, 4, 2, 3).flatten(2))
 
 
-# ----- the test -----
+# ----- what the conformance suite needs of it -----
 
 def build(config):
     from diffusers import SD3Transformer2DModel
@@ -98,34 +101,20 @@ def make_cases():
             "2_tokens": (rand(1, 4, 2, 4), torch.tensor([500.0]), {"context": rand(1, 3, 12), "y": rand(1, 8)})}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def write(folder: str) -> str:
     from safetensors.torch import save_file
-    path = str(tmp_path_factory.mktemp("sd3_test") / "tiny.safetensors")
+    path = os.path.join(folder, "tiny.safetensors")
     save_file(build(CONFIG).state_dict(), path, metadata={FAMILY_METADATA_KEY: FAMILY, "config": json.dumps(CONFIG)})
     return path
 
 
-@pytest.fixture(scope="module")
-def references():
-    model = build(CONFIG)
+def reference_forward(model, x, timestep, context, y):
+    """diffusers' own single-device forward (the conformance suite's reference, through sp_lab.references)."""
     with torch.no_grad():
-        return {name: model(hidden_states=x, encoder_hidden_states=inputs["context"], pooled_projections=inputs["y"],
-                            timestep=t, return_dict=False)[0] for name, (x, t, inputs) in make_cases().items()}
+        return model(hidden_states=x, encoder_hidden_states=context, pooled_projections=y, timestep=timestep,
+                     return_dict=False)[0]
 
 
-def _check(pool, what, checkpoint, references):
-    handle = pool.load_model(checkpoint)
-    assert handle.info.family == FAMILY
-    for name, (x, t, inputs) in make_cases().items():
-        assert_parity(handle(x, t, **inputs), references[name], "float32", f"{FAMILY}_{what}/{name}")
-    handle.unload()
-
-
-def test_a_family_declared_in_a_test_runs_at_every_degree(family_pool, checkpoint, references):
-    _check(family_pool, f"degree{family_pool.config.world_size}", checkpoint, references)
-
-
-def test_a_family_declared_in_a_test_runs_under_ring_and_cfg_layouts(layout_pool, checkpoint, references):
-    name, pool = layout_pool
-    _check(pool, name, checkpoint, references)
+register_conformance(FAMILY, Conformance(write=write, reference=lambda path: functools.partial(reference_forward,
+                                                                                                build(CONFIG)),
+                                         cases=make_cases))
