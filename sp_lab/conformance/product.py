@@ -22,7 +22,8 @@ QWEN21_LAYOUTS = {name: OTHER_LAYOUTS[name] for name in ("diffusers", "diffusers
 
 def tiny_spec(family: str, seed: int, calls, layouts: dict = OTHER_LAYOUTS, **spec) -> Conformance:
     """A family of sp_lab.tiny_models: its ComfyUI file with `model.diffusion_model.` as the main file, the same
-    weights in `layouts` (name -> write_tiny_checkpoint arguments), a ComfyUI mixed-precision file, diffusers' forward on the model built in memory."""
+    weights in `layouts` (name -> write_tiny_checkpoint arguments), a ComfyUI mixed-precision file, diffusers'
+    forward on the model built in memory."""
     def write(folder: str, layout: str = "") -> str:
         arguments = layouts[layout] if layout else dict(prefix=COMFY_PREFIX)
         name = f"{family}_{layout or 'comfy_prefix'}" + ("" if layout == "diffusers_folder" else ".safetensors")

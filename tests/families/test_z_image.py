@@ -1,8 +1,9 @@
 """Z-Image under Ulysses SP, what is special to it (test_family_conformance.py checks its parity against diffusers'
 stock forward fed ComfyUI's call, t = 1 - sigma, output negated, circular padding to the patch, at every degree and
 layout, its file layouts, a quantized file and a LoRA, from sp_lab.conformance: head size 128 with 5 heads, caption
-and image streams of 9-40 and 9-35 tokens padded to 32 with learned tokens, batch 2): the joint split at 30 heads x 128 exact at degrees 3, 5, 6 and 8; ScaleROPE's rope_options at Ulysses 2; our key plan
-equals diffusers' converter at full width; LoRAs on the fused qkv; unsupported inputs refused."""
+and image streams of 9-40 and 9-35 tokens padded to 32 with learned tokens, batch 2): the joint split at 30 heads x
+128 exact at degrees 3, 5, 6 and 8; ScaleROPE's rope_options at Ulysses 2; our key plan equals diffusers' converter
+at full width; LoRAs on the fused qkv; unsupported inputs refused."""
 from __future__ import annotations
 
 import pytest
