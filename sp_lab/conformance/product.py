@@ -17,6 +17,7 @@ OTHER_LAYOUTS = {"comfy": {}, "diffusers": dict(layout="diffusers"),
 
 FLUX2_LAYOUTS = {"diffusers": dict(layout="diffusers"), "diffusers_folder": dict(layout="diffusers_folder",
                                                                                  max_shard_size="10MB")}
+QUANTIZED_METADATA = {"wan": {"ulysses_sp.head_dim": "16"}}  # the tiny Wan's head size (its writer's metadata)
 QWEN21_LAYOUTS = {name: OTHER_LAYOUTS[name] for name in ("diffusers", "diffusers_folder")}
 
 
@@ -33,7 +34,8 @@ def tiny_spec(family: str, seed: int, calls, layouts: dict = OTHER_LAYOUTS, **sp
         return functools.partial(reference_forward(family), build_tiny_model(family, seed))
 
     def quantized(path: str, reference_path: str):
-        return write_quantized(family, path, reference_path, "comfy_quant", seed)
+        return write_quantized(family, path, reference_path, "comfy_quant", seed,
+                               metadata=QUANTIZED_METADATA.get(family))
     return Conformance(write=write, reference=reference, cases=calls, quantized=quantized,
                        other_files={layout: functools.partial(write, layout=layout) for layout in layouts},
                        **spec)

@@ -9,6 +9,8 @@ The families are read when this module is collected: a family registered at run 
 imported before (throwaway_family is imported below)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -102,10 +104,11 @@ def test_quantized_file_equals_its_dequantized_weights(family_pool, family_subje
 
 
 def lora_for(path: str, folder) -> tuple[str, str]:
-    """A ComfyUI-named LoRA on the first Linear weight of the file's blocks and the file with it merged by hand
-    (W + strength x alpha / rank x B @ A, in the file's own key space); returns (LoRA, merged file)."""
+    """A ComfyUI-named LoRA on the first Linear weight of the file's blocks (a key with an index) and the file with it
+    merged by hand (W + strength x alpha / rank x B @ A, in the file's own key space); returns (LoRA, merged file)."""
     state, metadata = load_file(path), read_header(path).metadata
-    key = next(key for key in sorted(state) if "blocks." in key and key.endswith(".weight") and state[key].dim() == 2)
+    key = next(key for key in sorted(state) if re.search(r"\.\d+\.", key) and key.endswith(".weight")
+               and state[key].dim() == 2)
     module = key[:-len(".weight")].split("diffusion_model.", 1)[-1]
     g = torch.Generator().manual_seed(9)
     weight = state[key]
