@@ -13,7 +13,7 @@ from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkp
 from sp_lab.tiny_models.quant_files import write_quantized
 from sp_runtime.config import SPConfig
 from sp_runtime.pool import WorkerPool
-from test_family_layouts import make_cases
+from sp_lab.conformance.cases import qwen_flux_wan_cases as make_cases
 
 SEED = 5
 # layout -> (devices, degrees, families run there): a world-4 pool on 2 cores is slow, so few loads there
