@@ -57,6 +57,8 @@ for _family, _seed, _calls, _spec in (
 
 # Families the suite does not cover yet (their own test files check them in full); an entry here is a debt.
 NOT_YET = {"hidream": "added in the same wave: its own test file checks every degree and layout (a spec: to do)",
+           "lumina2": "added in the same wave: its own test file checks every degree and layout (a spec: to do)",
+           "minimax_h3": "added in the same wave: a call of video and audio rows packed by its host hooks (a spec: to do)",
            "hunyuan_video": "its own test file checks every degree and layout",
            "hunyuan_video15": "its own test file checks every degree and layout",
            "ltx2": "a call of video and audio latents: the suite's one-tensor call does not fit it yet"}
