@@ -94,6 +94,9 @@ RULES: dict[str, Rule] = {
                                                       f"network ({_IN_NETWORK}): {_REMOVE}"),
     "transformer_options.minimax_h3_sigma_shift_video": Rule(REFUSED, f"a MiniMax H3 option {_IN_NETWORK}"),
     "transformer_options.minimax_h3_sigma_shift_audio": Rule(REFUSED, f"a MiniMax H3 option {_IN_NETWORK}"),
+    **{f"transformer_options.{key}": Rule(REFUSED, f"Prism Sparse Attention Settings (PrismAttention) for "
+                                                   f"ComfyUI's Prism model, {_IN_NETWORK}: {_REMOVE}")
+       for key in ("prism_attention", "prism_sparsity", "prism_cdf_threshold")},
     # ---- patches / patches_replace: all run inside ComfyUI's network ----
     **{f"patches.{name}": Rule(REFUSED, f"a model patch ('{name}', e.g. from {nodes}) {_IN_NETWORK}: {_REMOVE}")
        for name, nodes in {
@@ -133,6 +136,10 @@ RULES: dict[str, Rule] = {
                                                                               f"{_REMOVE}"),
     # ---- callbacks ----
     "callbacks.on_cleanup.None": Rule(HOST, "frees a node's host-side cache after sampling"),
+    **{f"callbacks.{kind}.block_sparse_attention": Rule(
+        REFUSED, f"Model Sparse Attention (BlockSparseAttention) puts its attention override back at every step, "
+                 f"{_IN_NETWORK}; the workers' attention is chosen with the SP loader's `attention` input: {_REMOVE}")
+       for kind in ("on_prepare_state", "on_cleanup")},
     # ---- object patches ----
     "object_patches.model_sampling": Rule(HOST, "ModelSampling* nodes (sigma schedule and shift, host maths)"),
     "object_patches.latent_format": Rule(HOST, "latent format (host maths)"),

@@ -50,6 +50,14 @@ CORE_NODE_KEYS = {
     "QwenImageDiffsynthControlnet / model patches": ["patches.double_block", "patches.post_input",
                                                     "patches.noise_refiner"],
     "LoRA (Ulysses SP)": ["object_patches.diffusion_model"],
+    # newer than the 0.33.0 tree (read from the newest stored comfy_extras files of Comfy-Org/ComfyUI, 0.38.x)
+    "ModelPatchSeamlessTiling": ["model_options.model_function_wrapper"],
+    "BlockSparseAttention": ["transformer_options.optimized_attention_override", "patches_replace.dit",
+                             "callbacks.on_prepare_state.block_sparse_attention",
+                             "callbacks.on_cleanup.block_sparse_attention"],
+    "ModelAttentionBackend": ["transformer_options.optimized_attention_override"],
+    "PrismAttention": ["transformer_options.prism_attention", "transformer_options.prism_sparsity",
+                       "transformer_options.prism_cdf_threshold"],
 }
 # ModelPatcher setters the core nodes call -> the key they set (for the scan of a ComfyUI checkout)
 SETTER_KEYS = {
@@ -102,20 +110,56 @@ def test_every_option_the_core_nodes_of_this_comfyui_set_is_classified(policy):
         if not (name.startswith("nodes_") and name.endswith(".py")):
             continue
         text = open(os.path.join(folder, name), encoding="utf-8").read()
-        for setter in re.findall(r"\.(set_model_\w+|set_model_options_\w+|set_torch_compile_wrapper)\(", text):
-            if setter != "set_model_patch":  # the generic one: its patch name is read below
-                found.setdefault(SETTER_KEYS.get(setter, f"setter {setter}"), set()).add(name)
-        for patch in re.findall(r"\.set_model_patch\(.*,\s*\"(\w+)\"\)", text):
-            found.setdefault(f"patches.{patch}", set()).add(name)
-        for kind, key in re.findall(r"add_(?:wrapper|callback)_with_key\(\s*[\w.]*(?:WrappersMP|CallbacksMP)\.(\w+)"
-                                    r",\s*\"([^\"]+)\"", text):
-            found.setdefault(f"wrappers.{kind.lower()}.{key}" if "wrapper" in text else key, set()).add(name)
-        for key in re.findall(r"transformer_options\"?\]?\s*\[\"(\w+)\"\]\s*=(?!=)", text) + \
-                re.findall(r"\bto\[\"(\w+)\"\]\s*=(?!=)", text):
-            found.setdefault(f"transformer_options.{key}", set()).add(name)
+        for key in scanned_option_keys(text):
+            found.setdefault(key, set()).add(name)
     assert found
     missing = {key: sorted(files) for key, files in found.items() if key not in policy.RULES}
     assert not missing, f"option keys set by core nodes but not classified in nodes/model_options_policy.py: {missing}"
+
+
+def scanned_option_keys(text: str) -> set:
+    """The option keys a comfy_extras file sets: setters, generic patch setters, keyed or unkeyed wrappers and
+    callbacks, object patches and literal transformer_options keys."""
+    keys = set()
+    for setter in re.findall(r"\.(set_model_\w+|set_model_options_\w+|set_torch_compile_wrapper)\(", text):
+        if setter not in ("set_model_patch", "set_model_patch_replace"):  # generic: their names are read below
+            keys.add(SETTER_KEYS.get(setter, f"setter {setter}"))
+    keys.update(f"patches.{patch}" for patch in re.findall(r"\.set_model_patch\(.*,\s*\"(\w+)\"\)", text))
+    keys.update(f"patches_replace.{group}"
+                for group in re.findall(r"\.set_model_patch_replace\([^\n]*?,\s*[\"'](\w+)[\"']", text))
+    group_of = {"wrapper": "wrappers", "callback": "callbacks"}
+    for kind, mp_type, key in re.findall(r"add_(wrapper|callback)_with_key\(\s*[\w.]*(?:WrappersMP|CallbacksMP)"
+                                         r"\.(\w+),\s*\"([^\"]+)\"", text):
+        keys.add(f"{group_of[kind]}.{mp_type.lower()}.{key}")
+    for kind, mp_type in re.findall(r"add_(wrapper|callback)\(\s*[\w.]*(?:WrappersMP|CallbacksMP)\.(\w+)", text):
+        keys.add(f"{group_of[kind]}.{mp_type.lower()}.None")
+    keys.update(f"object_patches.{name}" for name in re.findall(r"add_object_patch\(\s*\"([\w.]+)\"", text))
+    for key in re.findall(r"transformer_options\"?\]?\s*\[\"(\w+)\"\]\s*=(?!=)", text) + \
+            re.findall(r"\bto\[\"(\w+)\"\]\s*=(?!=)", text):
+        keys.add(f"transformer_options.{key}")
+    for updated in re.findall(r"(?:options|to)\.update\(((?:\w+=[^,()]+,?\s*)+)\)", text):
+        keys.update(f"transformer_options.{key}" for key in re.findall(r"(\w+)=", updated))
+    return keys
+
+
+def test_the_scan_reads_every_way_a_node_sets_an_option():
+    """The scan itself, on lines as the newest core nodes write them (BlockSparseAttention, WanAnimate2's cache,
+    PrismAttention, ModelSamplingSD3): a scan that misses a form would pass any ComfyUI."""
+    text = """
+    m.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE, "block_sparse_attention",
+    m.set_model_patch_replace(make_h3_block_patch(block, i, patch), "dit", "double_block", i)
+    m.add_callback(comfy.patcher_extension.CallbacksMP.ON_CLEANUP, lambda patcher: cache.free())
+    m.add_wrapper(comfy.patcher_extension.WrappersMP.PREDICT_NOISE, predict_noise_wrapper)
+    model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, "easycache", wrapper)
+    options.update(prism_attention=attention,prism_sparsity=sparsity,prism_cdf_threshold=cdf_threshold)
+    m.add_object_patch("model_sampling", model_sampling)
+    m.set_model_rope_options(scale_x, shift_x, scale_y, shift_y, scale_t, shift_t)
+    """
+    assert scanned_option_keys(text) == {
+        "callbacks.on_prepare_state.block_sparse_attention", "patches_replace.dit", "callbacks.on_cleanup.None",
+        "wrappers.predict_noise.None", "wrappers.outer_sample.easycache", "transformer_options.prism_attention",
+        "transformer_options.prism_sparsity", "transformer_options.prism_cdf_threshold",
+        "object_patches.model_sampling", "transformer_options.rope_options"}
 
 
 def test_an_unknown_key_is_refused_naming_the_node_that_set_it(policy):
