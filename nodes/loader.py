@@ -16,6 +16,7 @@ from .comfy_model import build_sp_model, comfy_model_config, weight_shapes
 from .model_spec import ModelSpec
 from .pool_owner import OWNER
 from .proxy import SPDiffusionModel
+from .ram_cache import warn_if_cache_pressure
 
 WEIGHT_DTYPES = ["default", "fp32", "bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2"]
 ATTENTION_BACKENDS = ["sdpa", "auto", "flash", "flash2", "flash3", "sage"]  # what the workers accept (load option)
@@ -61,6 +62,7 @@ def load_sp_model(spec: ModelSpec):
     config = comfy_model_config(header, info)
     proxy = SPDiffusionModel(spec, info, weight_shapes=weight_shapes(header, config))
     proxy.handle = handle  # its calls go to the loaded model, reading no file (PoolOwner.serving)
+    warn_if_cache_pressure(handle.pool.worker_pids)
     return build_sp_model(config, proxy, proxy.dtype)
 
 

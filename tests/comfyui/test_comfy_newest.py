@@ -251,3 +251,43 @@ def test_an_interrupt_from_the_progress_bar_never_breaks_a_load():
             raise comfy.model_management.InterruptProcessingException()
 
     cs.import_node_module("loader").progress_reporter(InterruptingBar())(0.5, "loading")
+
+
+def test_ram_pressure_cache_frees_nothing_in_the_workers_and_the_loader_names_the_flag(wan, monkeypatch, caplog):
+    """ComfyUI's RAM-pressure cache (newer ComfyUI's default) sizes the SP MODEL's entry as it sizes its own models,
+    claiming none of the workers' memory; once evicted, the loader runs again and the workers load nothing. While
+    free RAM is below the cache's headroom, a load logs which ComfyUI flag to start with."""
+    from types import SimpleNamespace
+    caching = pytest.importorskip("comfy_execution.caching")
+    if not hasattr(caching, "RAMPressureCache"):
+        pytest.skip("this ComfyUI has no RAM-pressure cache (0.3.64)")
+    import comfy.memory_management as memory
+    ram_cache, loader = cs.import_node_module("ram_cache"), cs.import_node_module("loader")
+    spec = wan["sp"].get_model_object("diffusion_model").spec
+    cache = caching.RAMPressureCache(caching.CacheKeySetID)
+    cache.cache["sp"], cache.used_generation["sp"], cache.timestamps["sp"] = SimpleNamespace(
+        outputs=[[wan["sp"]]], ui=None), cache.generation, 0.0
+    with monkeypatch.context() as patch:  # no RAM free: ComfyUI evicts whatever it can
+        if hasattr(caching, "virtual_memory_available"):
+            patch.setattr(caching, "virtual_memory_available", lambda: 0)
+        else:
+            patch.setattr(caching.psutil, "virtual_memory", lambda: SimpleNamespace(available=0))
+        assert cache.ram_release(1, free_active=True) < 1 and not cache.cache
+    pool = loader.OWNER.pool_for(spec.config)
+    events = []
+    pool.add_listener(events.append)
+    ram_cache._warned.clear()
+    memory.set_ram_cache_release_state(cache.ram_release, ram_cache.available_ram() + 64 * ram_cache.GIB)
+    try:
+        with caplog.at_level("WARNING", logger="ulysses_sp"):
+            loader.load_sp_model(spec)
+    finally:
+        memory.set_ram_cache_release_state(None, 0)
+        pool.remove_listener(events.append)
+    assert not [event for event in events if event["event"] == "loaded"]
+    assert "SP workers hold" in caplog.text and "ComfyUI with --cache-" in caplog.text
+    memory.set_ram_cache_release_state(cache.ram_release, 1)
+    try:
+        assert ram_cache.pressure_warning(pool.worker_pids) is None
+    finally:
+        memory.set_ram_cache_release_state(None, 0)
