@@ -3,7 +3,8 @@ tensor at a time, at any width (HunyuanVideoTransformer3DModel and HunyuanVideo1
 
 Tencent's releases and Comfy-Org's repackaged files name modules as Tencent's code does (`img_attn_qkv`,
 `mlp.fc1`, `modulation.linear`); ComfyUI renames them at load into its own module names (`img_attn.qkv`, `mlp.0`,
-`modulation.lin`; supported_models.HunyuanVideo.process_unet_state_dict), and files saved by ComfyUI carry those.
+`modulation.lin`; supported_models.HunyuanVideo.process_unet_state_dict), and files saved by ComfyUI carry those
+(newer ComfyUI, 0.33 on, also names the q / k norms `.weight` where older ComfyUI and the releases say `.scale`).
 `comfy_name` applies ComfyUI's renames, so both layouts meet in ComfyUI's names, and `plan_target` maps those to
 diffusers'. We do not call diffusers' `convert_hunyuan_video_transformer_to_diffusers`: it hardcodes the 13B
 width (3072) for the single blocks' fused rows, needs the whole state dict in memory, and has no 1.5 version
@@ -26,6 +27,7 @@ COMFY_RENAMES = (
     ("_mod.linear.", "_mod.lin."), ("_attn_qkv.", "_attn.qkv."), ("mlp.fc1.", "mlp.0."), ("mlp.fc2.", "mlp.2."),
     ("_attn_q_norm.weight", "_attn.norm.query_norm.scale"), ("_attn_k_norm.weight", "_attn.norm.key_norm.scale"),
     (".q_norm.weight", ".norm.query_norm.scale"), (".k_norm.weight", ".norm.key_norm.scale"),
+    (".norm.query_norm.weight", ".norm.query_norm.scale"), (".norm.key_norm.weight", ".norm.key_norm.scale"),
     ("_attn_proj.", "_attn.proj."), (".modulation.linear.", ".modulation.lin."),
     ("_in.mlp.2.", "_in.out_layer."), ("_in.mlp.0.", "_in.in_layer."),
 )
