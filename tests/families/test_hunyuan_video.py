@@ -413,3 +413,12 @@ def test_low_precision_storage(tmp_path, version, dtype):
         worker.forward(x, t, inputs, out, LocalContext(groups))
     expected = (hunyuan_video15_reference if version == "1.5" else hunyuan_video_reference)(reference, x, t, **inputs)
     assert_parity(out, expected, dtype, f"hunyuan_{version}/{dtype}")
+
+
+def test_norm_names_of_newer_comfyui_meet_the_released_names():
+    """Files saved by newer ComfyUI (0.33 on) name the q / k norms `.weight`, releases and older ComfyUI `.scale`."""
+    from sp_runtime.families.hunyuan_video.keys import comfy_name
+    for block in ("double_blocks.0.img_attn", "double_blocks.1.txt_attn", "single_blocks.0"):
+        for norm in ("query_norm", "key_norm"):
+            assert comfy_name(f"{block}.norm.{norm}.weight") == comfy_name(f"{block}.norm.{norm}.scale") == \
+                f"{block}.norm.{norm}.scale"
