@@ -111,3 +111,15 @@ def qwen_flux_wan_cases(family: str) -> dict:
                         {"context": rand(2, 9, 32), "y": rand(2, 24), "guidance": torch.tensor([3.5, 3.5])}),
             "batch_1": (rand(1, 16, 5, 6), torch.tensor([0.4]),
                         {"context": rand(1, 4, 32), "y": rand(1, 24), "guidance": torch.tensor([3.5])})}
+
+
+def cosmos_cases(seed=12):
+    """Cosmos-Predict2: an image of 35 tokens (batch 2, CFG halves), a video of 27 tokens (3 frames of 3 x 3 patches,
+    odd height and width padded by wrap-around), 2 tokens (fewer than the ranks)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+    return {"35_tokens": (rand(2, 16, 1, 10, 14), torch.tensor([0.7, 0.7]), {"context": rand(2, 9, 32)}),
+            "odd_video": (rand(2, 16, 3, 5, 6), torch.tensor([0.4, 0.9]), {"context": rand(1, 7, 32)}),
+            "2_tokens": (rand(1, 16, 1, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}

@@ -31,6 +31,7 @@ FAMILIES = {
     "hunyuan_video": "sp_runtime.families.hunyuan_video",
     "hunyuan_video15": "sp_runtime.families.hunyuan_video15",
     "ltx2": "sp_runtime.families.ltx2",
+    "cosmos": "sp_runtime.families.cosmos",
 }
 
 

@@ -23,6 +23,14 @@ def _heads(attn, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.unflatten(2, (attn.heads, -1))
 
 
+def _normed(attn, norm, tensor: torch.Tensor) -> torch.Tensor:
+    """[B, L, H, D]: a q / k norm over all heads (Wan's), or over each head's D (weight of size D, e.g. Cosmos')."""
+    weight = getattr(norm, "weight", None)
+    if weight is not None and weight.shape[0] == tensor.shape[-1]:
+        return norm(tensor)
+    return _heads(attn, norm(tensor.flatten(2)))
+
+
 class LocalCrossAttention:
     """q from this rank's tokens, k / v from the context (to_k / to_v, norm_k; the image through add_k_proj /
     add_v_proj, norm_added_k, its output added); to_out applied."""
@@ -32,11 +40,11 @@ class LocalCrossAttention:
         context = encoder_hidden_states
         if not isinstance(context, Context):
             raise TypeError("LocalCrossAttention takes an sp.cross.Context as encoder_hidden_states")
-        query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
-        key = _heads(attn, attn.norm_k(attn.to_k(context.text)))
+        query = _normed(attn, attn.norm_q, _heads(attn, attn.to_q(hidden_states)))
+        key = _normed(attn, attn.norm_k, _heads(attn, attn.to_k(context.text)))
         out = local_attention(query, key, _heads(attn, attn.to_v(context.text))).flatten(2, 3).type_as(query)
         if getattr(attn, "add_k_proj", None) is not None and context.image is not None:
-            key = _heads(attn, attn.norm_added_k(attn.add_k_proj(context.image)))
+            key = _normed(attn, attn.norm_added_k, _heads(attn, attn.add_k_proj(context.image)))
             value = _heads(attn, attn.add_v_proj(context.image))
             out = out + local_attention(query, key, value).flatten(2, 3).type_as(query)
         for module in attn.to_out:

@@ -166,11 +166,15 @@ def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return apply_rotary_emb(x, rope, sequence_dim=1) if x.shape[1] else x
 
 
-def rotary(ids: torch.Tensor, axes: Sequence[int], theta: int = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(ids: torch.Tensor, axes: Sequence[int], theta=ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [S, head_dim] for ids [S, len(axes)], interleaved per pair; float64 angles as ComfyUI and
-    diffusers."""
+    diffusers. theta: one for every axis, or a sequence of one per axis (Cosmos' NTK-scaled axes)."""
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-    return FluxPosEmbed(theta=theta, axes_dim=list(axes))(ids)
+    if isinstance(theta, (int, float)):
+        return FluxPosEmbed(theta=theta, axes_dim=list(axes))(ids)
+    tables = [FluxPosEmbed(theta=each, axes_dim=[size])(ids[:, axis:axis + 1])
+              for axis, (size, each) in enumerate(zip(axes, theta))]
+    return torch.cat([cos for cos, _ in tables], dim=-1), torch.cat([sin for _, sin in tables], dim=-1)
 
 
 def text_key_mask(mask: Optional[torch.Tensor], batch: int, length: int) -> Optional[torch.Tensor]:
