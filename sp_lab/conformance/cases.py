@@ -121,5 +121,5 @@ def cosmos_cases(seed=12):
     def rand(*shape):
         return torch.randn(*shape, generator=g)
     return {"35_tokens": (rand(2, 16, 1, 10, 14), torch.tensor([0.7, 0.7]), {"context": rand(2, 9, 32)}),
-            "odd_video": (rand(2, 16, 3, 5, 6), torch.tensor([0.4, 0.9]), {"context": rand(1, 7, 32)}),
+            "odd_video": (rand(2, 16, 3, 5, 6), torch.tensor([0.4, 0.9]), {"context": rand(2, 7, 32)}),
             "2_tokens": (rand(1, 16, 1, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}
