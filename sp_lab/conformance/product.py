@@ -48,7 +48,7 @@ for _family, _seed, _calls, _spec in (
                                                  layout_cases=("odd_latent_masked", "batch_1"))),
         ("flux2", 11, cases.flux2_cases, dict(load_case="two_refs_index", layouts=FLUX2_LAYOUTS,
                                               layout_cases=("two_refs_index", "batch_1_no_guidance"))),
-        ("cosmos", 12, cases.cosmos_cases, dict(load_case="odd_video")),
+        ("cosmos", 12, cases.cosmos_cases, dict(load_case="odd_video", layout_cases=("odd_video", "2_tokens"))),
         ("qwen_image21", 7, cases.qwen_image21_cases, dict(load_case="edit_slots_masked", layouts=QWEN21_LAYOUTS)),
         # their own test files load every layout: here the main file only
         ("qwen_image", 5, functools.partial(cases.qwen_flux_wan_cases, "qwen_image"), dict(layouts={})),
