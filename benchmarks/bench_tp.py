@@ -1,6 +1,7 @@
 """Tensor parallelism measured on CPU workers and set beside shard_weights and Ulysses: (1) per-rank weight bytes at
 TP 2 and 4 against the whole model (the workers' own accounting, as bench_shard_weights.py measures it), on the same
-~300 MB Qwen-Image-architecture model, and the TP output against the whole model's; (2) bytes each rank sends per
+~300 MB Qwen-Image-architecture model, and the TP output against the whole model's; the peak RSS of each rank while
+it loads (TP ranks read only their slices) against a whole-model load; (2) bytes each rank sends per
 step for TP, shard_weights and Ulysses on 4 devices, from the speed model's exchange list (sp_runtime.cli.comm), for
 full-size Qwen-Image at 1328^2 and Wan 14B at 1280x720x81, with the predicted step times on NVLink and PCIe.
 
@@ -57,6 +58,27 @@ def memory(path: str) -> dict:
     return {"model": BIG.description, "tokens": tokens, "whole_bytes": whole, "tp": rows}
 
 
+def load_peaks(path: str) -> dict:
+    """Peak RSS above the idle worker (VmHWM, from the host) while each rank loads the model: whole at world 1, at
+    TP 2 / 4 each rank reading only its slices of the split weights."""
+    rows = []
+    for degree in (1, 2, 4):
+        config = SPConfig(["cpu"] * degree, tensor_parallel_degree=degree) if degree > 1 else SPConfig(["cpu"])
+        with WorkerPool(config) as pool:
+            idle = [rank["memory"]["rss"] for rank in pool.status()["ranks"]]
+            pool.load_model(path, "float32")
+            ranks = pool.status()["ranks"]
+        peaks = [rank["memory"]["peak"] - before for rank, before in zip(ranks, idle)]
+        rows.append({"tensor_parallel_degree": degree, "load_peak_rss_above_idle_bytes": peaks,
+                     "weights_per_rank_bytes": [rank["weights"]["resident"] for rank in ranks]})
+        print(f"load at TP {degree}: peak RSS above idle per rank {max(peaks) / MIB:.1f} MiB", flush=True)
+    whole = rows[0]["load_peak_rss_above_idle_bytes"][0]
+    for row in rows:
+        row["peak_ratio_of_whole_load"] = round(max(row["load_peak_rss_above_idle_bytes"]) / whole, 4)
+    return {"model": BIG.description, "how": "pool.status() ranks[r]['memory']: peak (VmHWM) after the load minus "
+                                             "rss before it; no forward run", "loads": rows}
+
+
 def bytes_per_step() -> list[dict]:
     cases = [("qwen-image", "1328x1328", (1328 // 16) ** 2, 512),
              ("wan", "1280x720x81", video_tokens(1280, 720, 81), 512)]
@@ -82,13 +104,19 @@ def bytes_per_step() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "tp_cpu.json"))
+    parser.add_argument("--load-only", action="store_true", help="only the load peaks (into --out)")
     args = parser.parse_args()
+    if args.load_only:
+        write_json(args.out, {"machine": describe_machine(), "command": "python benchmarks/bench_tp.py --load-only",
+                              "load_peak": load_peaks(materialize(BIG))}, say=True)
+        return
     monitor = LoadMonitor()
     result = {"machine": describe_machine(), "command": "python benchmarks/bench_tp.py",
               "how": "weights: pool.status() ranks[r]['weights']['resident'] (the workers' accounting); bytes and "
                      "step times: sp_runtime.cli.speed_model.predict on an H200-like device (700 / 400 TFLOP/s), "
                      "bf16, batch 2 for CFG models, NVLink 450 GB/s and PCIe 4 25 GB/s per direction",
-              "memory": memory(materialize(BIG)), "bytes_per_step": bytes_per_step()}
+              "memory": memory(materialize(BIG)), "load_peak": load_peaks(materialize(BIG)),
+              "bytes_per_step": bytes_per_step()}
     result["machine_load"] = monitor.finish()
     write_json(args.out, result, say=True)
 

@@ -320,10 +320,13 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
     """
     from .. import formats
     from ..sharding import ShardSink
+    from .deferred import Source, deferrable
 
     device = torch.device(device)
     targets = target_dtypes(model, dtypes)
     sink = ShardSink.for_model(model, targets, device, plain=dtypes.quant is None)  # shard_weights: blocks go there
+    defer = deferrable(model) if sink is None and dtypes.quant is None else set()  # TP: read once split
+    deferred: dict[str, Source] = {}
     linear_weights = {f"{name}.weight" for name, module in model.named_modules()
                       if isinstance(module, torch.nn.Linear)} if dtypes.keep_quantized else set()
     ignore = set(ignore)
@@ -344,6 +347,10 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
                 outputs = [(name, None)] if plan is None else plan.get(name)
                 if outputs is None or any(target not in targets for target, _ in outputs):
                     unexpected.append(name)
+                    continue
+                if defer and all(target in defer for target, _ in outputs):
+                    deferred.update({target: Source(file, key, transform, targets[target])
+                                     for target, transform in outputs})
                     continue
                 sliced = sink.read_slices(handle, key, outputs) if sink else None  # this rank's rows only
                 if sliced is not None:
@@ -369,9 +376,12 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
                         state[target] = out_of_file(value, tensor)
                 reporter.advance(weight.nbytes if weight is not None else tensor.numel() * tensor.element_size())
                 del tensor, weight
-    _check_keys(source, targets, {*state, *quantized, *(sink.names if sink else ())}, unexpected)
+    _check_keys(source, targets, {*state, *quantized, *deferred, *(sink.names if sink else ())}, unexpected)
     formats.install_quant_linears(model, quantized, state)
-    model.load_state_dict(state, strict=sink is None, assign=True)  # sharded blocks: placeholders set already
+    # sharded blocks: placeholders set already; deferred weights stay meta until read_deferred
+    model.load_state_dict(state, strict=sink is None and not deferred, assign=True)
+    if deferred:
+        model.__dict__["_deferred_weights"] = deferred
     if sink is not None:
         sink.finish()
     _move_buffers(model, device)

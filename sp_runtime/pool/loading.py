@@ -11,6 +11,7 @@ def load_worker_model(request, device, groups, progress):
     pool) is detected here; internal families are allowed since the host refuses them (pool._request_for)."""
     import torch
 
+    from ..checkpoints.deferred import deferred_loading, read_deferred
     from ..formats import choose_kernels, weight_bytes
     from ..model_options import with_runtime_options
     from ..sharding import ShardSpec, shard_option, shard_worker, sharded_loading
@@ -21,13 +22,15 @@ def load_worker_model(request, device, groups, progress):
     tp = groups.tp if groups is not None and groups.tp.degree > 1 else None
     if tp is not None:
         _check_tensor_parallel(tp, request, detection, shard)
-    with sharded_loading(shard):  # blocks read straight into this rank's shards
+    # shard_weights: blocks read straight into this rank's shards; TP: the split weights read once split, as slices
+    with sharded_loading(shard), deferred_loading(tp is not None):
         worker = family(detection.family).load(request, detection, device, groups, progress)
     if tp is not None:
         if not hasattr(worker, "split_tensor_parallel"):
             raise ValueError(f"tensor_parallel_degree={tp.degree} is not supported for {detection.family!r} models "
                              f"(not run by the executor)")
         worker.split_tensor_parallel(tp)  # the family's TP plan: its blocks' Linears split across the TP group
+        read_deferred(worker.model, worker.tp_slices, device)
     if shard is not None:
         worker = shard_worker(worker, shard.rank, shard.world)  # shards a model its family loaded whole
     if isinstance(getattr(worker, "model", None), torch.nn.Module):

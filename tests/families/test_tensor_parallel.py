@@ -153,3 +153,28 @@ def test_other_families_at_tp2(tp_pool, family, tmp_path):
         want = reference_forward(family)(model, x, t, **inputs)
         assert_parity(handle(x, t, **inputs), want, "float32", f"tp/{layout}/{family}/{name}")
     handle.unload()
+
+
+def test_tp_loading_reads_only_the_rank_slices(tmp_path):
+    """At TP the split weights are read after the split, as this rank's rows / columns only (also through Flux's
+    ComfyUI key plan: a fused q / k / v cut into its parts): the bytes read are about half of the deferred weights',
+    and every weight equals the slice of the whole model's."""
+    from sp_runtime.checkpoints.deferred import deferred_loading, read_deferred
+    from sp_runtime.families import flux
+    from sp_runtime.families.flux.plan import PLAN
+    from sp_runtime.sp.tensor_parallel import parallelize
+    path = write_tiny_checkpoint("flux", str(tmp_path / "flux.safetensors"), seed=1, prefix=COMFY_PREFIX,
+                                 num_attention_heads=4)
+    whole = flux.load_model(path)[0].state_dict()
+    with deferred_loading(True):
+        model = flux.load_model(path)[0]
+    deferred = dict(model._deferred_weights)
+    assert all(model.get_parameter(name).is_meta for name in deferred)
+    lists = [name for stage in PLAN.stages for name in (stage.blocks, *stage.also)]
+    slices = parallelize(model, lists, PLAN.tensor_parallel, None, 1, 2)
+    read = read_deferred(model, slices, "cpu")
+    deferred_bytes = sum(whole[name].numel() * whole[name].element_size() for name in deferred)
+    split_bytes = sum(whole[name].numel() * whole[name].element_size() for name in slices)
+    assert read <= deferred_bytes - split_bytes / 2 + 1, (read, deferred_bytes, split_bytes)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, slices[name].take(whole[name]) if name in slices else whole[name]), name
