@@ -16,6 +16,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from .kept import cast_weight, out_of_file
+
 _active = False  # a module global, as sharding.streaming's: the families' loaders need not pass it down
 
 
@@ -53,7 +55,6 @@ def deferrable(model: torch.nn.Module) -> set[str]:
 def read_deferred(model: torch.nn.Module, slices: dict, device: torch.device | str) -> int:
     """Read the weights load_weights deferred (model._deferred_weights): this rank's slice (sp.tensor_parallel.TPSlice
     in `slices`, by parameter name) or the whole tensor. Returns the bytes read from the files (a tensor read whole counts whole)."""
-    from .loading import _cast, out_of_file
     deferred: dict[str, Source] = model.__dict__.pop("_deferred_weights", {})
     device, read = torch.device(device), 0
     by_file: dict[str, list[tuple[str, Source]]] = {}
@@ -68,7 +69,7 @@ def read_deferred(model: torch.nn.Module, slices: dict, device: torch.device | s
                 if value is None:
                     whole = handle.get().get_tensor(source.key)
                     value = source.transform(whole) if source.transform else whole
-                    value = _cast(piece.take(value) if piece else value, source.dtype)
+                    value = cast_weight(piece.take(value) if piece else value, source.dtype)
                     # a slice stays private: the pool's CPU ranks share kept copies by position (pool.shared_weights)
                     value = out_of_file(value, whole) if piece is None else _private(value, whole)
                     handle.touched(whole.numel() * whole.element_size())
@@ -78,7 +79,7 @@ def read_deferred(model: torch.nn.Module, slices: dict, device: torch.device | s
                     rows_read = math.prod(piece.full_shape) if piece.dim == 1 else value.numel()
                     handle.touched(rows_read * value.element_size())
                     read += value.numel() * value.element_size()
-                    value = _cast(value, source.dtype)
+                    value = cast_weight(value, source.dtype)
                 _assign(model, name, value)
         finally:
             handle.close()

@@ -16,6 +16,7 @@ import torch
 
 from .dtypes import DTYPES, dtype_name
 from .header import CheckpointSource, Header, header_config, read_checkpoint_header
+from .kept import cast_weight, out_of_file
 
 # Prefixes under which real checkpoints keep the diffusion model, most specific first. ComfyUI's full checkpoints use
 # "model.diffusion_model."; some exporters write "diffusion_model." or "model."; diffusers pipelines "transformer.".
@@ -367,7 +368,7 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
                     if kept:
                         value = weight.map_rows(transform)
                     else:
-                        value = _cast(transform(tensor) if transform else tensor, targets[target])
+                        value = cast_weight(transform(tensor) if transform else tensor, targets[target])
                     if block is not None:
                         sink.put(block, target, value)  # packed into this rank's shard: copied there
                     elif kept:
@@ -397,24 +398,6 @@ def _refuse_integer(file: str, key: str, tensor: torch.Tensor, float_targets: li
         raise ValueError(f"{file!r}: tensor {key!r} holds integers ({tensor.dtype}) where the model has the "
                          f"floating-point weight {float_targets[0]!r}; it is not a plain checkpoint nor a "
                          f"quantized format ulysses-sp reads")
-
-
-def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    if dtype is None or tensor.dtype == dtype:
-        return tensor.contiguous()
-    return tensor.to(dtype).contiguous()
-
-
-def out_of_file(tensor: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
-    """`tensor`, copied when it still views the file mapping `read` came from (safetensors maps files on the CPU):
-    a checkpoint rewritten or truncated on disk must not change a loaded model, nor kill its worker with SIGBUS.
-    Where the pool's CPU workers share weights (formats.copies_into), every CPU weight moves there."""
-    from ..formats import kept_copy, sharing_weights
-    if tensor.device.type != "cpu":
-        return tensor
-    if sharing_weights() or tensor.untyped_storage().data_ptr() == read.untyped_storage().data_ptr():
-        return kept_copy(tensor)
-    return tensor
 
 
 def _check_keys(source: CheckpointSource, targets: Mapping, loaded: set, unexpected: list[str]) -> None:

@@ -48,6 +48,3 @@ def _check_tensor_parallel(tp, request, detection, shard) -> None:
         raise ValueError(f"{degree} with shard_weights: both split the weights; use one of them")
     if request.options.get("compile"):  # the all-reduces inside the blocks are not checked under torch.compile yet
         raise ValueError(f"{degree} with compile is not supported yet; turn compile off")
-    if detection.quant:
-        raise ValueError(f"{degree} is not supported for quantized files yet ({request.path}: {detection.quant}); "
-                         f"load a float file, or use ulysses_degree / shard_weights")

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..formats import QuantLinear
+
 COLUMN, ROW, GATHER, NORM = "column", "row", "gather", "norm"
 PACKED = "packed"
 
@@ -103,7 +105,8 @@ def parallelize(model: torch.nn.Module, block_lists: Sequence[str], plan: Tensor
                      for path, split in found.items()}  # all widths before any module is cut
             for path, split in found.items():
                 cut = _split_norm if split.kind == NORM else _split_linear
-                for name, piece in cut(modules[path], split.kind, sizes[path], group, rank, degree).items():
+                where = f"tensor_parallel_degree={degree} cannot split {prefix}.{path}"
+                for name, piece in cut(modules[path], split.kind, sizes[path], group, rank, degree, where).items():
                     slices[f"{prefix}.{path}.{name}"] = piece
             for path, module in modules.items():
                 if _is_split_attention(path, module, found):
@@ -114,7 +117,7 @@ def parallelize(model: torch.nn.Module, block_lists: Sequence[str], plan: Tensor
 def _matches(modules: dict, splits: Sequence[Split]) -> dict[str, Split]:
     found: dict[str, Split] = {}
     for path, module in modules.items():
-        if not isinstance(module, (torch.nn.Linear, torch.nn.RMSNorm)):
+        if not isinstance(module, (torch.nn.Linear, torch.nn.RMSNorm, QuantLinear)):
             continue
         for split in splits:
             if path == split.name or path.endswith("." + split.name):
@@ -158,14 +161,16 @@ def _gated(modules: dict, path: str) -> bool:
     return parent is not None and type(parent).__name__.endswith("GLU")
 
 
-def _split_linear(module: torch.nn.Linear, kind: str, sizes: list[int], group, rank: int, degree: int
-                  ) -> dict[str, TPSlice]:
+def _split_linear(module: torch.nn.Linear, kind: str, sizes: list[int], group, rank: int, degree: int,
+                  where: str = "") -> dict[str, TPSlice]:
     ranges, start = [], 0
     for size in sizes:
         piece = size // degree
         ranges.append((start + rank * piece, start + (rank + 1) * piece))
         start += size
     dim = 1 if kind == ROW else 0
+    if isinstance(module, QuantLinear):
+        return _split_quant_linear(module, kind, dim, tuple(ranges), group, degree, where)
     weight_slice = TPSlice(dim, tuple(ranges), tuple(module.weight.shape))
     taken = {"weight": weight_slice}
     module.weight = torch.nn.Parameter(weight_slice.take(module.weight.detach()).clone(), requires_grad=False)
@@ -181,6 +186,30 @@ def _split_linear(module: torch.nn.Linear, kind: str, sizes: list[int], group, r
         module.__class__ = _parallel_class(RowParallelLinear if kind == ROW else GatheredLinear, type(module))
         module.tp_group, module.tp_degree = group, degree
         _rebind_hooked_forward(module)
+    return taken
+
+
+def _split_quant_linear(module: QuantLinear, kind: str, dim: int, ranges: tuple, group, degree: int, where: str
+                        ) -> dict[str, TPSlice]:
+    """A quantized Linear split as its format's structure allows (formats.tp_split); its buffers replaced."""
+    from ..formats.tp_split import split_quant
+    weight = module.quant
+    if module.deltas:
+        raise ValueError(f"{where}: a quantized layer carrying LoRA deltas cannot be split")
+    part = split_quant(weight, dim, ranges, where)
+    for name, tensor in {**part.rows, **part.consts}.items():
+        module._buffers[f"quant_{name}"] = tensor
+    module._layout = (part.format, part.shape, part.params, tuple(part.rows), tuple(part.consts))
+    module.out_features, module.in_features = part.shape[0], part.shape[1]
+    taken = {"weight": TPSlice(dim, ranges, tuple(weight.shape))}
+    if kind != ROW and module.bias is not None:
+        bias_slice = TPSlice(0, ranges, tuple(module.bias.shape))
+        module.bias = torch.nn.Parameter(bias_slice.take(module.bias.detach()).clone(), requires_grad=False)
+        taken["bias"] = bias_slice
+    if kind != COLUMN:
+        module.__class__ = _parallel_class(RowParallelQuantLinear if kind == ROW else GatheredQuantLinear,
+                                           type(module))
+        module.tp_group, module.tp_degree = group, degree
     return taken
 
 
@@ -220,8 +249,8 @@ class RowParallelLinear(torch.nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
-def _split_norm(module: torch.nn.RMSNorm, kind: str, sizes: list[int], group, rank: int, degree: int
-                ) -> dict[str, TPSlice]:
+def _split_norm(module: torch.nn.RMSNorm, kind: str, sizes: list[int], group, rank: int, degree: int,
+                where: str = "") -> dict[str, TPSlice]:
     piece = sizes[0] // degree
     weight_slice = TPSlice(0, ((rank * piece, (rank + 1) * piece),), tuple(module.weight.shape))
     module.weight = torch.nn.Parameter(weight_slice.take(module.weight.detach()).clone(), requires_grad=False)
@@ -254,6 +283,31 @@ class GatheredLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias).contiguous()
+        pieces = [torch.empty_like(out) for _ in range(self.tp_degree)]
+        dist.all_gather(pieces, out, group=self.tp_group)
+        return torch.cat(pieces, dim=-1)
+
+
+class RowParallelQuantLinear(QuantLinear):
+    """A QuantLinear holding whole input groups of its weight: the partial output (dequantized matmul: the
+    low-precision kernels add the bias inside), summed over the TP group, then the bias."""
+
+    tp_group: Optional[dist.ProcessGroup] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.quant.dequantize(x.dtype))
+        dist.all_reduce(out, group=self.tp_group)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
+
+
+class GatheredQuantLinear(QuantLinear):
+    """A QuantLinear holding rows of its weight: its slice of the output, all-gathered into the whole output."""
+
+    tp_group: Optional[dist.ProcessGroup] = None
+    tp_degree: int = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x).contiguous()
         pieces = [torch.empty_like(out) for _ in range(self.tp_degree)]
         dist.all_gather(pieces, out, group=self.tp_group)
         return torch.cat(pieces, dim=-1)

@@ -99,11 +99,14 @@ def test_what_tp_cannot_split_is_refused_by_name(tp_pool, tmp_path):
     odd_heads = write_tiny_checkpoint("flux", str(tmp_path / "heads.safetensors"), seed=1, num_attention_heads=6)
     with pytest.raises(Exception, match="tensor_parallel_degree=4 does not divide the .* of"):
         pool.load_model(odd_heads)
-    quantized = str(tmp_path / "scaled_fp8.safetensors")
-    write_quantized("flux", quantized, str(tmp_path / "reference.safetensors"), "scaled_fp8", seed=1,
-                    num_attention_heads=8)
-    with pytest.raises(Exception, match="tensor_parallel_degree=4 is not supported for quantized files yet"):
-        pool.load_model(quantized)
+    for fmt, only, name, what in (("comfy_quant", "int8_tensorwise convrot", "safetensors", "convrot rotation"),
+                                  ("gguf", "Q4_K", "gguf", "GGUF Q4_K")):
+        quantized = str(tmp_path / f"{fmt}.{name}")
+        write_quantized("flux", quantized, str(tmp_path / "reference.safetensors"), fmt, seed=1, only=only,
+                        num_attention_heads=8)
+        with pytest.raises(Exception, match=f"tensor_parallel_degree=4 cannot split .*: its {what} groups of "
+                                            f"(64|256) input features would be cut at"):
+            pool.load_model(quantized)
     with pytest.raises(Exception, match="tensor_parallel_degree=4 with shard_weights"):
         pool.load_model(odd_heads, shard_weights=True)
     with pytest.raises(Exception, match="tensor_parallel_degree=4 is not supported for 'ltx2' models"):
@@ -127,6 +130,33 @@ def test_low_precision_storage_at_tp2_within_bf16_rounding(tp_pool, tmp_path):
         want = reference_forward("flux")(flux.load_model(path)[0], x, t, **inputs)
         handle = pool.load_model(path)
         assert_parity(handle(x, t, **inputs), want, dtype, f"tp/{layout}/flux/{dtype}")
+        handle.unload()
+
+
+# quantized files at TP 2: (format, only): per-tensor and per-row scaled fp8, int8, mxfp8 / nvfp4 blocks, GGUF blocks
+QUANTIZED = (("scaled_fp8", None), ("comfy_quant", "int8_tensorwise"), ("comfy_quant", "mxfp8"),
+             ("comfy_quant", "nvfp4"), ("gguf", "Q8_0"))
+
+
+def test_quantized_files_at_tp2_equal_world_1(tp_pool, tmp_path):
+    """Kept quantized, split along their rows / whole input groups: the same file's output at world 1 (bf16 compute,
+    as quantized files run), within bf16 rounding."""
+    from sp_runtime.families import flux
+    layout, pool = tp_pool
+    if layout != "tp2":
+        pytest.skip("one layout is enough")
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(2, 16, 9, 7, generator=g), torch.tensor([0.5, 0.25])
+    inputs = {"context": torch.randn(2, 9, 32, generator=g), "y": torch.randn(2, 24, generator=g),
+              "guidance": torch.tensor([3.5, 3.5])}
+    for fmt, only in QUANTIZED:
+        path = str(tmp_path / f"{fmt}_{only}.{'gguf' if fmt == 'gguf' else 'safetensors'}")
+        write_quantized("flux", path, str(tmp_path / "reference.safetensors"), fmt, seed=SEED, only=only,
+                        num_attention_heads=4)
+        want = reference_forward("flux")(flux.load_model(path)[0], x, t, **inputs)
+        handle = pool.load_model(path)
+        assert handle.info.quant, path
+        assert_parity(handle(x, t, **inputs), want, "bfloat16", f"tp/{layout}/flux/{fmt}/{only}")
         handle.unload()
 
 
