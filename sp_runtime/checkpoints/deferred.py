@@ -83,6 +83,10 @@ def read_deferred(model: torch.nn.Module, slices: dict, device: torch.device | s
                 _assign(model, name, value)
         finally:
             handle.close()
+    unread = [name for name, parameter in model.named_parameters() if parameter.is_meta]
+    if unread:  # a module a family loaded apart from its model: its weights would stay unread
+        raise ValueError(f"tensor-parallel loading left {len(unread)} weights unread (e.g. {unread[:3]}): this "
+                         f"family's loader is not supported at tensor parallelism")
     return read
 
 

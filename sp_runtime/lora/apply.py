@@ -162,6 +162,11 @@ class LoraState:
                     unknown.append(adapter.module)
                     continue
                 for target in targets:
+                    if target.parameter in self.quantized and target.parameter in self.tp_slices:
+                        # its deltas would need the split's rows / columns of each factor: not done yet
+                        raise ValueError(f"LoRA {lora.path!r}: a LoRA on a quantized file at tensor parallelism is "
+                                         f"not supported yet (it patches the split quantized layer "
+                                         f"{target.parameter}); load a float file, or use ulysses_degree")
                     _check_shape(lora, adapter, target, parameters[target.parameter])
                     if strength != 0.0:
                         uses.setdefault(target.parameter, []).append(_Use(entry, adapter, target))
