@@ -88,3 +88,15 @@ def merge_rank_outputs(parts: list[torch.Tensor]) -> torch.Tensor:
     writers = (~stack.isnan()).sum(0)
     assert bool((writers == 1).all()), f"elements written by {sorted(writers.unique().tolist())} ranks, not 1"
     return torch.nansum(stack, 0).to(parts[0].dtype)
+
+
+def single_rank_worker(path: str, options=None):
+    """(the family's worker model loaded from `path` on one CPU rank, a LocalContext for its forward): for checks of
+    input validation and cancellation without a pool."""
+    from sp_runtime.config import SPConfig
+    from sp_runtime.contract import LoadRequest
+    from sp_runtime.groups import ParallelGroups, SeqParallel
+    from sp_runtime.pool.loading import load_worker_model
+    groups = ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
+    worker = load_worker_model(LoadRequest(path, options=options or {}), torch.device("cpu"), groups, lambda *_: None)
+    return worker, LocalContext(groups)

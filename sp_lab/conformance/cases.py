@@ -91,8 +91,90 @@ def qwen_image21_cases(seed=4):
     }
 
 
+def qwen_image_cases(timesteps=(0.7, 0.3), dtype=torch.float32, seed=1):
+    """ComfyUI calls: (x, timestep, kwargs). Token counts 35, 20 (odd latent, padded), 9, 2; batch 2 and 1; a masked
+    prompt; Edit reference latents by index and by offset."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    t2 = torch.tensor(timesteps)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 5:] = 0  # the second prompt is shorter: padding that must not be attended
+    refs = [rand(2, 16, 1, 6, 5), rand(2, 16, 1, 4, 8)]
+    return {
+        "35_tokens_masked": (rand(2, 16, 1, 10, 14), t2, {"context": rand(2, 9, 32), "attention_mask": mask}),
+        "odd_latent": (rand(2, 16, 1, 9, 7), t2, {"context": rand(2, 9, 32)}),
+        "edit_two_refs": (rand(2, 16, 1, 9, 7), t2, {"context": rand(2, 9, 32), "ref_latents": refs,
+                                                      "attention_mask": mask}),
+        "edit_offset": (rand(2, 16, 1, 9, 7), t2, {"context": rand(2, 9, 32), "ref_latents": refs,
+                                                    "ref_latents_method": "offset"}),
+        "batch_1": (rand(1, 16, 1, 5, 6), t2[:1], {"context": rand(1, 4, 32)}),
+        "2_tokens": (rand(1, 16, 1, 1, 3), t2[:1], {"context": rand(1, 4, 32)}),  # ranks without tokens
+    }
+
+
+def flux_cases(timesteps=(0.7, 0.3), dtype=torch.float32, channels=16, seed=2):
+    """ComfyUI calls: (x, timestep, kwargs). Token counts 35, 20 (odd latent, padded), 9, 2; batch 2 and 1; Kontext
+    references by offset, index and uxo; a call without y."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    t2, guidance = torch.tensor(timesteps), torch.tensor([3.5, 3.5])
+    refs = [rand(2, channels, 6, 5), rand(2, channels, 4, 8)]
+
+    def conditioning(batch=2):
+        return {"context": rand(batch, 9, 32), "y": rand(batch, 24), "guidance": guidance[:batch]}
+    return {
+        "35_tokens": (rand(2, channels, 10, 14), t2, conditioning()),
+        "odd_latent": (rand(2, channels, 9, 7), t2, conditioning()),
+        "kontext_offset": (rand(2, channels, 9, 7), t2, {**conditioning(), "ref_latents": refs}),
+        "kontext_index": (rand(2, channels, 7, 8), t2, {**conditioning(), "ref_latents": refs,
+                                                         "ref_latents_method": "index"}),
+        "kontext_uxo": (rand(2, channels, 7, 8), t2, {**conditioning(), "ref_latents": refs[:1],
+                                                       "ref_latents_method": "uxo"}),
+        "batch_1_no_y": (rand(1, channels, 5, 6), t2[:1], {"context": rand(1, 4, 32), "guidance": guidance[:1]}),
+        "2_tokens": (rand(1, channels, 3, 1), t2[:1], {**conditioning(1)}),  # ranks without tokens
+    }
+
+
+def wan_cases(channels: int = 16, text_tokens: int = 7, clip_tokens: int = 0, per_frame: bool = False,
+              seed: int = 1) -> dict:
+    """ComfyUI calls (x, timestep, kwargs). Tokens: 45 (odd, not divisible by 2 or 4), 40 (H and W padded; not
+    divisible by 3), 27 with a frame appended by time_dim_concat, and 1 token (ranks without tokens)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def kwargs(batch):
+        extra = {"context": rand(batch, text_tokens, 32)}
+        if clip_tokens:
+            extra["clip_fea"] = rand(batch, clip_tokens, 1280)
+        return extra
+
+    def sigma(batch, frames):
+        if not per_frame:
+            return torch.tensor([700.0, 300.0])[:batch]
+        # Wan 2.2 5B image-to-video: the first (given) frame at timestep 0, the others at the step's timestep
+        return torch.tensor([[0.0] + [700.0] * (frames - 1), [0.0] + [300.0] * (frames - 1)])[:batch]
+
+    cases = {
+        "45_tokens": (rand(2, channels, 5, 6, 5), sigma(2, 5), kwargs(2)),
+        "40_tokens_padded": (rand(2, channels, 2, 7, 9), sigma(2, 2), kwargs(2)),
+        "1_token_batch_1": (rand(1, channels, 1, 2, 2), sigma(1, 1), kwargs(1)),
+    }
+    x, t, extra = rand(2, channels, 2, 5, 6), sigma(2, 2), kwargs(2)
+    cases["time_dim_concat"] = (x, t, {**extra, "time_dim_concat": rand(2, channels, 1, 5, 6)})
+    return cases
+
+
 def qwen_flux_wan_cases(family: str) -> dict:
-    """Two calls each: batch 2 (a masked prompt for Qwen-Image), then batch 1 on all ranks."""
+    """Two calls each (the tensor-parallel and all-in-one tests): batch 2 (a masked prompt for Qwen-Image), then
+    batch 1 on all ranks."""
     g = torch.Generator().manual_seed(11)
 
     def rand(*shape):

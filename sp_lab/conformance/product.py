@@ -21,6 +21,13 @@ QUANTIZED_METADATA = {"wan": {"ulysses_sp.head_dim": "16"}}  # the tiny Wan's he
 QWEN21_LAYOUTS = {name: OTHER_LAYOUTS[name] for name in ("diffusers", "diffusers_folder")}
 
 
+def sharded(shard_size: str, *names: str) -> dict:
+    """OTHER_LAYOUTS (or those `names` of it) with the diffusers folder written in shards of `shard_size` (an index
+    and several files)."""
+    layouts = {name: OTHER_LAYOUTS[name] for name in names or OTHER_LAYOUTS if name != "diffusers_folder"}
+    return {**layouts, "diffusers_folder": dict(layout="diffusers_folder", max_shard_size=shard_size)}
+
+
 def tiny_spec(family: str, seed: int, calls, layouts: dict = OTHER_LAYOUTS, **spec) -> Conformance:
     """A family of sp_lab.tiny_models: its ComfyUI file with `model.diffusion_model.` as the main file, the same
     weights in `layouts` (name -> write_tiny_checkpoint arguments), a ComfyUI mixed-precision file, diffusers'
@@ -50,10 +57,13 @@ for _family, _seed, _calls, _spec in (
                                               layout_cases=("two_refs_index", "batch_1_no_guidance"))),
         ("cosmos", 12, cases.cosmos_cases, dict(load_case="odd_video", layout_cases=("odd_video", "2_tokens"))),
         ("qwen_image21", 7, cases.qwen_image21_cases, dict(load_case="edit_slots_masked", layouts=QWEN21_LAYOUTS)),
-        # their own test files load every layout: here the main file only
-        ("qwen_image", 5, functools.partial(cases.qwen_flux_wan_cases, "qwen_image"), dict(layouts={})),
-        ("flux", 5, functools.partial(cases.qwen_flux_wan_cases, "flux"), dict(layouts={})),
-        ("wan", 5, functools.partial(cases.qwen_flux_wan_cases, "wan"), dict(layouts={}))):
+        ("qwen_image", 5, cases.qwen_image_cases,
+         dict(load_case="edit_two_refs", layouts=sharded("150KB", "comfy"),
+              layout_cases=("35_tokens_masked", "edit_two_refs", "2_tokens"))),
+        ("flux", 5, cases.flux_cases,
+         dict(load_case="kontext_offset", layouts=sharded("150KB"),
+              layout_cases=("odd_latent", "kontext_index", "batch_1_no_y", "2_tokens"))),
+        ("wan", 5, cases.wan_cases, dict(load_case="45_tokens", layouts=sharded("60KB")))):
     register_conformance(_family, tiny_spec(_family, _seed, _calls, **_spec))
 
 # Families the suite does not cover yet (their own test files check them in full); an entry here is a debt.

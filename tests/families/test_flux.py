@@ -1,8 +1,7 @@
-"""Flux under Ulysses SP: the pool's output equals diffusers' stock forward on one process (ComfyUI's call
-convention around it) at degrees 1-4, for every checkpoint kind (original / ComfyUI keys with and without prefix,
-diffusers file and folder), dev / schnell / Fill, Kontext references, odd token counts, 6 heads, batch 2; bf16 / fp8
-storage within their rounding; our key conversion equals diffusers' converter at full size; ComfyUI's own model
-where present; CFG-parallel batch split for both image families."""
+"""Flux beyond the conformance suite (tests/families/test_family_conformance.py runs every degree, layout and file
+layout on sp_lab.conformance.cases.flux_cases: odd token counts, 6 heads, batch 2, Kontext references): schnell and
+Fill, no guidance, bf16 / fp8 storage within their rounding; our key conversion equals diffusers' converter at full
+size; ComfyUI's own model where present; CFG-parallel batch split for both image families."""
 from __future__ import annotations
 
 import copy
@@ -15,46 +14,20 @@ from sp_lab.references.flux import reference_forward as flux_reference
 from sp_lab.references.qwen_image import reference_forward as qwen_image_reference
 from sp_runtime.families import flux
 from sp_runtime.local_ranks import run_distributed
+from sp_lab.conformance.cases import flux_cases as make_cases
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
-SEED = 5
-LAYOUTS = {"original": dict(), "comfy_prefix": dict(prefix=COMFY_PREFIX), "diffusers": dict(layout="diffusers"),
-           "diffusers_folder": dict(layout="diffusers_folder", max_shard_size="150KB")}
-VARIANTS = {"schnell": dict(variant="schnell"), "fill": dict(variant="fill")}
+SEED = 5  # the conformance suite's tiny Flux (sp_lab.conformance.product)
+VARIANTS = {"original": dict(), "schnell": dict(variant="schnell"), "fill": dict(variant="fill")}
 LOW_PRECISION = ("bfloat16", "float8_e4m3fn")
-
-
-def make_cases(timesteps=(0.7, 0.3), dtype=torch.float32, channels=16, seed=2):
-    """ComfyUI calls: (x, timestep, kwargs). Token counts 35, 20 (odd latent, padded), 9, 2; batch 2 and 1."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    t2, guidance = torch.tensor(timesteps), torch.tensor([3.5, 3.5])
-    refs = [rand(2, channels, 6, 5), rand(2, channels, 4, 8)]
-
-    def conditioning(batch=2):
-        return {"context": rand(batch, 9, 32), "y": rand(batch, 24), "guidance": guidance[:batch]}
-    return {
-        "35_tokens": (rand(2, channels, 10, 14), t2, conditioning()),
-        "odd_latent": (rand(2, channels, 9, 7), t2, conditioning()),
-        "kontext_offset": (rand(2, channels, 9, 7), t2, {**conditioning(), "ref_latents": refs}),
-        "kontext_index": (rand(2, channels, 7, 8), t2, {**conditioning(), "ref_latents": refs,
-                                                         "ref_latents_method": "index"}),
-        "kontext_uxo": (rand(2, channels, 7, 8), t2, {**conditioning(), "ref_latents": refs[:1],
-                                                       "ref_latents_method": "uxo"}),
-        "batch_1_no_y": (rand(1, channels, 5, 6), t2[:1], {"context": rand(1, 4, 32), "guidance": guidance[:1]}),
-        "2_tokens": (rand(1, channels, 3, 1), t2[:1], {**conditioning(1)}),  # ranks without tokens
-    }
 
 
 @pytest.fixture(scope="session")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("flux")
     paths = {name: write_tiny_checkpoint("flux", str(folder / name), seed=SEED, **kw)
-             for name, kw in {**LAYOUTS, **VARIANTS}.items()}
+             for name, kw in VARIANTS.items()}
     for dtype in LOW_PRECISION:
         paths[dtype] = write_tiny_checkpoint("flux", str(folder / f"{dtype}.safetensors"), dtype=dtype, seed=SEED,
                                              prefix=COMFY_PREFIX)
@@ -62,12 +35,13 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def references(files):
-    """Stock diffusers outputs: fp32 from in-memory models (independent of our loader and key conversion);
-    low precision from the same file loaded in-process with the same dtype policy."""
+def references(files, family_subject):
+    """Stock diffusers outputs: fp32 from in-memory models (independent of our loader and key conversion; dev: the
+    conformance suite's, the same weights); low precision from the same file loaded in-process with the same dtype
+    policy."""
     def run(model, cases):
         return {name: flux_reference(model, *case[:2], **case[2]) for name, case in cases.items()}
-    refs = {"float32": run(build_tiny_model("flux", SEED), make_cases()),
+    refs = {"float32": family_subject("flux").outputs,
             "schnell": run(build_tiny_model("flux", SEED, guidance_embeds=False), _variant_cases("schnell")),
             "fill": run(build_tiny_model("flux", SEED, in_channels=384, out_channels=64), _variant_cases("fill"))}
     for dtype in LOW_PRECISION:
@@ -89,18 +63,8 @@ def _low_precision_cases() -> dict:
             "bf16_latent": (x.to(torch.bfloat16), t, bf16_inputs)}
 
 
-def test_fp32_parity_every_layout(family_pool, files, references):
-    """Every case on the original layout; one case on each other layout (loading differs, the forward does not)."""
-    for layout in LAYOUTS:
-        handle = family_pool.load_model(files[layout])
-        assert (handle.info.family, handle.info.variant, handle.info.in_channels) == ("flux", "dev", 16)
-        for name, (x, t, inputs) in make_cases().items():
-            if layout == "original" or name == "kontext_offset":
-                assert_parity(handle(x, t, **inputs), references["float32"][name], "float32", f"{layout}/{name}")
-
-
 def test_schnell_and_fill(family_pool, files, references):
-    for variant in VARIANTS:
+    for variant in ("schnell", "fill"):
         handle = family_pool.load_model(files[variant])
         assert handle.info.variant == variant
         for name, (x, t, inputs) in _variant_cases(variant).items():
@@ -124,8 +88,9 @@ def test_without_guidance_the_term_is_left_out(family_pool, files):
     x, t, inputs = make_cases()["odd_latent"]
     inputs = {**inputs, "guidance": None}
     expected = flux_reference(silent, x, t, **{**inputs, "guidance": torch.tensor([1.0, 1.0])})
-    out = family_pool.load_model(files["original"])(x, t, **inputs)
-    assert_parity(out, expected, "float32", "no guidance")
+    handle = family_pool.load_model(files["original"])
+    assert (handle.info.family, handle.info.variant, handle.info.in_channels) == ("flux", "dev", 16)
+    assert_parity(handle(x, t, **inputs), expected, "float32", "no guidance")
 
 
 def test_the_references_and_guidance_matter(references):

@@ -1,54 +1,30 @@
-"""Qwen-Image under Ulysses SP: the pool's output equals diffusers' stock forward on one process (ComfyUI's call
-convention around it) at degrees 1-4, for every checkpoint kind, odd token counts, 6 heads, batch 2, text masks,
-Edit reference latents and Edit-2511; bf16 / fp8 storage within their rounding; ComfyUI's own model where present."""
+"""Qwen-Image beyond the conformance suite (tests/families/test_family_conformance.py runs every degree, layout and
+file layout on sp_lab.conformance.cases.qwen_image_cases: odd token counts, 6 heads, batch 2, text masks, Edit
+reference latents): Edit-2511, bf16 / fp16 / fp8 storage within their rounding, bad reference latents, loading
+errors, the token writer; ComfyUI's own model where present."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from family_support import FP32_TOL, LocalContext, assert_parity, relative_error
+from family_support import FP32_TOL, LocalContext, assert_parity, relative_error, single_rank_worker
 from sp_runtime.config import SPConfig
 from sp_lab.references.qwen_image import reference_forward as qwen_image_reference
 from sp_runtime.families import qwen_image
 from sp_runtime.checkpoints.header import read_checkpoint_header
 from sp_runtime.sp.tokens import TokenGrid, reference_pack
+from sp_lab.conformance.cases import qwen_image_cases as make_cases
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 SEED = 3
-LAYOUTS = {"original": dict(), "comfy_prefix": dict(prefix=COMFY_PREFIX),
-           "diffusers_folder": dict(layout="diffusers_folder", max_shard_size="150KB")}
 LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
-
-
-def make_cases(timesteps=(0.7, 0.3), dtype=torch.float32, seed=1):
-    """ComfyUI calls: (x, timestep, kwargs). Token counts 35, 20 (odd latent, padded), 9, 2; batch 2 and 1."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-
-    t2 = torch.tensor(timesteps)
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, 5:] = 0  # the second prompt is shorter: padding that must not be attended
-    refs = [rand(2, 16, 1, 6, 5), rand(2, 16, 1, 4, 8)]
-    return {
-        "35_tokens_masked": (rand(2, 16, 1, 10, 14), t2, {"context": rand(2, 9, 32), "attention_mask": mask}),
-        "odd_latent": (rand(2, 16, 1, 9, 7), t2, {"context": rand(2, 9, 32)}),
-        "edit_two_refs": (rand(2, 16, 1, 9, 7), t2, {"context": rand(2, 9, 32), "ref_latents": refs,
-                                                      "attention_mask": mask}),
-        "edit_offset": (rand(2, 16, 1, 9, 7), t2, {"context": rand(2, 9, 32), "ref_latents": refs,
-                                                    "ref_latents_method": "offset"}),
-        "batch_1": (rand(1, 16, 1, 5, 6), t2[:1], {"context": rand(1, 4, 32)}),
-        "2_tokens": (rand(1, 16, 1, 1, 3), t2[:1], {"context": rand(1, 4, 32)}),  # ranks without tokens
-    }
 
 
 @pytest.fixture(scope="session")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen")
-    paths = {name: write_tiny_checkpoint("qwen_image", str(folder / name), seed=SEED, **kw)
-             for name, kw in LAYOUTS.items()}
+    paths = {"original": write_tiny_checkpoint("qwen_image", str(folder / "original.safetensors"), seed=SEED)}
     for dtype in LOW_PRECISION:
         paths[dtype] = write_tiny_checkpoint("qwen_image", str(folder / f"{dtype}.safetensors"), dtype=dtype,
                                              seed=SEED)
@@ -83,21 +59,10 @@ def _low_precision_cases(dtype: str) -> dict:
     return cases
 
 
-def test_fp32_parity_every_layout(family_pool, files, references):
-    """Every case on the original layout; one case on each other layout (loading differs, the forward does not)."""
-    for layout in LAYOUTS:
-        handle = family_pool.load_model(files[layout])
-        assert (handle.info.family, handle.info.variant, handle.info.weight_dtype) == ("qwen_image", "image",
-                                                                                        "float32")
-        for name, (x, t, inputs) in make_cases().items():
-            if layout == "original" or name == "edit_two_refs":
-                out = handle(x, t, **inputs)
-                assert_parity(out, references["float32"][name], "float32", f"{layout}/{name}")
-
-
 def test_bad_reference_latents_fail_on_the_host(family_pool, files):
     """Wrong channels would fail only on the ranks whose tokens the reference reaches (then a restart)."""
     handle = family_pool.load_model(files["original"])
+    assert (handle.info.family, handle.info.variant, handle.info.weight_dtype) == ("qwen_image", "image", "float32")
     x, t, inputs = make_cases()["edit_two_refs"]
     calls = family_pool.stats["calls"]
     with pytest.raises(ValueError, match=r"ref_latents\[1\] has shape \[2, 4, 1, 4, 8\]"):
@@ -170,12 +135,7 @@ def test_mismatched_weights_are_named(files, tmp_path):
 
 
 def test_cancel_is_checked_between_blocks(files):
-    from sp_runtime.groups import ParallelGroups, SeqParallel
-    from sp_runtime.contract import LoadRequest
-    from sp_runtime.pool.loading import load_worker_model
-    groups = ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
-    worker = load_worker_model(LoadRequest(files["original"]), torch.device("cpu"), groups, lambda *_: None)
-    context = LocalContext(groups)
+    worker, context = single_rank_worker(files["original"])
     x, t, inputs = make_cases()["odd_latent"]
     worker.forward(x, t, inputs, torch.empty(x.shape), context)
     assert context.cancel_checks == len(worker.model.transformer_blocks)

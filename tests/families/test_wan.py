@@ -1,65 +1,32 @@
-"""Wan 2.1 / 2.2 under Ulysses SP: the pool's output equals diffusers' stock forward on one process (ComfyUI's call
-convention around it) at degrees 1-4, for every checkpoint kind and variant (T2V, I2V with clip_fea, FLF2V, A14B-style
-I2V, TI2V 5B-style with per-frame timesteps), token counts the degree does not divide, fewer heads than ranks,
-batch 2; bf16 / fp16 / fp8 storage within their rounding; ComfyUI's own WanModel where present."""
+"""Wan 2.1 / 2.2 beyond the conformance suite (tests/families/test_family_conformance.py runs T2V at every degree,
+layout and file layout on sp_lab.conformance.cases.wan_cases: token counts the degree does not divide, ranks without
+tokens, batch 2, an appended frame): the variants (I2V with clip_fea, FLF2V, A14B-style I2V, TI2V 5B-style with
+per-frame timesteps, also under Ring and CFG), fewer heads than ranks, the head size option, bf16 / fp16 / fp8 storage
+within their rounding, key conversion, ComfyUI's own WanModel where present."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from family_support import LocalContext, assert_parity, relative_error
-from sp_runtime.config import SPConfig
+from family_support import assert_parity, at_worlds, relative_error, single_rank_worker
 from sp_lab.references.wan import reference_forward
 from sp_runtime.families import wan
 from sp_runtime.sp.video_tokens import VideoGrid, pad_to_patch_3d
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, randomize_, write_tiny_checkpoint
 from sp_lab.tiny_models.wan import original_state_dict
+from sp_lab.conformance.cases import wan_cases as make_cases
 
 pytest_plugins = ["family_pools"]  # the shared per-degree and per-layout worker pools
 SEED = 3
+CONFORMANCE_SEED = 5  # the conformance suite's tiny Wan (sp_lab.conformance.product)
 TEXT_DIM = 32
-# name -> (write_tiny_checkpoint arguments, load options)
-T2V_FILES = {
-    "original": (dict(), {}),
-    "comfy_prefix_no_metadata": (dict(prefix=COMFY_PREFIX, head_dim_metadata=False), {"head_dim": 16}),
-    "diffusers_file": (dict(layout="diffusers"), {}),
-    "diffusers_folder": (dict(layout="diffusers_folder", max_shard_size="60KB"), {}),
-}
+# name -> write_tiny_checkpoint arguments
+T2V_FILES = {"original": dict(), "comfy_prefix_no_metadata": dict(prefix=COMFY_PREFIX, head_dim_metadata=False),
+             "diffusers_file": dict(layout="diffusers")}
 VARIANT_FILES = {"i2v": dict(variant="i2v", prefix=COMFY_PREFIX), "flf2v": dict(variant="flf2v"),
                  "i2v_concat": dict(variant="i2v_concat"), "ti2v": dict(variant="ti2v"),
                  "heads3": dict(num_attention_heads=3)}
 LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
-
-
-def make_cases(channels: int = 16, text_tokens: int = 7, clip_tokens: int = 0, per_frame: bool = False,
-               seed: int = 1) -> dict:
-    """ComfyUI calls (x, timestep, kwargs). Tokens: 45 (odd, not divisible by 2 or 4), 40 (H and W padded; not
-    divisible by 3), 27 with a frame appended by time_dim_concat, and 1 token (ranks without tokens)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
-    def kwargs(batch):
-        extra = {"context": rand(batch, text_tokens, TEXT_DIM)}
-        if clip_tokens:
-            extra["clip_fea"] = rand(batch, clip_tokens, 1280)
-        return extra
-
-    def sigma(batch, frames):
-        if not per_frame:
-            return torch.tensor([700.0, 300.0])[:batch]
-        # Wan 2.2 5B image-to-video: the first (given) frame at timestep 0, the others at the step's timestep
-        return torch.tensor([[0.0] + [700.0] * (frames - 1), [0.0] + [300.0] * (frames - 1)])[:batch]
-
-    cases = {
-        "45_tokens": (rand(2, channels, 5, 6, 5), sigma(2, 5), kwargs(2)),
-        "40_tokens_padded": (rand(2, channels, 2, 7, 9), sigma(2, 2), kwargs(2)),
-        "1_token_batch_1": (rand(1, channels, 1, 2, 2), sigma(1, 1), kwargs(1)),
-    }
-    x, t, extra = rand(2, channels, 2, 5, 6), sigma(2, 2), kwargs(2)
-    cases["time_dim_concat"] = (x, t, {**extra, "time_dim_concat": rand(2, channels, 1, 5, 6)})
-    return cases
 
 
 VARIANT_CASES = {
@@ -77,10 +44,7 @@ VARIANT_SIZES = {"heads3": dict(num_attention_heads=3)}
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wan")
     paths = {}
-    for name, (arguments, _) in T2V_FILES.items():
-        suffix = "" if arguments.get("layout") == "diffusers_folder" else ".safetensors"
-        paths[name] = write_tiny_checkpoint("wan", str(folder / (name + suffix)), seed=SEED, **arguments)
-    for name, arguments in VARIANT_FILES.items():
+    for name, arguments in {**T2V_FILES, **VARIANT_FILES}.items():
         paths[name] = write_tiny_checkpoint("wan", str(folder / f"{name}.safetensors"), seed=SEED, **arguments)
     for dtype in LOW_PRECISION:
         paths[dtype] = write_tiny_checkpoint("wan", str(folder / f"{dtype}.safetensors"), dtype=dtype, seed=SEED)
@@ -116,17 +80,17 @@ def _degree(pool) -> int:
     return len(pool.config.devices)
 
 
-def test_fp32_parity_every_layout(family_pool, files, references):
-    """Every case at every degree from the original file; the other file layouts (a loader matter, not a split
-    one) at degree 2."""
-    for layout, (_, options) in T2V_FILES.items():
-        if layout != "original" and _degree(family_pool) != 2:
-            continue
-        handle = family_pool.load_model(files[layout], **options)
-        assert (handle.info.family, handle.info.variant, handle.info.weight_dtype) == ("wan", "t2v", "float32")
-        assert handle.info.config["dim"] == 96 and handle.info.config["num_heads"] == 6
-        for name, (x, t, inputs) in make_cases().items():
-            assert_parity(handle(x, t, **inputs), references["t2v"][name], "float32", f"{layout}/{name}")
+@at_worlds(2)
+def test_a_file_without_head_size_metadata_loads_with_the_option(family_pool, family_subject, tmp_path):
+    """ComfyUI's Wan files carry no head size: the head_dim option gives it (the suite's files carry it)."""
+    subject = family_subject("wan")
+    path = write_tiny_checkpoint("wan", str(tmp_path / "no_metadata.safetensors"), seed=CONFORMANCE_SEED,
+                                 prefix=COMFY_PREFIX, head_dim_metadata=False)
+    handle = family_pool.load_model(path, head_dim=16)
+    assert (handle.info.family, handle.info.variant, handle.info.weight_dtype) == ("wan", "t2v", "float32")
+    assert handle.info.config["dim"] == 96 and handle.info.config["num_heads"] == 6
+    handle.unload()
+    subject.check(family_pool, path, "no_head_size_metadata", head_dim=16)
 
 
 # the cases whose token split differs from T2V's: per-frame timesteps (TI2V) and heads the degree does not divide
@@ -257,17 +221,8 @@ def test_diffusers_files_may_carry_the_unused_norm_added_q(files, tmp_path):
     assert "blocks.0.attn2.norm_added_q.weight" not in model.state_dict()
 
 
-def _single_rank():
-    from sp_runtime.groups import ParallelGroups, SeqParallel
-    return ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
-
-
 def test_cancel_is_checked_between_blocks_and_bad_inputs_are_named(files):
-    from sp_runtime.pool.loading import load_worker_model
-    from sp_runtime.contract import LoadRequest
-    groups = _single_rank()
-    worker = load_worker_model(LoadRequest(files["original"]), torch.device("cpu"), groups, lambda *_: None)
-    context = LocalContext(groups)
+    worker, context = single_rank_worker(files["original"])
     x, t, inputs = make_cases()["45_tokens"]
     worker.forward(x, t, inputs, torch.empty(worker.info.output_shape(tuple(x.shape))), context)
     assert context.cancel_checks == len(worker.model.blocks)
