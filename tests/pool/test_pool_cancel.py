@@ -7,7 +7,7 @@ import pytest
 
 from sp_runtime import Cancelled
 from sp_runtime.pool.requests import CPU_WINDOW_S
-from test_pool_kit import assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
+from pool_kit import assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
 
 BLOCK_S = 1.0  # toy_sleep per block; the toy has 3 blocks, so a full call takes > 3 s
 

@@ -15,7 +15,7 @@ from sp_runtime import Cancelled, SPConfig, WorkerPool
 from sp_runtime.pool import PoolClosedError
 from sp_runtime.pool import pool as pool_module
 from sp_lab.tiny_models import write_tiny_checkpoint
-from test_pool_kit import toy_checkpoint
+from pool_kit import toy_checkpoint
 
 # every progress step of the workers' loads (or LoRA changes) sleeps this long: the toy below has 40 tensors, so its
 # load takes 20 s; the bounds leave room for a loaded machine (closing a pool's idle workers alone takes up to 5 s on

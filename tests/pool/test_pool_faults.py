@@ -9,7 +9,7 @@ import time
 import pytest
 
 from sp_runtime.pool import RemoteError, WorkerError
-from test_pool_kit import alive, assert_matches, call_toy, open_pool, reference, toy_checkpoint, toy_inputs
+from pool_kit import alive, assert_matches, call_toy, open_pool, reference, toy_checkpoint, toy_inputs
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 
 from family_support import at_worlds
 from sp_runtime.checkpoints.header import check_unchanged, checkpoint_stamp
-from test_pool_kit import assert_matches, reference, toy_checkpoint, toy_inputs
+from pool_kit import assert_matches, reference, toy_checkpoint, toy_inputs
 
 
 pytest_plugins = ["family_pools"]  # the shared plain pools (degree 2 here)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sp_runtime.pool import RemoteError
-from test_pool_kit import assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
+from pool_kit import assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 
 from sp_runtime import SPConfig
 from sp_runtime.pool import ModelHandle, PoolClosedError, PoolStartError, WorkerPool
-from test_pool_kit import alive, assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
+from pool_kit import alive, assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import psutil
 import torch
 
-from test_pool_kit import open_pool, toy_checkpoint, toy_inputs
+from pool_kit import open_pool, toy_checkpoint, toy_inputs
 
 WARMUP_CALLS, CALLS = 30, 200
 SIZE = 48

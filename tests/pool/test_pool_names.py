@@ -12,7 +12,7 @@ import pytest
 
 from sp_runtime.pool.segments import SHM_DIR, Segment
 from family_support import at_worlds
-from test_pool_kit import assert_matches, call_toy, reference, toy_checkpoint, toy_inputs
+from pool_kit import assert_matches, call_toy, reference, toy_checkpoint, toy_inputs
 
 LINUX_SHM = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm to list segments")
 

@@ -16,7 +16,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 from sp_runtime.pool.ownership import OwnerLock
 from sp_runtime.pool.segments import SHM_DIR
-from test_pool_kit import alive, open_pool, segments_of, toy_checkpoint
+from pool_kit import alive, open_pool, segments_of, toy_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<folder>/ -> the root
 CHILD = textwrap.dedent("""

@@ -10,7 +10,7 @@ import torch
 from sp_runtime import SPConfig
 from sp_runtime.pool import WorkerPool
 from family_support import at_worlds
-from test_pool_kit import assert_matches, reference, toy_checkpoint, toy_inputs
+from pool_kit import assert_matches, reference, toy_checkpoint, toy_inputs
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
 

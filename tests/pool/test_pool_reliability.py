@@ -20,7 +20,7 @@ from sp_runtime.pool import pool as pool_module
 from sp_runtime.pool.ownership import OwnerLock, new_token
 from sp_runtime.pool.segments import SHM_DIR, Segment, claim_names, clean_stale_segments
 from sp_runtime.pool.spawn import OWNER_FILE, clean_stale_run_dirs
-from test_pool_kit import alive, assert_matches, call_toy, open_pool, reference, toy_checkpoint
+from pool_kit import alive, assert_matches, call_toy, open_pool, reference, toy_checkpoint
 
 LINUX_SHM = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm to list segments")
 

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from sp_runtime.pool.segments import SHM_DIR, our_segments
-from test_pool_kit import assert_matches, call_toy, open_pool, reference, toy_checkpoint
+from pool_kit import assert_matches, call_toy, open_pool, reference, toy_checkpoint
 
 LINUX_SHM = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
 BIG = dict(hidden=384, heads=6, depth=3)  # 24 x 384^2 x 4 bytes per block: 42 MB of weights

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from test_pool_kit import toy_checkpoint
+from pool_kit import toy_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<folder>/ -> the root
 CHILD = textwrap.dedent("""

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from sp_runtime.pool import WorkerError
-from test_pool_kit import alive, assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
+from pool_kit import alive, assert_matches, open_pool, reference, toy_checkpoint, toy_inputs
 
 WATCHDOG_S = 1.5
 STALL_S = 2.0
