@@ -18,10 +18,8 @@ import comfy_support as cs
 from family_support import assert_parity
 from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_lab.tiny_models.wan import CAMERA_TINY, HUMO_TINY, VACE_TINY, tiny_config
-from test_wan_camera import make_cases as camera_cases
-from test_wan_fun import FIVE_B, make_cases as fun_cases
-from test_wan_humo import SIZE as HUMO_SIZE, make_cases as humo_cases
-from test_wan_vace import SIZE as VACE_SIZE, make_cases as vace_cases
+from test_wan_conditioning import FUN_5B_SIZE as FIVE_B, HUMO_SIZE, VACE_SIZE, camera_cases, fun_cases, humo_cases, \
+    vace_cases
 
 pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
