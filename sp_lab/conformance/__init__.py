@@ -29,6 +29,8 @@ class Conformance:
     quantized(path, reference_path): writes a quantized file of the family and the float32 weights it encodes;
         None for a family that reads no quantized files.
     load_options: keyword arguments of every load (e.g. Wan's head size).
+    reference_model(model) -> the model `reference` takes, from the one the family's single-device loader builds (for
+        file_reference; default: that model).
     """
     write: Callable[[str], str]
     reference: Callable[[str], Callable]
@@ -39,6 +41,7 @@ class Conformance:
     layout_cases: tuple = ()
     quantized: Optional[Callable[[str, str], Any]] = None
     load_options: dict = field(default_factory=dict)
+    reference_model: Optional[Callable[[Any], Any]] = None
 
     @property
     def first_case(self) -> str:
@@ -77,7 +80,8 @@ def file_reference(family: str, path: str) -> Callable:
     from sp_runtime.families import family as family_of
     load_model = family_of(family).load_model
     model = load_model(path, "float32")[0] if load_model is not None else path
-    return functools.partial(reference_forward(family), model)
+    as_reference = CONFORMANCE[family].reference_model if family in CONFORMANCE else None
+    return functools.partial(reference_forward(family), as_reference(model) if as_reference else model)
 
 
 from . import lab, product  # noqa: E402,F401  (they register the lab's and the product's specs)

@@ -172,6 +172,66 @@ def wan_cases(channels: int = 16, text_tokens: int = 7, clip_tokens: int = 0, pe
     return cases
 
 
+def hidream_cases(seed=3):
+    """35 image tokens; an odd latent with E1's reference latent (image_cond) joined on the right; 2 tokens (fewer
+    than ranks); batch 2 and 1; T5 and Llama (4 layers) text of other lengths."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def text(batch, t5_tokens, llama_tokens):
+        return {"context": rand(batch, t5_tokens, 32), "encoder_hidden_states_llama3": rand(batch, 4, llama_tokens, 24),
+                "y": rand(batch, 20)}
+    return {"35_tokens": (rand(2, 16, 10, 14), torch.tensor([700.0, 300.0]), text(2, 7, 5)),
+            "odd_edit": (rand(2, 16, 7, 11), torch.tensor([400.0, 900.0]),
+                         {**text(2, 3, 6), "image_cond": rand(2, 16, 7, 11)}),
+            "2_tokens": (rand(1, 16, 2, 4), torch.tensor([500.0]), text(1, 3, 2))}
+
+
+def lumina2_cases(seed=4):
+    """Caption / image streams of 11 / 35 tokens; an odd latent with a masked caption; 3 / 2 tokens (fewer than
+    ranks); batch 2 and 1."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    t2 = torch.tensor([0.8, 0.25])
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, 7:] = 0  # ComfyUI's NextDiT reads past the mask: every caption token is attended
+    return {"t2i": (rand(2, 16, 10, 14), t2, {"context": rand(2, 11, 32)}),
+            "odd_latent_masked": (rand(2, 16, 9, 13), t2, {"context": rand(2, 11, 32), "attention_mask": mask,
+                                                           "num_tokens": 11}),
+            "few_tokens": (rand(1, 16, 2, 4), t2[:1], {"context": rand(1, 3, 32)})}
+
+
+def hunyuan_video_cases(channels: int = 16, version: str = "1.0", seed: int = 4) -> dict:
+    """ComfyUI calls (x, timestep, kwargs): 35 tokens (one frame), 105 tokens, 3 tokens (batch 1); text 7 tokens; a
+    reference latent (12 tokens ahead of the video); for 1.5 image-to-video SigLIP and ByT5 glyph tokens."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def text(batch):
+        if version == "1.5":
+            return {"context": rand(batch, 7, 32)}
+        return {"context": rand(batch, 7, 32), "y": rand(batch, 24), "guidance": torch.tensor([6.0, 6.0])[:batch]}
+    patch = 1 if version == "1.5" else 2
+    t2 = torch.tensor([700.0, 300.0])
+    cases = {
+        "35_tokens": (rand(2, channels, 1, 5 * patch, 7 * patch), t2, text(2)),
+        "105_tokens": (rand(2, channels, 3, 5 * patch, 7 * patch), t2, text(2)),
+        "3_tokens_batch_1": (rand(1, channels, 3, patch, patch), t2[:1], text(1)),
+    }
+    x, t, inputs = cases["105_tokens"]
+    cases["ref_latent"] = (x, t, {**inputs, "ref_latent": rand(2, channels, 1, 3 * patch, 4 * patch)})  # 12 + 105
+    if version == "1.5":  # image-to-video: SigLIP image tokens and ByT5 glyph tokens in the text stream
+        cases["i2v_glyphs"] = (x, t, {**inputs, "clip_fea": rand(2, 5, 40), "txt_byt5": rand(2, 4, 48)})
+    return cases
+
+
 def qwen_flux_wan_cases(family: str) -> dict:
     """Two calls each (the tensor-parallel and all-in-one tests): batch 2 (a masked prompt for Qwen-Image), then
     batch 1 on all ranks."""

@@ -48,6 +48,15 @@ def tiny_spec(family: str, seed: int, calls, layouts: dict = OTHER_LAYOUTS, **sp
                        **spec)
 
 
+def plain_hunyuan_video(model):
+    """HunyuanVideo 1.0's loader builds token-replace blocks (the same weights; with no token to replace they compute
+    the plain ones), which its diffusers reference refuses for calls without guiding_frame_index: the plain model."""
+    from diffusers import HunyuanVideoTransformer3DModel
+    plain = HunyuanVideoTransformer3DModel.from_config({**model.config, "image_condition_type": None})
+    plain.load_state_dict(model.state_dict())
+    return plain.eval()
+
+
 for _family, _seed, _calls, _spec in (
         ("sd3", 4, cases.sd3_cases, dict(load_case="odd_latent")),
         ("chroma", 6, cases.chroma_cases, dict(load_case="35_tokens")),
@@ -63,13 +72,21 @@ for _family, _seed, _calls, _spec in (
         ("flux", 5, cases.flux_cases,
          dict(load_case="kontext_offset", layouts=sharded("150KB"),
               layout_cases=("odd_latent", "kontext_index", "batch_1_no_y", "2_tokens"))),
-        ("wan", 5, cases.wan_cases, dict(load_case="45_tokens", layouts=sharded("60KB")))):
+        ("wan", 5, cases.wan_cases, dict(load_case="45_tokens", layouts=sharded("60KB"))),
+        ("hidream", 8, cases.hidream_cases, dict(layouts={name: OTHER_LAYOUTS[name]
+                                                          for name in ("comfy", "diffusers_folder")})),
+        ("lumina2", 6, cases.lumina2_cases, {}),
+        ("hunyuan_video", 13, cases.hunyuan_video_cases,
+         dict(load_case="105_tokens", layouts={"diffusers": OTHER_LAYOUTS["diffusers"]},
+              reference_model=plain_hunyuan_video, layout_cases=("105_tokens", "3_tokens_batch_1", "ref_latent"))),
+        ("hunyuan_video15", 13, functools.partial(cases.hunyuan_video_cases, 65, "1.5"),
+         dict(load_case="i2v_glyphs", layouts={"qkv_apart": dict(qkv="split"),
+                                               "diffusers_folder": dict(layout="diffusers_folder")},
+              layout_cases=("105_tokens", "3_tokens_batch_1", "i2v_glyphs", "ref_latent")))):
     register_conformance(_family, tiny_spec(_family, _seed, _calls, **_spec))
 
 # Families the suite does not cover yet (their own test files check them in full); an entry here is a debt.
-NOT_YET = {"hidream": "added in the same wave: its own test file checks every degree and layout (a spec: to do)",
-           "lumina2": "added in the same wave: its own test file checks every degree and layout (a spec: to do)",
-           "minimax_h3": "added in the same wave: a call of video and audio rows packed by its host hooks (a spec: to do)",
-           "hunyuan_video": "its own test file checks every degree and layout",
-           "hunyuan_video15": "its own test file checks every degree and layout",
-           "ltx2": "a call of video and audio latents: the suite's one-tensor call does not fit it yet"}
+NOT_YET = {"minimax_h3": "its calls are (video, audio, sigma, inputs), packed into rows by its host hooks: a spec "
+                         "needs cases packed the same way (to do); its own test file checks every degree and layout",
+           "ltx2": "a call of video and audio latents with two outputs: the suite's one-tensor call does not fit it "
+                   "yet; its own test file checks every degree and layout"}

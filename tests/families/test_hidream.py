@@ -1,15 +1,15 @@
-"""HiDream I1 / E1 under Ulysses SP: the pool's output equals diffusers' stock HiDreamImageTransformer2DModel forward
-on one process (sp_lab.references.hidream, fed ComfyUI's call) at degrees 1-4 and under Ring 3, Ulysses 2 x Ring 2
-and Ulysses 2 x CFG 2, on a tiny HiDream (20 heads, which degree 3 does not divide; 2 double + 2 single blocks with
-4 routed experts): 35 image tokens, an odd latent with E1's reference latent (image_cond) joined on the right (the
-concatenation padded as one, so one patch column holds both), 2 tokens (fewer than ranks), batch 2. ComfyUI files
-with and without prefix, diffusers files and folders; detection against neighbours and HiDream-O1."""
+"""HiDream I1 / E1 beyond the conformance suite (tests/families/test_family_conformance.py runs every degree, layout
+and file layout on sp_lab.conformance.cases.hidream_cases against diffusers' stock HiDreamImageTransformer2DModel: 20
+heads, which degree 3 does not divide; 35 image tokens, an odd latent with E1's image_cond joined on the right, 2
+tokens, batch 2): what the cases exercise, detection against neighbours and HiDream-O1, refusals by name, the
+templates' fp8 / bf16 files; ComfyUI's own HiDream where present."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.conformance.cases import hidream_cases as make_cases
 from sp_lab.references.hidream import reference_forward
 from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint as write_other
 from sp_lab.tiny_models import hidream as tiny
@@ -18,23 +18,8 @@ from sp_runtime.detection import detect as detect_any
 from sp_runtime.families import chroma, flux, hidream, sd3
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
-SEED = 8
+SEED = 8  # the conformance suite's tiny HiDream (sp_lab.conformance.product)
 LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers_folder": dict(layout="diffusers_folder")}
-
-
-def make_cases(seed=3):
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
-    def text(batch, t5_tokens, llama_tokens):
-        return {"context": rand(batch, t5_tokens, 32), "encoder_hidden_states_llama3": rand(batch, 4, llama_tokens, 24),
-                "y": rand(batch, 20)}
-    return {"35_tokens": (rand(2, 16, 10, 14), torch.tensor([700.0, 300.0]), text(2, 7, 5)),
-            "odd_edit": (rand(2, 16, 7, 11), torch.tensor([400.0, 900.0]),
-                         {**text(2, 3, 6), "image_cond": rand(2, 16, 7, 11)}),
-            "2_tokens": (rand(1, 16, 2, 4), torch.tensor([500.0]), text(1, 3, 2))}
 
 
 @pytest.fixture(scope="module")
@@ -44,41 +29,12 @@ def hidream_files(tmp_path_factory):
                                              seed=SEED, **kw) for name, kw in LAYOUTS.items()}
 
 
-@pytest.fixture(scope="module")
-def hidream_references():
-    model = tiny.build_tiny_model(SEED)
-    return {name: reference_forward(model, *case[:2], **case[2]) for name, case in make_cases().items()}
-
-
-def _check(pool, what, path, references, names=None):
-    handle = pool.load_model(path)
-    assert handle.info.family == "hidream"
-    for name, (x, t, inputs) in make_cases().items():
-        if names is None or name in names:
-            assert_parity(handle(x, t, **inputs), references[name], "float32", f"hidream_{what}/{name}")
-    handle.unload()
-
-
-def test_fp32_parity_every_degree(family_pool, hidream_files, hidream_references):
-    """Every case on the ComfyUI file with prefix; the other layouts at degree 1."""
-    degree = family_pool.config.world_size
-    _check(family_pool, f"degree{degree}", hidream_files["comfy_prefix"], hidream_references)
-    if degree == 1:
-        for layout in ("comfy", "diffusers_folder"):
-            _check(family_pool, layout, hidream_files[layout], hidream_references, names=("35_tokens",))
-
-
-def test_fp32_parity_ring_and_cfg_layouts(layout_pool, hidream_files, hidream_references):
-    name, pool = layout_pool
-    _check(pool, name, hidream_files["comfy_prefix"], hidream_references)
-
-
-def test_reference_image_llama_layers_and_timestep_matter(hidream_references):
+def test_reference_image_llama_layers_and_timestep_matter(family_subject):
     """Guards against a test that cannot fail: without E1's image_cond, with another block's Llama layer, with
     another timestep, or zero padded, the output differs."""
     model = tiny.build_tiny_model(SEED)
     x, t, inputs = make_cases()["odd_edit"]
-    want = hidream_references["odd_edit"]
+    want = family_subject("hidream").outputs["odd_edit"]
     llama = inputs["encoder_hidden_states_llama3"]
     others = [{**inputs, "image_cond": None}, {**inputs, "encoder_hidden_states_llama3": llama[:, [0, 1, 3, 2]]},
               {**inputs, "encoder_hidden_states_llama3": llama[:, [1, 0, 2, 3]]}]

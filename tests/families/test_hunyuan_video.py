@@ -1,25 +1,23 @@
-"""HunyuanVideo 1.0 and 1.5 under Ulysses SP: the pool's output equals diffusers' stock forward on one process
-(ComfyUI's call convention around it) at Ulysses degrees 1-4, Ring 3, Ulysses 2 x Ring 2 and CFG 2, for
-Tencent-layout files with and without `model.diffusion_model.` (1.5 also with q, k, v apart), diffusers files and
-folders; head size 128 with 3 heads (2 and 4 do not divide them), token counts 35, 105 and 3 (fewer than ranks),
-batch 2; 1.0 T2V, I2V (33 channels) and token replace, 1.5 text-to-video and image-to-video (SigLIP + ByT5
-tokens), a reference latent in both (ref_latent: 12 extra tokens ahead of the video, split with it) and the 1.5
-1080p super-resolution model (98 channels, meanflow timestep_r). ComfyUI's own HunyuanVideo where COMFYUI_PATH is
-set (1.5: test_hunyuan_video15_comfyui.py); our key plan equals diffusers' converter at the 13B width."""
+"""HunyuanVideo 1.0 and 1.5 beyond the conformance suite (tests/families/test_family_conformance.py runs 1.0 T2V and
+1.5 at every degree and layout, in every file layout, on sp_lab.conformance.cases.hunyuan_video_cases: head size 128
+with 3 heads, token counts 35, 105 and 3, batch 2, a reference latent, 1.5's SigLIP + ByT5 tokens): 1.0 I2V (33
+channels) and token replace (also under Ring and CFG), the 1.5 1080p super-resolution model (98 channels, meanflow
+timestep_r), detection, release headers, LoRA on fused layers, storage precision, bad inputs; ComfyUI's own
+HunyuanVideo where COMFYUI_PATH is set (1.5: test_hunyuan_video15_comfyui.py); our key plan equals diffusers'
+converter at the 13B width."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from family_support import FP32_TOL, LocalContext, assert_parity, merge_rank_outputs, relative_error, run_family_cases
+from family_support import FP32_TOL, LocalContext, assert_parity, relative_error
+from sp_lab.conformance.cases import hunyuan_video_cases as make_cases
 from sp_runtime.config import SPConfig
 from sp_lab.references.hunyuan_video import reference_forward as hunyuan_video_reference
 from sp_lab.references.hunyuan_video15 import reference_forward as hunyuan_video15_reference
 from sp_runtime.families import hunyuan_video, hunyuan_video15
 from sp_runtime.checkpoints.header import Header, read_checkpoint_header
 from sp_runtime.groups import build_groups
-from sp_runtime.local_ranks import run_distributed
-from sp_runtime.pool import WorkerPool
 from sp_lab.tiny_models import COMFY_PREFIX, randomize_
 from sp_lab.tiny_models.hunyuan_video import build_tiny_model, write_tiny_checkpoint
 
@@ -34,31 +32,6 @@ FILES = {  # name -> write_tiny_checkpoint arguments
 }
 REFERENCE_OF = {"t2v": "t2v", "diffusers": "t2v", "i2v": "i2v", "replace": "replace", "v15": "v15",
                 "v15_split": "v15", "v15_folder": "v15", "v15_sr": "v15_sr"}
-
-
-def make_cases(channels: int, version: str = "1.0", seed: int = 4) -> dict:
-    """ComfyUI calls (x, timestep, kwargs): 35 tokens (one frame), 105 tokens, 3 tokens (batch 1); text 7 tokens."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
-    def text(batch):
-        if version == "1.5":
-            return {"context": rand(batch, 7, 32)}
-        return {"context": rand(batch, 7, 32), "y": rand(batch, 24), "guidance": torch.tensor([6.0, 6.0])[:batch]}
-    patch = 1 if version == "1.5" else 2
-    t2 = torch.tensor([700.0, 300.0])
-    cases = {
-        "35_tokens": (rand(2, channels, 1, 5 * patch, 7 * patch), t2, text(2)),
-        "105_tokens": (rand(2, channels, 3, 5 * patch, 7 * patch), t2, text(2)),
-        "3_tokens_batch_1": (rand(1, channels, 3, patch, patch), t2[:1], text(1)),
-    }
-    x, t, inputs = cases["105_tokens"]
-    cases["ref_latent"] = (x, t, {**inputs, "ref_latent": rand(2, channels, 1, 3 * patch, 4 * patch)})  # 12 + 105
-    if version == "1.5":  # image-to-video: SigLIP image tokens and ByT5 glyph tokens in the text stream
-        cases["i2v_glyphs"] = (x, t, {**inputs, "clip_fea": rand(2, 5, 40), "txt_byt5": rand(2, 4, 48)})
-    return cases
 
 
 def sr_cases() -> dict:
@@ -114,42 +87,29 @@ def check_file(handle, name: str, references, label: str, cases=None) -> None:
                           "float32", f"hunyuan_{label}/{name}/{case}")
 
 
-# Only loading differs between key layouts; each variant runs at one degree > 1
-DEGREES_OF = {"t2v": (1, 2, 3, 4), "v15": (1, 2, 3, 4), "i2v": (1, 2), "replace": (1, 4), "diffusers": (1,),
-              "v15_split": (1,), "v15_folder": (1,), "v15_sr": (1, 2, 3, 4)}
+# The variants the conformance suite does not run (it runs 1.0 T2V and 1.5 in every layout); each at one degree > 1
+DEGREES_OF = {"i2v": (1, 2), "replace": (1, 4), "v15_sr": (1, 2, 3, 4)}
 
 
-def test_fp32_parity_every_file(family_pool, hv_files, hv_references):
+def test_fp32_parity_variants(family_pool, hv_files, hv_references):
     world = family_pool.config.world_size
-    for name, path in hv_files.items():
-        if world not in DEGREES_OF[name]:
+    for name, degrees in DEGREES_OF.items():
+        if world not in degrees:
             continue
-        handle = family_pool.load_model(path)
+        handle = family_pool.load_model(hv_files[name])
         assert handle.info.family == ("hunyuan_video15" if name.startswith("v15") else "hunyuan_video")
-        assert handle.info.variant == ("sr" if name == "v15_sr" else handle.info.variant)
-        layout_only = len(DEGREES_OF[name]) == 1  # another key layout of a model checked in full
-        check_file(handle, name, hv_references, f"u{world}", ("105_tokens", "i2v_glyphs") if layout_only else None)
+        assert handle.info.variant == {"v15_sr": "sr", "i2v": "i2v", "replace": "t2v"}[name]
+        check_file(handle, name, hv_references, f"u{world}")
         handle.unload()
 
 
-@pytest.mark.parametrize("layout", [dict(ring_degree=3), dict(ulysses_degree=2, ring_degree=2)], ids=["r3", "u2r2"])
-def test_ring_layouts(hv_files, hv_references, layout):
-    world = layout["ring_degree"] * layout.get("ulysses_degree", 1)  # ring 3: two merges, the running LSE matters
-    with WorkerPool(SPConfig(["cpu"] * world, **layout)) as workers:
-        for name in ("replace", "v15"):
-            check_file(workers.load_model(hv_files[name]), name, hv_references, str(layout),
-                       ("105_tokens", "3_tokens_batch_1", "i2v_glyphs", "ref_latent"))
-
-
-def test_cfg_parallel_splits_the_batch(hv_files, hv_references):
-    """u1 x cfg2 (one spawn, both versions): each CFG rank computes one half of the batch and writes only it."""
-    loads = [(hv_files[name], "default", [CASES[kind]()[case]]) for name, kind, case in
-             (("replace", "replace", "105_tokens"), ("v15", "v15", "i2v_glyphs"))]
-    results = run_distributed(run_family_cases, 2, {"cfg_degree": 2}, loads, timeout=240)
-    for load, (kind, case) in enumerate((("replace", "105_tokens"), ("v15", "i2v_glyphs"))):
-        merged = merge_rank_outputs([rank[load][0] for rank in results])
-        assert_parity(comparable(merged, kind), comparable(hv_references[kind][case], kind), "float32",
-                      f"hunyuan_cfg2/{kind}")
+def test_token_replace_under_ring_and_cfg_layouts(layout_pool, hv_files, hv_references):
+    """Ring 3 (two merges: the running LSE matters), Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2 (each CFG rank computes
+    one half of the batch) on the token-replace model (the suite runs T2V and 1.5 there)."""
+    layout, pool = layout_pool
+    handle = pool.load_model(hv_files["replace"])
+    check_file(handle, "replace", hv_references, layout)
+    handle.unload()
 
 
 def test_the_cases_exercise_what_they_claim(hv_references):

@@ -1,16 +1,15 @@
-"""Lumina 2 (Lumina-Image 2.0, NetaYume) under Ulysses SP: the pool's output equals diffusers' stock
-Lumina2Transformer2DModel forward on one process (sp_lab.references.lumina2, fed ComfyUI's call: t = 1 - sigma,
-output negated, circular padding, every caption token attended) at degrees 1-4 and under Ring 3, Ulysses 2 x Ring 2
-and Ulysses 2 x CFG 2, on a tiny Lumina 2 (6 query heads over 2 key / value heads: degrees 4 and 5 divide neither);
-caption / image streams of 11 / 35 tokens, an odd latent with a masked caption, 3 / 2 tokens (fewer than ranks),
-batch 2. ComfyUI files with and without prefix, diffusers files and folders; the key plan against diffusers'
-converter; detection against Z-Image and refusals of NewBie and Ming-Image by name."""
+"""Lumina 2 (Lumina-Image 2.0, NetaYume) beyond the conformance suite (tests/families/test_family_conformance.py runs
+every degree, layout and file layout on sp_lab.conformance.cases.lumina2_cases against diffusers' stock
+Lumina2Transformer2DModel fed ComfyUI's call: 6 query heads over 2 key / value heads, caption / image streams of
+11 / 35 tokens, a masked caption, fewer tokens than ranks, batch 2): what the cases exercise, the key plan against
+diffusers' converter, detection against Z-Image, refusals of NewBie and Ming-Image and of bad inputs by name."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.conformance.cases import lumina2_cases as make_cases
 from sp_lab.references.lumina2 import reference_forward
 from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_lab.tiny_models import lumina2 as tiny
@@ -19,24 +18,9 @@ from sp_runtime.detection import detect as detect_any
 from sp_runtime.families import lumina2, z_image
 
 pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
-SEED = 6
+SEED = 6  # the conformance suite's tiny Lumina 2 (sp_lab.conformance.product)
 LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": dict(layout="diffusers"),
            "diffusers_folder": dict(layout="diffusers_folder")}
-
-
-def make_cases(seed=4):
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
-    t2 = torch.tensor([0.8, 0.25])
-    mask = torch.ones(2, 11, dtype=torch.long)
-    mask[1, 7:] = 0  # ComfyUI's NextDiT reads past the mask: every caption token is attended
-    return {"t2i": (rand(2, 16, 10, 14), t2, {"context": rand(2, 11, 32)}),
-            "odd_latent_masked": (rand(2, 16, 9, 13), t2, {"context": rand(2, 11, 32), "attention_mask": mask,
-                                                           "num_tokens": 11}),
-            "few_tokens": (rand(1, 16, 2, 4), t2[:1], {"context": rand(1, 3, 32)})}
 
 
 @pytest.fixture(scope="module")
@@ -47,41 +31,11 @@ def lumina_files(tmp_path_factory):
             for name, kw in LAYOUTS.items()}
 
 
-@pytest.fixture(scope="module")
-def lumina_references():
-    model = tiny.build_tiny_model(SEED)
-    return {name: reference_forward(model, *case[:2], **case[2]) for name, case in make_cases().items()}
-
-
-def _check(pool, what, path, references, names=None):
-    handle = pool.load_model(path)
-    assert (handle.info.family, handle.info.weight_dtype) == ("lumina2", "float32")
-    for name, (x, t, inputs) in make_cases().items():
-        if names is None or name in names:
-            assert_parity(handle(x, t, **inputs), references[name], "float32", f"lumina2_{what}/{name}")
-    handle.unload()
-
-
-def test_fp32_parity_every_degree(family_pool, lumina_files, lumina_references):
-    """Every case on the ComfyUI file with prefix; the other layouts (loading differs, the forward does not) at
-    degree 1."""
-    degree = family_pool.config.world_size
-    _check(family_pool, f"degree{degree}", lumina_files["comfy_prefix"], lumina_references)
-    if degree == 1:
-        for layout in ("comfy", "diffusers", "diffusers_folder"):
-            _check(family_pool, layout, lumina_files[layout], lumina_references, names=("t2i",))
-
-
-def test_fp32_parity_ring_and_cfg_layouts(layout_pool, lumina_files, lumina_references):
-    name, pool = layout_pool
-    _check(pool, name, lumina_files["comfy_prefix"], lumina_references)
-
-
-def test_timestep_caption_and_padding_matter(lumina_references):
+def test_timestep_caption_and_padding_matter(family_subject):
     """Guards against a test that cannot fail: the timestep, every caption token and the wrap-around padding count."""
     model = tiny.build_tiny_model(SEED)
     x, t, inputs = make_cases()["odd_latent_masked"]
-    want = lumina_references["odd_latent_masked"]
+    want = family_subject("lumina2").outputs["odd_latent_masked"]
     assert relative_error(reference_forward(model, x, t.flip(0), **inputs), want) > 100 * FP32_TOL
     assert relative_error(reference_forward(model, x, t, inputs["context"][:, :7]), want) > 100 * FP32_TOL
     zero_padded = reference_forward(model, torch.nn.functional.pad(x, (0, 1, 0, 1)), t, **inputs)[..., :9, :13]
