@@ -10,26 +10,14 @@ import torch
 
 from ...sp import AttentionSpec, Output, Part, Plan, Stage, Stream
 from ...sp.tokens import TokenGrid, pad_to_patch, patchify
-from ..z_image.plan import image_axes, output_tokens
+from ..z_image.plan import check_nextdit, image_axes, output_tokens
 from .detection import PATCH, ROPE_THETA
 
 UNSUPPORTED_INPUTS = ("ref_latents", "ref_contexts", "siglip_feats", "direct_context", "ref_frames")
 
 
 def check(call) -> None:
-    config, x, inputs = call.config, call.x, call.inputs
-    for name in UNSUPPORTED_INPUTS:
-        value = inputs.get(name)
-        if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0):  # ComfyUI's default []
-            raise ValueError(f"{name} (Z-Image Omni / Ming-Image inputs) is not supported by the sequence-parallel "
-                             f"Lumina 2")
-    if x.dim() != 4 or x.shape[1] != config.in_channels:
-        raise ValueError(f"x has shape {tuple(x.shape)}; Lumina 2 takes [B, {config.in_channels}, H, W]")
-    context = inputs.get("context")
-    if context is None or context.dim() != 3 or context.shape[-1] != config.cap_feat_dim or \
-            context.shape[0] not in (1, x.shape[0]):
-        raise ValueError(f"Lumina 2 needs context [batch, text tokens, {config.cap_feat_dim}] (the Gemma text "
-                         f"encoder output); got {None if context is None else tuple(context.shape)}")
+    check_nextdit(call, "Lumina 2", UNSUPPORTED_INPUTS, "Z-Image Omni / Ming-Image", "the Gemma text encoder")
     # attention_mask and num_tokens are read past as ComfyUI's NextDiT does; so is clip_text_pooled, which only
     # NewBie's clip_text_pooled_proj reads (NewBie files are refused at detection)
 

@@ -16,20 +16,25 @@ UNSUPPORTED_INPUTS = ("ref_latents", "ref_contexts", "siglip_feats", "direct_con
 
 
 def check(call) -> None:
+    check_nextdit(call, "Z-Image", UNSUPPORTED_INPUTS, "Z-Image Omni / Ming-Image / NewBie", "the text encoder")
+    # attention_mask and num_tokens are read past, as ComfyUI's NextDiT does: it attends every context token
+
+
+def check_nextdit(call, model: str, unsupported: tuple, whose: str, encoder: str) -> None:
+    """The checks of a NextDiT call (Z-Image, Lumina 2): no input of `unsupported` (named as `whose` inputs), x
+    [B, in_channels, H, W], context [batch, tokens, cap_feat_dim] from `encoder`."""
     config, x, inputs = call.config, call.x, call.inputs
-    for name in UNSUPPORTED_INPUTS:
+    for name in unsupported:
         value = inputs.get(name)
         if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0):  # ComfyUI's default []
-            raise ValueError(f"{name} (Z-Image Omni / Ming-Image / NewBie inputs) is not supported by the "
-                             f"sequence-parallel Z-Image")
+            raise ValueError(f"{name} ({whose} inputs) is not supported by the sequence-parallel {model}")
     if x.dim() != 4 or x.shape[1] != config.in_channels:
-        raise ValueError(f"x has shape {tuple(x.shape)}; Z-Image takes [B, {config.in_channels}, H, W]")
+        raise ValueError(f"x has shape {tuple(x.shape)}; {model} takes [B, {config.in_channels}, H, W]")
     context = inputs.get("context")
     if context is None or context.dim() != 3 or context.shape[-1] != config.cap_feat_dim or \
             context.shape[0] not in (1, x.shape[0]):
-        raise ValueError(f"Z-Image needs context [batch, text tokens, {config.cap_feat_dim}] (the text encoder "
+        raise ValueError(f"{model} needs context [batch, text tokens, {config.cap_feat_dim}] ({encoder} "
                          f"output); got {None if context is None else tuple(context.shape)}")
-    # attention_mask and num_tokens are read past, as ComfyUI's NextDiT does: it attends every context token
 
 
 def layout(call) -> list[Stream]:
