@@ -296,18 +296,6 @@ def identity_plan(keys: Iterable[str]) -> dict[str, list[tuple[str, Transform]]]
     return {key: [(key, None)] for key in keys}
 
 
-def load_checkpoint_model(model_cls, config: Mapping, header: Header, detection, dtype: str,
-                          device: torch.device | str, plan: Optional[KeyPlan],
-                          progress: Optional[ProgressFn] = None, ignore: Iterable[str] = ()):
-    """A diffusers `model_cls(config)` holding the checkpoint's weights on `device`: the dtypes `dtype` means for
-    this file, an empty model, then every tensor read once through `plan`. Returns (model, WeightDtypes)."""
-    dtypes = choose_dtypes(dtype, header, detection.prefix)
-    model = build_empty_model(model_cls, config, dtypes)
-    load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
-                 ignore=ignore, progress=progress)
-    return model, dtypes
-
-
 def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: torch.device | str,
                  dtypes: WeightDtypes, prefix: str = "", plan: Optional[KeyPlan] = None,
                  ignore: Iterable[str] = (), progress: Optional[ProgressFn] = None) -> torch.nn.Module:

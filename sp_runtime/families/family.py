@@ -64,7 +64,10 @@ class PlanModel:
     plan: the executor's Plan. x_ndim: the rank of ComfyUI's x. config_keys: the config entries ModelInfo reports.
     prepare(detection, options) -> Detection: what load options make of the file's detection (config, variant).
     channels(model) -> (in_channels, out_channels) as ComfyUI's latents count them (default: the config's).
-    ignore: checkpoint keys that carry no weights.
+    ignore: endings of checkpoint keys that carry no weights.
+    build(model_class, config, dtypes) -> the empty model (meta weights) where the class built from the detection's
+        config is not all of it (modules diffusers' class lacks, ComfyUI's constants); default build_empty_model.
+    describe(model, detection) -> ModelInfo.config entries beyond config_keys (what the host side reads).
     """
 
     family: str
@@ -78,19 +81,25 @@ class PlanModel:
     prepare: Optional[Callable] = None
     channels: Optional[Callable] = None
     ignore: tuple[str, ...] = ()
+    build: Optional[Callable] = None
+    describe: Optional[Callable] = None
 
     def load_model(self, path: str, dtype: str = "default", device="cpu", detection=None,
                    options: Optional[dict] = None, progress=None, header=None):
         """The diffusers model with the checkpoint's weights on `device` (stock attention processors):
         (model, detection, dtypes)."""
         import diffusers
-        from ..checkpoints.loading import detected_checkpoint, load_checkpoint_model, strip_prefix
+        from ..checkpoints.loading import (build_empty_model, choose_dtypes, detected_checkpoint, load_weights,
+                                           strip_prefix)
         header, detection = detected_checkpoint(path, header, detection, self.detect, self.family, self.kind)
         if self.prepare is not None:
             detection = self.prepare(detection, options or {})
-        plan = self.weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-        model, dtypes = load_checkpoint_model(getattr(diffusers, self.class_name), detection.config, header,
-                                              detection, dtype, device, plan, progress, ignore=self.ignore)
+        keys = strip_prefix(header.tensors, detection.prefix)
+        dtypes = choose_dtypes(dtype, header, detection.prefix)
+        model = (self.build or build_empty_model)(getattr(diffusers, self.class_name), detection.config, dtypes)
+        load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix,
+                     plan=self.weight_plan(detection, keys), ignore=[key for key in keys if key.endswith(self.ignore)],
+                     progress=progress)
         return model, detection, dtypes
 
     def worker(self, model, detection, dtypes, options: Optional[dict] = None):
@@ -102,8 +111,9 @@ class PlanModel:
                                      else (config.in_channels, config.out_channels))
         info = ModelInfo(family=self.family, variant=detection.variant, in_channels=in_channels,
                          out_channels=out_channels, x_ndim=self.x_ndim,
-                         config=config_entries(config, self.config_keys), weight_dtype=dtypes.storage_name,
-                         compute_dtype=dtypes.compute_name)
+                         config={**config_entries(config, self.config_keys),
+                                 **(self.describe(model, detection) if self.describe is not None else {})},
+                         weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
         return PlanWorker(model, info, self.plan, dtypes, options)
 
     @property

@@ -1,17 +1,11 @@
 """LTX-2, 2.3 and 2.5 loading: diffusers' LTX2VideoTransformer3DModel plus the two text connectors ComfyUI keeps in
-the diffusion model, with ComfyUI's q / k norm eps and time origin, and the checkpoint's weights; the pool's entry
-point runs PLAN through the executor."""
+the diffusion model, with ComfyUI's q / k norm eps and time origin, and the checkpoint's weights; MODEL declares the
+load and the worker running PLAN."""
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
-from ...checkpoints.loading import (ProgressFn, WeightDtypes, build_empty_model, choose_dtypes, detected_checkpoint,
-                                    load_weights, strip_prefix)
-from ...contract import Detection, ModelInfo
-from ...sp import PlanWorker
-from ..family import pool_load
+from ...checkpoints.loading import WeightDtypes, build_empty_model
+from ...contract import Detection
+from ..family import PlanModel
 from .detection import CONNECTORS, FAMILY, detect
 from .keys import weight_plan
 from .plan import PLAN
@@ -52,39 +46,23 @@ def use_comfy_qk_norm_eps(model) -> None:
             module.norm_q.eps = module.norm_k.eps = QK_NORM_EPS
 
 
-def load_model(path: str, dtype: str = "default", device: torch.device | str = "cpu",
-               detection: Optional[Detection] = None, options: Optional[dict] = None,
-               progress: Optional[ProgressFn] = None, header=None):
-    """diffusers' LTX-2 transformer with its connectors and the checkpoint's weights: (model, detection, dtypes)."""
+def build_model(model_class, config: dict, dtypes: WeightDtypes):
+    """The empty transformer (meta weights) with its connectors, ComfyUI's q / k norm eps and time origin."""
     from accelerate import init_empty_weights
-    from diffusers import LTX2VideoTransformer3DModel
-    header, detection = detected_checkpoint(path, header, detection, detect, FAMILY, "LTX-2")
-    config = {key: value for key, value in detection.config.items() if key not in ("connector", "positions")}
-    dtypes = choose_dtypes(dtype, header, detection.prefix)
-    model = build_empty_model(LTX2VideoTransformer3DModel, config, dtypes)
+    model = build_empty_model(model_class, {key: value for key, value in config.items()
+                                            if key not in ("connector", "positions")}, dtypes)
     with init_empty_weights():
-        attach_connectors(model, detection.config["connector"], config["rope_theta"])
+        attach_connectors(model, config["connector"], config["rope_theta"])
     use_comfy_qk_norm_eps(model)
-    use_comfy_time_origin(model, detection.config["positions"]["causal_temporal_positioning"])
-    plan = weight_plan(detection, strip_prefix(header.tensors, detection.prefix))
-    load_weights(model, header.source, device=device, dtypes=dtypes, prefix=detection.prefix, plan=plan,
-                 progress=progress)
-    return model, detection, dtypes
+    use_comfy_time_origin(model, config["positions"]["causal_temporal_positioning"])
+    return model
 
 
-def worker_from_model(model, detection: Detection, dtypes: WeightDtypes, options: Optional[dict] = None
-                      ) -> PlanWorker:
-    """The executor running PLAN around a built model."""
-    return PlanWorker(model, model_info(model, detection, dtypes), PLAN, dtypes, options)
-
-
-def model_info(model, detection: Detection, dtypes: WeightDtypes) -> ModelInfo:
+def describe(model, detection: Detection) -> dict:
     """The host sees x as [B, 1, N] (both latents packed, plan.py); the token placement facts for ComfyUI."""
-    entries = {key: model.config[key] for key in INFO_KEYS}
-    return ModelInfo(family=FAMILY, variant=detection.variant, in_channels=1, out_channels=1, x_ndim=3,
-                     config={**entries, **detection.config["positions"],
-                             "unbatched_inputs": ["latent_shapes", "frame_rate"]},
-                     weight_dtype=dtypes.storage_name, compute_dtype=dtypes.compute_name)
+    return {**detection.config["positions"], "unbatched_inputs": ["latent_shapes", "frame_rate"]}
 
 
-load = pool_load(load_model, worker_from_model)
+MODEL = PlanModel(FAMILY, "LTX-2", "LTX2VideoTransformer3DModel", detect, weight_plan, PLAN, 3, INFO_KEYS,
+                  channels=lambda model: (1, 1), build=build_model, describe=describe)
+load, load_model = MODEL.load, MODEL.load_model

@@ -204,8 +204,11 @@ def run_block(block, call) -> None:
 
 
 def project_pairs(attn, hidden: torch.Tensor):
-    """diffusers' q, k, v with q and k channels in rotary-pair order (attn.rotary_pairs: set by loading)."""
+    """diffusers' q, k, v with q and k channels in rotary-pair order (attn.rotary_pairs: set by loading, on the CPU;
+    moved to the model's device at its first use)."""
     (query, key, value), extra = project_qkv(attn, hidden)
+    if attn.rotary_pairs.device != query.device:
+        attn.rotary_pairs = attn.rotary_pairs.to(query.device)
     return [query[..., attn.rotary_pairs], key[..., attn.rotary_pairs], value], extra
 
 
