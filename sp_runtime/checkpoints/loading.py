@@ -296,6 +296,13 @@ def identity_plan(keys: Iterable[str]) -> dict[str, list[tuple[str, Transform]]]
     return {key: [(key, None)] for key in keys}
 
 
+def original_layout_plan(original_plan: Callable) -> Callable:
+    """A family's weight_plan(detection, keys): how a checkpoint's keys (prefix stripped) become parameters, for
+    load_model and for LoRA's re-reading of base weights: original-layout files through original_plan(keys, config),
+    diffusers layouts as they are (None)."""
+    return lambda detection, keys: original_plan(keys, detection.config) if detection.layout == "original" else None
+
+
 def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: torch.device | str,
                  dtypes: WeightDtypes, prefix: str = "", plan: Optional[KeyPlan] = None,
                  ignore: Iterable[str] = (), progress: Optional[ProgressFn] = None) -> torch.nn.Module:

@@ -4,18 +4,13 @@ renames (diffusers' convert_chroma_transformer_checkpoint_to_diffusers hardcodes
 called; tests/families/test_chroma.py checks the plan against it at full size)."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 from .. import flux
-from ...contract import Detection
-from ...checkpoints.loading import KeyPlan
+from ...checkpoints.loading import KeyPlan, original_layout_plan
 from .detection import GUIDANCE
 
 GUIDANCE_RENAMES = {".in_layer.": ".linear_1.", ".out_layer.": ".linear_2.", ".scale": ".weight"}
-
-
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
 
 
 def original_plan(keys: Iterable[str], config) -> KeyPlan:
@@ -29,3 +24,6 @@ def original_plan(keys: Iterable[str], config) -> KeyPlan:
                 target = target.replace(old, new)
             plan[key] = [(target, None)]
     return plan
+
+
+weight_plan = original_layout_plan(original_plan)

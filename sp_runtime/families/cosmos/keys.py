@@ -2,10 +2,9 @@
 renames of diffusers' convert_cosmos_transformer_checkpoint_to_diffusers for Cosmos 2)."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
-from ...checkpoints.loading import KeyPlan
-from ...contract import Detection
+from ...checkpoints.loading import KeyPlan, original_layout_plan
 from .detection import UNUSED
 
 RENAMES = (("t_embedder.1.", "time_embed.t_embedder."), ("t_embedding_norm.", "time_embed.norm."),
@@ -21,14 +20,12 @@ RENAMES = (("t_embedder.1.", "time_embed.t_embedder."), ("t_embedding_norm.", "t
            ("final_layer.adaln_modulation.2.", "norm_out.linear_2."), ("final_layer.linear.", "proj_out."))
 
 
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """ComfyUI files through original_plan, diffusers layouts as they are (None)."""
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
-
-
 def original_plan(keys: Iterable[str], config=None) -> KeyPlan:
     """ComfyUI key names -> parameters (LoRAs use these names too)."""
     return {key: [(renamed(key), None)] for key in keys if key not in UNUSED}
+
+
+weight_plan = original_layout_plan(original_plan)
 
 
 def renamed(key: str) -> str:

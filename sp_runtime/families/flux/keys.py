@@ -7,10 +7,9 @@ tests/families/test_flux.py checks that both produce the same tensors on a full-
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
-from ...checkpoints.loading import KeyPlan, Transform, row_split, swap_halves
-from ...contract import Detection
+from ...checkpoints.loading import KeyPlan, Transform, original_layout_plan, row_split, swap_halves
 from .detection import MLP_RATIO
 
 
@@ -41,15 +40,12 @@ SINGLE_BLOCK = {"modulation.lin": "norm.linear", "linear2": "proj_out",
 SINGLE_FUSED = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
 
 
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """How a checkpoint's keys (prefix stripped) become parameters, for load_model and for LoRA's re-reading of
-    base weights: original-layout files through original_plan, diffusers layouts as they are (None)."""
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
-
-
 def original_plan(keys: Iterable[str], config) -> KeyPlan:
     """Original (BFL / ComfyUI) key names -> parameters of the model of `config` (LoRAs use these names too)."""
     return flux_key_plan(keys, config["num_attention_heads"] * config["attention_head_dim"])
+
+
+weight_plan = original_layout_plan(original_plan)
 
 
 def flux_key_plan(keys: Iterable[str], hidden: int) -> dict[str, list[tuple[str, Transform]]]:

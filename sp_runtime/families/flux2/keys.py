@@ -3,17 +3,11 @@ convert_flux2_transformer_checkpoint_to_diffusers looks at one key and splits by
 and streams)."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 
-from ...checkpoints.loading import KeyPlan
-from ...contract import Detection
-
-
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """Original-layout files through original_plan, diffusers layouts as they are (None)."""
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
+from ...checkpoints.loading import KeyPlan, original_layout_plan
 
 
 def original_plan(keys: Iterable[str], config=None) -> KeyPlan:
@@ -26,6 +20,9 @@ def original_plan(keys: Iterable[str], config=None) -> KeyPlan:
         names = list(_convert({key: torch.empty(6, device="meta")}))
         plan[key] = [(name, _converted(key, name)) for name in names]
     return plan
+
+
+weight_plan = original_layout_plan(original_plan)
 
 
 def _convert(state: dict) -> dict:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from ...checkpoints.loading import KeyPlan, Transform, row_split, swap_halves
-from ...contract import Detection
+from ...checkpoints.loading import KeyPlan, Transform, original_layout_plan, row_split, swap_halves
 from ..flux.keys import DOUBLE_BLOCK, DOUBLE_FUSED, SINGLE_BLOCK, SINGLE_FUSED
 
 # ComfyUI's renames of Tencent's module names, in its order (substring replacements)
@@ -86,12 +85,6 @@ def comfy_names(tensors: dict) -> dict:
     return {comfy_name(key): value for key, value in tensors.items()}
 
 
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """How a HunyuanVideo 1.0 checkpoint's keys (prefix stripped) become parameters: Tencent / ComfyUI names through
-    original_plan, diffusers names as they are (None)."""
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
-
-
 def original_plan(keys: Iterable[str], config) -> KeyPlan:
     """Tencent / ComfyUI key names -> parameters of the 1.0 model of `config` (LoRAs use these names too)."""
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
@@ -112,6 +105,9 @@ def hunyuan_key_plan(keys: Iterable[str], hidden: int, mlp_hidden: int, time_mod
         if targets:
             plan[key] = targets
     return plan
+
+
+weight_plan = original_layout_plan(original_plan)
 
 
 def plan_target(module: str, kind: str, hidden: int, mlp_hidden: int, time_module: str

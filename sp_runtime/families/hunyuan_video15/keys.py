@@ -2,19 +2,16 @@
 1.5's `time_embed`."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
-from ...checkpoints.loading import KeyPlan
-from ...contract import Detection
+from ...checkpoints.loading import KeyPlan, original_layout_plan
 from ..hunyuan_video.keys import hunyuan_key_plan
-
-
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """Tencent / ComfyUI names through original_plan; diffusers names as they are (None)."""
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
 
 
 def original_plan(keys: Iterable[str], config) -> KeyPlan:
     """Tencent / ComfyUI key names -> parameters of the model of `config` (LoRAs use these names too)."""
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
     return hunyuan_key_plan(keys, hidden, 0, "time_embed")
+
+
+weight_plan = original_layout_plan(original_plan)

@@ -3,10 +3,9 @@ convert_lumina2_to_diffusers does): the fused qkv split into to_q, to_k, to_v (g
 the caption / time embedders, block norms and final layer renamed."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
-from ...checkpoints.loading import KeyPlan, row_split
-from ...contract import Detection
+from ...checkpoints.loading import KeyPlan, original_layout_plan, row_split
 from .detection import UNUSED
 
 FUSED_QKV = ".attention.qkv.weight"
@@ -18,12 +17,6 @@ BLOCK_RENAMES = {".attention.out.": ".attn.to_out.0.", ".attention.q_norm.": ".a
                  ".attention.k_norm.": ".attn.norm_k.", ".adaLN_modulation.1.": ".norm1.linear.",
                  ".attention_norm2.": ".norm2.", ".feed_forward.w1.": ".feed_forward.linear_1.",
                  ".feed_forward.w2.": ".feed_forward.linear_2.", ".feed_forward.w3.": ".feed_forward.linear_3."}
-
-
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """How a checkpoint's keys (prefix stripped) become parameters: ComfyUI files through original_plan, diffusers
-    layouts as they are (None)."""
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
 
 
 def original_plan(keys: Iterable[str], config) -> KeyPlan:
@@ -40,6 +33,9 @@ def original_plan(keys: Iterable[str], config) -> KeyPlan:
             continue
         plan[key] = [(_renamed(key), None)]
     return plan
+
+
+weight_plan = original_layout_plan(original_plan)
 
 
 def _renamed(key: str) -> str:

@@ -1,17 +1,10 @@
 """Qwen-Image 2.1's key plan: ComfyUI's names are diffusers' except the fused SwiGLU input (gate rows first)."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
-from ...checkpoints.loading import KeyPlan, row_split
-from ...contract import Detection
+from ...checkpoints.loading import KeyPlan, original_layout_plan, row_split
 from .detection import FUSED_MLP
-
-
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """How a checkpoint's keys (prefix stripped) become parameters: ComfyUI files through original_plan, diffusers
-    layouts as they are (None)."""
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
 
 
 def original_plan(keys: Iterable[str], config) -> KeyPlan:
@@ -26,3 +19,6 @@ def original_plan(keys: Iterable[str], config) -> KeyPlan:
         else:
             plan[key] = [(key, None)]
     return plan
+
+
+weight_plan = original_layout_plan(original_plan)

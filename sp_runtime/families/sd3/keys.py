@@ -9,19 +9,13 @@ modulation), which is the per-tensor transform applied to the real weights."""
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 
-from ...contract import Detection
-from ...checkpoints.loading import KeyPlan, Transform
+from ...checkpoints.loading import KeyPlan, Transform, original_layout_plan
 
 SIXTHS = 6
-
-
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """ComfyUI-layout files through original_plan, diffusers layouts as they are (None)."""
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
 
 
 def original_plan(keys: Iterable[str], config) -> KeyPlan:
@@ -30,6 +24,9 @@ def original_plan(keys: Iterable[str], config) -> KeyPlan:
     plan = _converter_plan(config["num_layers"], tuple(config.get("dual_attention_layers") or ()),
                            bool(config.get("qk_norm")))
     return {key: plan[key] for key in keys if key in plan}
+
+
+weight_plan = original_layout_plan(original_plan)
 
 
 def comfy_keys(blocks: int, dual: tuple[int, ...], qk_norm: bool) -> list[str]:

@@ -9,7 +9,7 @@ import torch
 from ...sp import PlanWorker
 from ...contract import Detection, ModelInfo, config_entries
 from ...checkpoints.loading import (KeyPlan, ProgressFn, WeightDtypes, build_empty_model, choose_dtypes,
-                                    detected_checkpoint, load_weights)
+                                    detected_checkpoint, load_weights, original_layout_plan)
 from ...checkpoints.header import Header, header_config
 from ..family import pool_load
 from .detect import (DEFAULT_HEAD_DIM, DIFFUSERS_IGNORED_SUFFIX, FAMILY, HEAD_DIM_METADATA_KEY, detect,
@@ -26,15 +26,12 @@ def extra_module_keys() -> tuple[str, ...]:
     return tuple(key for variant in REGISTRY for key in variant.config_keys)
 
 
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """How a checkpoint's keys (prefix stripped) become parameters, for load_model and for LoRA's re-reading of
-    base weights: original-layout files through wan_key_plan, diffusers layouts as they are (None)."""
-    return wan_key_plan(keys) if detection.layout == "original" else None
-
-
 def original_plan(keys: Iterable[str], config) -> KeyPlan:
     """Original (Wan / ComfyUI) key names -> parameters (LoRAs use these names too); the same for every size."""
     return wan_key_plan(keys)
+
+
+weight_plan = original_layout_plan(original_plan)
 
 
 def model_config(detection: Detection, options: Optional[dict] = None) -> dict:

@@ -3,21 +3,14 @@ convert_z_image_transformer_checkpoint_to_diffusers does): the fused qkv split i
 final layer and attention renames."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
-from ...checkpoints.loading import KeyPlan, row_split
-from ...contract import Detection
+from ...checkpoints.loading import KeyPlan, original_layout_plan, row_split
 from .detection import FUSED_QKV, UNUSED
 
 TOP_RENAMES = {"x_embedder.": "all_x_embedder.2-1.", "final_layer.": "all_final_layer.2-1."}
 ATTENTION_RENAMES = {".attention.out.": ".attention.to_out.0.", ".attention.q_norm.": ".attention.norm_q.",
                      ".attention.k_norm.": ".attention.norm_k."}
-
-
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """How a checkpoint's keys (prefix stripped) become parameters: ComfyUI files through original_plan, diffusers
-    layouts as they are (None)."""
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
 
 
 def original_plan(keys: Iterable[str], config) -> KeyPlan:
@@ -38,3 +31,6 @@ def original_plan(keys: Iterable[str], config) -> KeyPlan:
             target = target.replace(old, new)
         plan[key] = [(target, None)]
     return plan
+
+
+weight_plan = original_layout_plan(original_plan)
