@@ -96,6 +96,11 @@ class LoadRequest:
                    None if detection is None else Detection.from_dict(detection))
 
 
+def latent_channels(info: "ModelInfo") -> dict:
+    """ComfyUI's unet_config latent channels (ComfyHost's default unet_config)."""
+    return {"in_channels": info.in_channels, "out_channels": info.out_channels}
+
+
 def patch_size_2(info: "ModelInfo") -> dict:
     """ComfyUI's Flux / Qwen-Image latent patch (diffusers' Flux config says 1), read from diffusion_model."""
     return {"patch_size": 2}
@@ -142,7 +147,7 @@ class ComfyHost:
     model_classes: variant -> comfy.supported_models class name, as ComfyUI's own detection maps the same files;
         variant "" matches any variant of the family.
     unet_config: ModelInfo -> the unet_config entries ComfyUI's model class reads at run time (concat_cond,
-        memory estimates), in ComfyUI's own convention.
+        memory estimates), in ComfyUI's own convention (default: the latent channels).
     attributes: ModelInfo -> plain attributes ComfyUI's model class reads from `diffusion_model`.
     helpers: attribute -> (module, class, args, kwargs) of weightless ComfyUI objects its model class calls on
         `diffusion_model` (e.g. LTX-2's patchifiers); the host builds them (sp_runtime never imports ComfyUI).
@@ -152,7 +157,7 @@ class ComfyHost:
     """
 
     model_classes: Mapping[str, str]
-    unet_config: Callable[["ModelInfo"], dict]
+    unet_config: Callable[["ModelInfo"], dict] = latent_channels
     attributes: Callable[["ModelInfo"], dict] = patch_size_2
     helpers: Mapping[str, tuple] = field(default_factory=dict)
     hooks: HostHooks = HostHooks()

@@ -2,11 +2,8 @@
 arrives as `image_cond`, InstructPixToPixConditioning's concat latent)."""
 from __future__ import annotations
 
-from ...contract import ComfyHost, ModelInfo
+from ...contract import ComfyHost, latent_channels
 
 
-def _comfy_unet_config(info: ModelInfo) -> dict:
-    return {"image_model": "hidream", "in_channels": info.in_channels, "out_channels": info.out_channels}
-
-
-COMFY = ComfyHost(model_classes={"": "HiDream"}, unet_config=_comfy_unet_config)
+COMFY = ComfyHost(model_classes={"": "HiDream"},
+                  unet_config=lambda info: {"image_model": "hidream", **latent_channels(info)})

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ...contract import ComfyHost, HostHooks, ModelInfo
+from ...contract import ComfyHost, HostHooks, latent_channels
 from ..hunyuan_video.host import comfy_attributes
 from .detection import SR
-
-
-def _comfy_unet_config(info: ModelInfo) -> dict:
-    return {"in_channels": info.in_channels, "out_channels": info.out_channels,
-            "vision_in_dim": info.config["image_embed_dim"]}
 
 
 def sampler_inputs(transformer_options: dict, inputs: dict) -> dict:
@@ -39,4 +34,5 @@ class SamplerSigma(HostHooks):
 
 
 COMFY = ComfyHost(model_classes={SR: "HunyuanVideo15_SR_Distilled", "": "HunyuanVideo15"},
-                  unet_config=_comfy_unet_config, attributes=comfy_attributes, hooks=SamplerSigma())
+                  unet_config=lambda info: {**latent_channels(info), "vision_in_dim": info.config["image_embed_dim"]},
+                  attributes=comfy_attributes, hooks=SamplerSigma())
