@@ -2,14 +2,19 @@
 (x, timestep, inputs) with odd token counts, batch 2 (the CFG halves differ), fewer tokens than ranks, masks."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
-def sd3_cases(seed=2):
-    g = torch.Generator().manual_seed(seed)
+def seeded_randn(seed: int, dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor]:
+    """randn(*shape) in `dtype`, every draw from one generator seeded with `seed` (a case's tensors, in its order)."""
+    generator = torch.Generator().manual_seed(seed)
+    return lambda *shape: torch.randn(*shape, generator=generator).to(dtype)
 
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
+
+def sd3_cases(seed=2):
+    rand = seeded_randn(seed)
     return {"35_tokens": (rand(2, 16, 10, 14), torch.tensor([700.0, 300.0]), {"context": rand(2, 7, 32),
                                                                               "y": rand(2, 24)}),
             "odd_latent": (rand(2, 16, 7, 11), torch.tensor([400.0, 900.0]), {"context": rand(2, 5, 32),
@@ -18,10 +23,7 @@ def sd3_cases(seed=2):
 
 
 def chroma_cases(seed=3):
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
+    rand = seeded_randn(seed)
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, 5:] = 0
     return {"35_tokens": (rand(2, 16, 10, 14), torch.tensor([0.7, 0.3]), {"context": rand(2, 7, 32)}),
@@ -34,11 +36,7 @@ def chroma_cases(seed=3):
 def z_image_cases(seed=8):
     """ComfyUI calls (x, timestep, kwargs): (caption, image) tokens before padding: (9, 15), (40, 35), (32, 32),
     (33, 9)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
+    rand = seeded_randn(seed)
     t2 = torch.tensor([0.7, 0.3])
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[1, 30:] = 0  # ComfyUI's NextDiT reads past the mask: the padded tokens are attended
@@ -53,11 +51,7 @@ def z_image_cases(seed=8):
 
 def flux2_cases(seed=6):
     """ComfyUI calls (x, timestep, kwargs): image tokens 15 (+ 12 + 8 references), text 7; batch 2 and 1."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
+    rand = seeded_randn(seed)
     t2, guidance = torch.tensor([0.7, 0.3]), torch.tensor([4.0, 4.0])
     refs = [rand(2, 16, 3, 4), rand(2, 16, 4, 2)]
     return {
@@ -72,11 +66,7 @@ def flux2_cases(seed=6):
 
 def qwen_image21_cases(seed=4):
     """ComfyUI calls (x, timestep, kwargs); joint lengths 29, 65, 53 and 45 (text + references + target)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
+    rand = seeded_randn(seed)
     t2 = torch.tensor([0.7, 0.3])
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, 6:] = 0  # the second prompt is shorter: padding that must not be attended
@@ -94,11 +84,7 @@ def qwen_image21_cases(seed=4):
 def qwen_image_cases(timesteps=(0.7, 0.3), dtype=torch.float32, seed=1):
     """ComfyUI calls: (x, timestep, kwargs). Token counts 35, 20 (odd latent, padded), 9, 2; batch 2 and 1; a masked
     prompt; Edit reference latents by index and by offset."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-
+    rand = seeded_randn(seed, dtype)
     t2 = torch.tensor(timesteps)
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, 5:] = 0  # the second prompt is shorter: padding that must not be attended
@@ -118,11 +104,7 @@ def qwen_image_cases(timesteps=(0.7, 0.3), dtype=torch.float32, seed=1):
 def flux_cases(timesteps=(0.7, 0.3), dtype=torch.float32, channels=16, seed=2):
     """ComfyUI calls: (x, timestep, kwargs). Token counts 35, 20 (odd latent, padded), 9, 2; batch 2 and 1; Kontext
     references by offset, index and uxo; a call without y."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
-
+    rand = seeded_randn(seed, dtype)
     t2, guidance = torch.tensor(timesteps), torch.tensor([3.5, 3.5])
     refs = [rand(2, channels, 6, 5), rand(2, channels, 4, 8)]
 
@@ -145,11 +127,7 @@ def wan_cases(channels: int = 16, text_tokens: int = 7, clip_tokens: int = 0, pe
               seed: int = 1) -> dict:
     """ComfyUI calls (x, timestep, kwargs). Tokens: 45 (odd, not divisible by 2 or 4), 40 (H and W padded; not
     divisible by 3), 27 with a frame appended by time_dim_concat, and 1 token (ranks without tokens)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
+    rand = seeded_randn(seed)
     def kwargs(batch):
         extra = {"context": rand(batch, text_tokens, 32)}
         if clip_tokens:
@@ -175,11 +153,7 @@ def wan_cases(channels: int = 16, text_tokens: int = 7, clip_tokens: int = 0, pe
 def hidream_cases(seed=3):
     """35 image tokens; an odd latent with E1's reference latent (image_cond) joined on the right; 2 tokens (fewer
     than ranks); batch 2 and 1; T5 and Llama (4 layers) text of other lengths."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
+    rand = seeded_randn(seed)
     def text(batch, t5_tokens, llama_tokens):
         return {"context": rand(batch, t5_tokens, 32), "encoder_hidden_states_llama3": rand(batch, 4, llama_tokens, 24),
                 "y": rand(batch, 20)}
@@ -192,11 +166,7 @@ def hidream_cases(seed=3):
 def lumina2_cases(seed=4):
     """Caption / image streams of 11 / 35 tokens; an odd latent with a masked caption; 3 / 2 tokens (fewer than
     ranks); batch 2 and 1."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
+    rand = seeded_randn(seed)
     t2 = torch.tensor([0.8, 0.25])
     mask = torch.ones(2, 11, dtype=torch.long)
     mask[1, 7:] = 0  # ComfyUI's NextDiT reads past the mask: every caption token is attended
@@ -209,11 +179,7 @@ def lumina2_cases(seed=4):
 def hunyuan_video_cases(channels: int = 16, version: str = "1.0", seed: int = 4) -> dict:
     """ComfyUI calls (x, timestep, kwargs): 35 tokens (one frame), 105 tokens, 3 tokens (batch 1); text 7 tokens; a
     reference latent (12 tokens ahead of the video); for 1.5 image-to-video SigLIP and ByT5 glyph tokens."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
+    rand = seeded_randn(seed)
     def text(batch):
         if version == "1.5":
             return {"context": rand(batch, 7, 32)}
@@ -235,11 +201,7 @@ def hunyuan_video_cases(channels: int = 16, version: str = "1.0", seed: int = 4)
 def qwen_flux_wan_cases(family: str) -> dict:
     """Two calls each (the tensor-parallel and all-in-one tests): batch 2 (a masked prompt for Qwen-Image), then
     batch 1 on all ranks."""
-    g = torch.Generator().manual_seed(11)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
+    rand = seeded_randn(11)
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, 6:] = 0  # the uncond prompt is shorter
     if family == "qwen_image":
@@ -258,10 +220,7 @@ def qwen_flux_wan_cases(family: str) -> dict:
 def cosmos_cases(seed=12):
     """Cosmos-Predict2: an image of 35 tokens (batch 2, CFG halves), a video of 27 tokens (3 frames of 3 x 3 patches,
     odd height and width padded by wrap-around), 2 tokens (fewer than the ranks)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
+    rand = seeded_randn(seed)
     return {"35_tokens": (rand(2, 16, 1, 10, 14), torch.tensor([0.7, 0.7]), {"context": rand(2, 9, 32)}),
             "odd_video": (rand(2, 16, 3, 5, 6), torch.tensor([0.4, 0.9]), {"context": rand(2, 7, 32)}),
             "2_tokens": (rand(1, 16, 1, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}

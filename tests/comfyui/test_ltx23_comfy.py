@@ -14,6 +14,7 @@ import torch
 
 import comfy_support as cs
 from family_support import assert_parity
+from sp_lab.conformance.cases import seeded_randn
 from sp_lab.references import ltx2 as ltx2_reference
 from sp_runtime.families import ltx2
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
@@ -59,11 +60,7 @@ def comfy_model(path: str, release: str):
 
 def make_calls(seed=7):
     """name -> (video, audio, sigma [B], video denoise mask or None, prompt features, frame rate, guide conds)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
+    rand = seeded_randn(seed)
     i2v = torch.ones(2, 1, 3, 5, 3)
     i2v[:, :, 0] = 0
     guided = torch.ones(2, 1, 5, 3, 3)

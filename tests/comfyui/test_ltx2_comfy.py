@@ -17,6 +17,7 @@ import torch
 
 import comfy_support as cs
 from family_support import assert_parity
+from sp_lab.conformance.cases import seeded_randn
 from sp_lab.references import ltx2 as ltx2_reference
 from sp_runtime.families import ltx2
 from sp_runtime.checkpoints.header import read_checkpoint_header
@@ -81,11 +82,7 @@ def comfy_model(av_model, path: str):
 
 def make_calls(seed=5):
     """name -> (video, audio, sigma [B], video denoise mask or None, raw prompt, frame rate, guide conditioning)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
+    rand = seeded_randn(seed)
     i2v = torch.ones(2, 1, 3, 5, 3)
     i2v[:, :, 0] = 0
     inpaint = torch.ones(2, 1, 3, 5, 3)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from family_support import FP32_TOL, assert_parity, relative_error
+from sp_lab.conformance.cases import seeded_randn
 from sp_lab.references.qwen_image import reference_forward as qwen_image_reference
 from sp_runtime.families import qwen_image
 from sp_runtime.checkpoints.header import read_checkpoint_header
@@ -24,11 +25,7 @@ def make_cases(seed=3):
     """ComfyUI calls (x, timestep, kwargs): 3 frames of 3 x 4 tokens (odd latent, padded), 2 frames of 4 x 4 + a
     condition image at -1 with additional_t_cond (1, 0), 4 frames + a condition placed by default (at -1, as ComfyUI
     does for Layered), batch 1."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
-
+    rand = seeded_randn(seed)
     t2 = torch.tensor([0.7, 0.3])
     return {
         "three_layers": (rand(2, 16, 3, 5, 7), t2, {"context": rand(2, 9, 32)}),
