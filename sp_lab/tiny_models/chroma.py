@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .weights import random_model, save_tiny, sized
+from .weights import plain_tiny, save_tiny
 
 CHROMA_TINY = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=2, num_single_layers=2,
                    attention_head_dim=16, num_attention_heads=6, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
@@ -23,12 +23,7 @@ _DOUBLE = {"attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj",
 _SINGLE = {"proj_out": "linear2", "attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
 
 
-def tiny_config(**size) -> dict:
-    return sized("chroma", CHROMA_TINY, size)
-
-
-def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
-    return random_model("ChromaTransformer2DModel", tiny_config(**size), seed)
+tiny_config, build_tiny_model = plain_tiny("chroma", "ChromaTransformer2DModel", CHROMA_TINY)
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

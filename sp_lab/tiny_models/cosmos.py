@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .weights import random_model, sized
+from .weights import plain_tiny
 
 COSMOS_TINY = dict(in_channels=16, out_channels=16, num_attention_heads=6, attention_head_dim=12, num_layers=2,
                    mlp_ratio=2.0, text_embed_dim=32, adaln_lora_dim=8, max_size=(128, 240, 240), patch_size=(1, 2, 2),
@@ -20,12 +20,7 @@ _BLOCK = {"norm1.linear_": "adaln_modulation_self_attn.", "norm2.linear_": "adal
           "norm_q.": "q_norm.", "norm_k.": "k_norm.", "ff.net.0.proj.": "mlp.layer1.", "ff.net.2.": "mlp.layer2."}
 
 
-def tiny_config(**size) -> dict:
-    return sized("cosmos", COSMOS_TINY, size)
-
-
-def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
-    return random_model("CosmosTransformer3DModel", tiny_config(**size), seed)
+tiny_config, build_tiny_model = plain_tiny("cosmos", "CosmosTransformer3DModel", COSMOS_TINY)
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

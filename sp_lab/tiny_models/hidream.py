@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .weights import random_model, save_tiny, sized
+from .weights import plain_tiny, save_tiny
 
 HIDREAM_TINY = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=2, num_single_layers=2,
                     attention_head_dim=8, num_attention_heads=20, caption_channels=[32, 24], text_emb_dim=20,
@@ -16,12 +16,7 @@ HIDREAM_TINY = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=2,
                     max_resolution=[128, 128], llama_layers=[0, 1, 2, 3])
 
 
-def tiny_config(**size) -> dict:
-    return sized("hidream", HIDREAM_TINY, size)
-
-
-def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
-    return random_model("HiDreamImageTransformer2DModel", tiny_config(**size), seed)
+tiny_config, build_tiny_model = plain_tiny("hidream", "HiDreamImageTransformer2DModel", HIDREAM_TINY)
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

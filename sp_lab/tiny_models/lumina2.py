@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .weights import random_model, sized
+from .weights import plain_tiny
 
 LUMINA2_TINY = dict(patch_size=2, in_channels=16, hidden_size=144, num_layers=2, num_refiner_layers=1,
                     num_attention_heads=6, num_kv_heads=2, multiple_of=256, ffn_dim_multiplier=None,
@@ -22,12 +22,7 @@ _BLOCK = {".attn.to_out.0.": ".attention.out.", ".attn.norm_q.": ".attention.q_n
           ".feed_forward.linear_3.": ".feed_forward.w3."}
 
 
-def tiny_config(**size) -> dict:
-    return sized("lumina2", LUMINA2_TINY, size)
-
-
-def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
-    return random_model("Lumina2Transformer2DModel", tiny_config(**size), seed)
+tiny_config, build_tiny_model = plain_tiny("lumina2", "Lumina2Transformer2DModel", LUMINA2_TINY)
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

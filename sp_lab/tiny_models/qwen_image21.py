@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from .weights import random_model, sized
+from .weights import plain_tiny
 
 QWEN21_TINY = dict(patch_size=1, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=128,
                    num_attention_heads=5, context_in_dim=32, mlp_ratio=3, axes_dims_rope=(16, 56, 56))
 
 
-def tiny_config(**size) -> dict:
-    return sized("qwen_image21", QWEN21_TINY, size, "axes_dims_rope")
-
-
-def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
-    return random_model("QwenImage21Transformer2DModel", tiny_config(**size), seed)
+tiny_config, build_tiny_model = plain_tiny("qwen_image21", "QwenImage21Transformer2DModel", QWEN21_TINY, "axes_dims_rope")
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

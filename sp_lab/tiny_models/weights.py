@@ -59,6 +59,17 @@ def random_model(class_name: str, config: dict, seed: int) -> torch.nn.Module:
     return model.eval().requires_grad_(False)
 
 
+def plain_tiny(family: str, class_name: str, defaults: dict, rope_key: str = "") -> tuple[Callable, Callable]:
+    """(tiny_config(**size), build_tiny_model(seed=0, **size)) of a family whose tiny model is diffusers'
+    `class_name` at `defaults` (`size` overriding, see sized) with seeded random weights."""
+    def tiny_config(**size) -> dict:
+        return sized(family, defaults, size, rope_key)
+
+    def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
+        return random_model(class_name, tiny_config(**size), seed)
+    return tiny_config, build_tiny_model
+
+
 def save_tiny(model: torch.nn.Module, path: str, layout: str, dtype: str, prefix: str = "",
               max_shard_size: Optional[str] = None, original: Optional[Callable] = None, extra: Optional[dict] = None,
               metadata: Optional[dict] = None) -> str:
