@@ -8,7 +8,6 @@ import statistics
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from sp_runtime.cli.machine import device_sync, median_time, timings
 
@@ -44,17 +43,9 @@ class AttentionCase:
 
 def reference_attention(q, k, v, text, mask):
     """Plain SDPA over [text, image] in float32 (independent of sp_runtime.attention): (image out, text out)."""
-    length = 0 if text is None else text[0].shape[1]
-    if text is not None:
-        q, k, v = (torch.cat([t, x], dim=1) for t, x in zip(text, (q, k, v)))
-    attn_mask = None
-    if mask is not None:
-        keep = torch.ones(mask.shape[0], q.shape[1], dtype=torch.bool, device=q.device)
-        keep[:, :length] = mask
-        attn_mask = keep[:, None, None, :]
-    out = F.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (q, k, v)),
-                                         attn_mask=attn_mask).transpose(1, 2)
-    return out[:, length:], (out[:, :length] if text is not None else None)
+    from sp_lab.families.toy import plain_joint_attention
+    text = None if text is None else tuple(part.float() for part in text)
+    return plain_joint_attention(q.float(), k.float(), v.float(), text, mask)
 
 
 def attention_parity(rank: int, devices: list[str], layout: dict, cases: list[dict],

@@ -336,13 +336,13 @@ class ToyReference:
             tokens = token_count(x.shape, config["patch_size"])
             tokens_out = self.transformer.run(
                 x, timestep, inputs, 0, tokens,
-                lambda q, k, v, text: _plain_joint_attention(q, k, v, text, mask),
+                lambda q, k, v, text: plain_joint_attention(q, k, v, text, mask),
                 lambda block: None, lambda name, tensor, dtype: tensor.to(dtype) if dtype else tensor)
             write_tokens(out, tokens_out, 0, config["patch_size"])
         return out
 
 
-def _plain_joint_attention(q, k, v, text, mask):
+def plain_joint_attention(q, k, v, text, mask):
     """[text, image] joint SDPA over the whole sequence; independent of sp_runtime.attention."""
     length = 0 if text is None else text[0].shape[1]
     if text is not None:
