@@ -136,3 +136,14 @@ def with_rope_axes_option(detection, options: dict):
     if "axes_dims_rope" not in options:
         return detection
     return replace(detection, config={**detection.config, "axes_dims_rope": tuple(options["axes_dims_rope"])})
+
+
+def layout_detection(header, family: str, found, variant_of: Callable[[dict], str] = lambda config: ""):
+    """The Detection of checkpoints.loading.two_layouts' answer (layout, prefix, config), None for None; its variant
+    is variant_of(config)."""
+    from ..contract import Detection
+    if found is None:
+        return None
+    layout, prefix, config = found
+    return Detection(family=family, variant=variant_of(config), layout=layout, prefix=prefix, config=config,
+                     files=header.source.files)

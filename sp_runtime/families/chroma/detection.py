@@ -9,6 +9,7 @@ from ...contract import Detection
 from ..flux.detection import shared_architecture
 from ...checkpoints.loading import count_blocks, folder_entries, layout_keys, shape_of, two_layouts
 from ...checkpoints.header import Header
+from ..family import layout_detection
 
 NAME = "chroma"
 DESCRIPTION = "Chroma (HD, v48-v50)"
@@ -37,12 +38,7 @@ def detect(header: Header) -> Optional[Detection]:
         folder["out_channels"] = folder.get("out_channels") or folder["in_channels"]
     found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS),
                         lambda keys, layout: architecture(keys, layout, header.path))
-    return None if found is None else _detection(header, *found)
-
-
-def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    return Detection(family=NAME, variant="", layout=layout, prefix=prefix, config=config,
-                     files=header.source.files)
+    return layout_detection(header, NAME, found)
 
 
 def architecture(keys: dict, layout: str, path: str = "") -> dict:

@@ -8,6 +8,7 @@ from ...checkpoints.header import Header
 from ...checkpoints.loading import count_blocks, folder_entries, layout_keys, shape_of, two_layouts
 from ...contract import Detection
 from ...sp.tokens import rope_axes
+from ..family import layout_detection
 
 NAME = "flux"
 PATCH = 2
@@ -29,12 +30,7 @@ def detect(header: Header) -> Optional[Detection]:
     if folder:  # diffusers' out_channels None: as many as in
         folder["out_channels"] = folder.get("out_channels") or folder["in_channels"]
     found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS), architecture)
-    return None if found is None else _detection(header, *found)
-
-
-def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    return Detection(family=NAME, variant=variant_of(config), layout=layout, prefix=prefix, config=config,
-                     files=header.source.files)
+    return layout_detection(header, NAME, found, variant_of)
 
 
 def variant_of(config: dict) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Optional
 
 from ...checkpoints.header import Header
-from ...checkpoints.loading import count_blocks, folder_entries, layout_keys, shape_of, two_layouts
+from ...checkpoints.loading import folder_entries, layout_keys, shape_of, two_layouts
 from ...contract import Detection
 from ..flux.detection import shared_architecture
+from ..family import layout_detection
 
 NAME = "flux2"
 PATCH = 1                  # ComfyUI's Flux.2 takes its 128-channel latents unpatched
@@ -44,13 +45,8 @@ def detect(header: Header) -> Optional[Detection]:
     if folder:
         folder["out_channels"] = folder.get("out_channels") or folder["in_channels"]
     found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS), architecture)
-    return None if found is None else _detection(header, *found)
-
-
-def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    variant = "dev" if config.get("guidance_embeds", True) else "klein"
-    return Detection(family=NAME, variant=variant, layout=layout, prefix=prefix, config=config,
-                     files=header.source.files)
+    return layout_detection(header, NAME, found,
+                            lambda config: "dev" if config.get("guidance_embeds", True) else "klein")
 
 
 def architecture(keys: dict, layout: str) -> dict:

@@ -10,6 +10,7 @@ from ...checkpoints.loading import count_blocks, folder_entries, layout_keys, sh
 from ...contract import Detection
 from ...sp.tokens import rope_axes
 from .keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_names
+from ..family import layout_detection
 
 NAME = "hunyuan_video"
 ROPE_THETA = 256
@@ -35,12 +36,7 @@ def detect(header: Header) -> Optional[Detection]:
         return None
     folder = folder_entries(header, "HunyuanVideoTransformer3DModel", CONFIG_KEYS, tuples=("rope_axes_dim",))
     found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS), architecture)
-    return None if found is None else _detection(header, *found)
-
-
-def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    return Detection(family=NAME, variant=VARIANTS.get(config["in_channels"], ""), layout=layout, prefix=prefix,
-                     config=config, files=header.source.files)
+    return layout_detection(header, NAME, found, lambda config: VARIANTS.get(config["in_channels"], ""))
 
 
 def architecture(keys: dict, layout: str) -> Optional[dict]:

@@ -10,6 +10,7 @@ from ...checkpoints.loading import count_blocks, folder_entries, layout_keys, sh
 from ...contract import Detection
 from ..hunyuan_video.detection import shared_architecture
 from ..hunyuan_video.keys import REFINER_STEM, SHARED_ARCHITECTURE_KEYS, comfy_names
+from ..family import layout_detection
 
 NAME = "hunyuan_video15"
 CONFIG_KEYS = ("in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "num_layers",
@@ -34,12 +35,7 @@ def detect(header: Header) -> Optional[Detection]:
     folder = folder_entries(header, "HunyuanVideo15Transformer3DModel", CONFIG_KEYS, tuples=("rope_axes_dim",))
     found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS),
                         lambda keys, layout: architecture(keys, layout, header.path))
-    return None if found is None else _detection(header, *found)
-
-
-def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    return Detection(family=NAME, variant=SR if config.get("use_meanflow") else "", layout=layout, prefix=prefix,
-                     config=config, files=header.source.files)
+    return layout_detection(header, NAME, found, lambda config: SR if config.get("use_meanflow") else "")
 
 
 def architecture(keys: dict, layout: str, path: str = "") -> dict:

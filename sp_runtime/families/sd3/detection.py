@@ -9,6 +9,7 @@ from typing import Optional
 from ...contract import Detection
 from ...checkpoints.loading import count_blocks, folder_entries, layout_keys, shape_of, two_layouts
 from ...checkpoints.header import Header
+from ..family import layout_detection
 
 NAME = "sd3"
 DESCRIPTION = "SD3 / SD3.5 (Large, Large Turbo, Medium)"
@@ -36,12 +37,7 @@ def detect(header: Header) -> Optional[Detection]:
     folder = folder_entries(header, CLASS_NAME, CONFIG_KEYS, {"dual_attention_layers": ()}, ("dual_attention_layers",))
     found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS),
                         lambda keys, layout: architecture(keys, layout, header.path))
-    return None if found is None else _detection(header, *found)
-
-
-def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    return Detection(family=NAME, variant=variant_of(config), layout=layout, prefix=prefix, config=config,
-                     files=header.source.files)
+    return layout_detection(header, NAME, found, variant_of)
 
 
 def variant_of(config: dict) -> str:
