@@ -9,6 +9,7 @@ from typing import Optional
 from ...checkpoints.header import Header
 from ...checkpoints.loading import count_blocks, find_prefix, folder_entries, shape_of, strip_prefix
 from ...contract import Detection
+from ..family import layout_detection
 
 NAME = "hidream"
 DESCRIPTION = "HiDream I1 (full, dev, fast) / E1 (edit)"
@@ -27,16 +28,11 @@ CONFIG_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "num_s
 def detect(header: Header) -> Optional[Detection]:
     folder = folder_entries(header, CLASS_NAME, CONFIG_KEYS)
     if folder is not None:
-        return _detection(header, "", folder) if folder else None
+        return layout_detection(header, NAME, ("diffusers", "", folder)) if folder else None
     prefix = find_prefix(header.tensors, ANCHORS)
     if prefix is None:
         return None
-    return _detection(header, prefix, architecture(strip_prefix(header.tensors, prefix)))
-
-
-def _detection(header: Header, prefix: str, config: dict) -> Detection:
-    return Detection(family=NAME, variant="", layout="diffusers", prefix=prefix, config=config,
-                     files=header.source.files)
+    return layout_detection(header, NAME, ("diffusers", prefix, architecture(strip_prefix(header.tensors, prefix))))
 
 
 def architecture(keys: dict) -> dict:

@@ -10,6 +10,7 @@ from typing import Optional
 from ...contract import Detection
 from ...checkpoints.loading import count_blocks, find_prefix, layout_keys, shape_of, strip_prefix
 from ...checkpoints.header import Header, header_config
+from ..family import layout_detection
 from .keys import original_key, wan_key_plan
 from .variants import REGISTRY
 
@@ -58,13 +59,13 @@ def detect(header: Header) -> Optional[Detection]:
         for variant in REGISTRY:
             if variant.marked is not None and (own_layout is variant or stated == variant.model_type):
                 config.update(variant.marked(config, header.path))
-        return _detection(header, "original", prefix, config)
+        return layout_detection(header, FAMILY, ("original", prefix, config), variant_of)
     prefix = find_prefix(header.tensors, DIFFUSERS_ANCHORS)
     if prefix is None:
         return None
     keys = strip_prefix(header.tensors, prefix)
     config = architecture(keys, "diffusers", _stated_head_dim(header, folder_config))
-    return _detection(header, "diffusers", prefix, config)
+    return layout_detection(header, FAMILY, ("diffusers", prefix, config), variant_of)
 
 
 def _original_prefix(header: Header):
@@ -79,11 +80,6 @@ def _original_prefix(header: Header):
             if prefix is not None:
                 return prefix, variant
     return None, None
-
-
-def _detection(header: Header, layout: str, prefix: str, config: dict) -> Detection:
-    return Detection(family=FAMILY, variant=variant_of(config), layout=layout, prefix=prefix, config=config,
-                     files=header.source.files)
 
 
 def variant_of(config: dict) -> str:
