@@ -2,14 +2,10 @@
 options), its patch; ScaleROPE's rope_options applied in the workers."""
 from __future__ import annotations
 
-from ...contract import ComfyHost, HostHooks, ModelInfo
+from ...contract import ComfyHost, HostHooks
 from .detection import PATCH
 
 
-def _comfy_unet_config(info: ModelInfo) -> dict:
-    return {"in_channels": info.in_channels}
-
-
-COMFY = ComfyHost(model_classes={"": "Lumina2"}, unet_config=_comfy_unet_config,
+COMFY = ComfyHost(model_classes={"": "Lumina2"}, unet_config=lambda info: {"in_channels": info.in_channels},
                   attributes=lambda info: {"patch_size": PATCH, "pad_tokens_multiple": None},
                   hooks=HostHooks(rope_options="applied"))

@@ -2,14 +2,10 @@
 ScaleROPE's rope_options applied in the workers."""
 from __future__ import annotations
 
-from ...contract import ComfyHost, HostHooks, ModelInfo
+from ...contract import ComfyHost, HostHooks
 from .detection import PAD_MULTIPLE, PATCH
 
 
-def _comfy_unet_config(info: ModelInfo) -> dict:
-    return {"in_channels": info.in_channels}
-
-
-COMFY = ComfyHost(model_classes={"": "ZImage"}, unet_config=_comfy_unet_config,
+COMFY = ComfyHost(model_classes={"": "ZImage"}, unet_config=lambda info: {"in_channels": info.in_channels},
                   attributes=lambda info: {"patch_size": PATCH, "pad_tokens_multiple": PAD_MULTIPLE},
                   hooks=HostHooks(rope_options="applied"))
