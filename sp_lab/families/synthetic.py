@@ -41,16 +41,9 @@ def detect(header: Header) -> Optional[Detection]:
 
 def family_worker(family: str, model, config: dict, dtypes):
     """The family's worker around a built model, made by the family's own worker_from_model (as its load() does)."""
-    if family == "qwen_image":
-        from sp_runtime.families import qwen_image as module
-        variant = module.VARIANT_IMAGE
-    elif family == "flux":
-        from sp_runtime.families import flux as module
-        variant = module.variant_of(config)
-    else:
-        from sp_runtime.families import wan as module
-        from sp_runtime.families.wan import variant_of
-        variant = variant_of(config)
+    from sp_runtime.families import family_module
+    module = family_module(family)  # qwen_image (one variant for every config), flux or wan
+    variant = module.VARIANT_IMAGE if family == "qwen_image" else module.variant_of(config)
     detection = Detection(family=family, variant=variant, layout="diffusers", config=config)
     return module.worker_from_model(model, detection, dtypes, {})
 
@@ -58,7 +51,7 @@ def family_worker(family: str, model, config: dict, dtypes):
 def build_model(family: str, config: dict, dtype: str, device: torch.device, seed: int = 0,
                 progress: Optional[ProgressFn] = None):
     """An eval-mode diffusers model of the family with seeded random weights on `device`; returns (model, dtypes)."""
-    from sp_runtime.checkpoints.loading import build_empty_model, choose_dtypes, target_dtypes
+    from sp_runtime.checkpoints.loading import build_empty_model, choose_dtypes, move_buffers, target_dtypes
     config = with_tuples(config)
     dtypes = choose_dtypes(dtype)
     model = build_empty_model(model_class(family), config, dtypes)
@@ -71,10 +64,7 @@ def build_model(family: str, config: dict, dtype: str, device: torch.device, see
         module._parameters[attribute] = torch.nn.Parameter(values, requires_grad=False)
         if progress is not None:
             progress((index + 1) / len(parameters), f"drawing random weights ({family})")
-    for module in model.modules():  # init_empty_weights left the (real) buffers on the CPU
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None:
-                module._buffers[name] = buffer.to(device)
+    move_buffers(model, device)  # init_empty_weights left the (real) buffers on the CPU
     return model.eval().requires_grad_(False), dtypes
 
 

@@ -380,7 +380,7 @@ def load_weights(model: torch.nn.Module, source: CheckpointSource, *, device: to
         model.__dict__["_deferred_weights"] = deferred
     if sink is not None:
         sink.finish()
-    _move_buffers(model, device)
+    move_buffers(model, device)
     model.requires_grad_(False)
     reporter.done()
     return model.eval()
@@ -407,7 +407,7 @@ def _check_keys(source: CheckpointSource, targets: Mapping, loaded: set, unexpec
                          f"The file may be a different variant or a merge with extra layers")
 
 
-def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
+def move_buffers(model: torch.nn.Module, device: torch.device) -> None:
     """Buffers were built on the CPU by init_empty_weights; parameters already sit on `device`."""
     for module in model.modules():
         for name, buffer in list(module._buffers.items()):
