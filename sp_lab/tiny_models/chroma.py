@@ -5,11 +5,9 @@ a 2-layer guidance network of width 48) and their files in ComfyUI's key layout 
 plan, so that a round trip checks both."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .weights import plain_tiny, save_tiny
+from .weights import plain_tiny
 
 CHROMA_TINY = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=2, num_single_layers=2,
                    attention_head_dim=16, num_attention_heads=6, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
@@ -57,8 +55,3 @@ def _block(stem: str, index: str, rest: str, state: dict) -> dict:
         parts = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
         return {f"{theirs}linear1.{kind}": torch.cat([state[f"{ours}{p}.{kind}"] for p in parts])}
     return {}
-
-
-def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
-                          prefix: str = "", max_shard_size: Optional[str] = None, **size) -> str:
-    return save_tiny(build_tiny_model(seed, **size), path, layout, dtype, prefix, max_shard_size, original_state_dict)

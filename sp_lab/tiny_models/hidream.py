@@ -4,11 +4,9 @@ block) and their files: ComfyUI names HiDream's weights as diffusers does, with 
 `model.diffusion_model.`, and diffusers folders."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .weights import plain_tiny, save_tiny
+from .weights import plain_tiny
 
 HIDREAM_TINY = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=2, num_single_layers=2,
                     attention_head_dim=8, num_attention_heads=20, caption_channels=[32, 24], text_emb_dim=20,
@@ -21,8 +19,3 @@ tiny_config, build_tiny_model = plain_tiny("hidream", "HiDreamImageTransformer2D
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {key: value.detach() for key, value in model.state_dict().items()}
-
-
-def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
-                          prefix: str = "", max_shard_size: Optional[str] = None, **size) -> str:
-    return save_tiny(build_tiny_model(seed, **size), path, layout, dtype, prefix, max_shard_size, original_state_dict)

@@ -5,11 +5,9 @@ as diffusers folders. The ComfyUI writer is the inverse of the loader's key plan
 from diffusers' converter), so that a round trip checks both."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .weights import random_model, save_tiny, sized
+from .weights import random_model, sized
 
 SD3_TINY = dict(sample_size=12, patch_size=2, in_channels=16, out_channels=16, num_layers=3, attention_head_dim=64,
                 num_attention_heads=3, joint_attention_dim=32, caption_projection_dim=192, pooled_projection_dim=24,
@@ -69,10 +67,3 @@ def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for kind in ("weight", "bias"):
                 out[f"{name}.{kind}"] = _swapped(out[f"{name}.{kind}"])
     return out
-
-
-def write_tiny_checkpoint(path: str, layout: str = "original", dtype: str = "float32", seed: int = 0,
-                          prefix: str = "", max_shard_size: Optional[str] = None, variant: str = "3.5_medium",
-                          **size) -> str:
-    return save_tiny(build_tiny_model(seed, variant, **size), path, layout, dtype, prefix, max_shard_size,
-                     original_state_dict)

@@ -27,8 +27,8 @@ LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": 
 @pytest.fixture(scope="module")
 def chroma_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chroma")
-    return {name: tiny.write_tiny_checkpoint(str(folder / (name if "folder" in name else f"{name}.safetensors")),
-                                             seed=SEED, **kw) for name, kw in LAYOUTS.items()}
+    return {name: write_other("chroma", str(folder / (name if "folder" in name else f"{name}.safetensors")),
+                                        seed=SEED, **kw) for name, kw in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +138,8 @@ def chroma_comfy(tmp_path_factory):
     import comfy.ops
     import comfy.utils
     from comfy.ldm.chroma.model import Chroma
-    path = tiny.write_tiny_checkpoint(str(tmp_path_factory.mktemp("chroma_comfy") / "c.safetensors"), seed=SEED,
-                                      prefix=COMFY_PREFIX, **COMFY_SIZE)
+    path = write_other("chroma", str(tmp_path_factory.mktemp("chroma_comfy") / "c.safetensors"), seed=SEED,
+                                 prefix=COMFY_PREFIX, **COMFY_SIZE)
     state = comfy.utils.load_torch_file(path)
     config = comfy.model_detection.detect_unet_config(state, COMFY_PREFIX)
     ours = tiny.tiny_config(**COMFY_SIZE)

@@ -25,8 +25,8 @@ LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers_fo
 @pytest.fixture(scope="module")
 def hidream_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hidream")
-    return {name: tiny.write_tiny_checkpoint(str(folder / (name if "folder" in name else f"{name}.safetensors")),
-                                             seed=SEED, **kw) for name, kw in LAYOUTS.items()}
+    return {name: write_other("hidream", str(folder / (name if "folder" in name else f"{name}.safetensors")),
+                                         seed=SEED, **kw) for name, kw in LAYOUTS.items()}
 
 
 def test_reference_image_llama_layers_and_timestep_matter(family_subject):
@@ -92,8 +92,8 @@ def test_template_formats_fp8_and_bf16(family_pool, tmp_path):
         pytest.skip("checked at degree 2")
     want = tiny.build_tiny_model(SEED).state_dict()
     for dtype, name in (("float8_e4m3fn", "hidream_i1_full_fp8"), ("bfloat16", "hidream_e1_1_bf16")):
-        path = tiny.write_tiny_checkpoint(str(tmp_path / f"{name}.safetensors"), dtype=dtype, seed=SEED,
-                                          prefix=COMFY_PREFIX)
+        path = write_other("hidream", str(tmp_path / f"{name}.safetensors"), dtype=dtype, seed=SEED,
+                                      prefix=COMFY_PREFIX)
         assert detect_any(read_checkpoint_header(path)).family == "hidream"
         got = hidream.load_model(path)[0].state_dict()  # the loader's storage dtype takes the vectors too
         assert got.keys() == want.keys()

@@ -27,8 +27,8 @@ LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": 
 @pytest.fixture(scope="module")
 def sd3_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sd3")
-    return {name: tiny.write_tiny_checkpoint(str(folder / (name if "folder" in name else f"{name}.safetensors")),
-                                             seed=SEED, **kw) for name, kw in LAYOUTS.items()}
+    return {name: write_other("sd3", str(folder / (name if "folder" in name else f"{name}.safetensors")),
+                                     seed=SEED, **kw) for name, kw in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
