@@ -6,12 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ...contract import ComfyHost, HostHooks, ModelInfo
-
-
-def _comfy_unet_config(info: ModelInfo) -> dict:
-    patch = [info.config["patch_size_t"], info.config["patch_size"], info.config["patch_size"]]
-    return {"in_channels": info.in_channels, "out_channels": info.out_channels, "patch_size": patch}
+from ...contract import ComfyHost, HostHooks, ModelInfo, latent_channels
 
 
 def comfy_attributes(info: ModelInfo) -> dict:
@@ -24,6 +19,7 @@ def comfy_attributes(info: ModelInfo) -> dict:
 
 
 COMFY = ComfyHost(model_classes={"i2v": "HunyuanVideoI2V", "skyreels_i2v": "HunyuanVideoSkyreelsI2V",
-                                 "": "HunyuanVideo"},
-                  unet_config=_comfy_unet_config, attributes=comfy_attributes,
+                                 "": "HunyuanVideo"}, attributes=comfy_attributes,
+                  unet_config=lambda info: {**latent_channels(info),
+                                            "patch_size": comfy_attributes(info)["patch_size"]},
                   hooks=HostHooks(rope_options="ignored"))
