@@ -1,8 +1,8 @@
 """Lumina 2's sequence-parallel plan (NextDiT as ComfyUI runs Lumina-Image 2.0 / NetaYume, on diffusers'
-Lumina2Transformer2DModel): Z-Image's streams without its padding: the caption and the image are two split streams,
-`context_refiner` and `noise_refiner` attend within one, `layers` over their rank-wise union (nothing is masked:
-ComfyUI's NextDiT reads past the caption mask, so the order changes nothing). Differences from Z-Image: no pad
-tokens, grouped key / value heads (repeated to the query heads before the exchange, as both codes do before
+Lumina2Transformer2DModel): Z-Image's streams and blocks without its padding: the caption and the image are two split
+streams, `context_refiner` and `noise_refiner` attend within one, `layers` over their rank-wise union (nothing is
+masked: ComfyUI's NextDiT reads past the caption mask, so the order changes nothing). Differences from Z-Image: no
+pad tokens, grouped key / value heads (repeated to the query heads before the exchange, as both codes do before
 attention), t = 1 - sigma unscaled, rotary theta 10000, SiLU before every modulation."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from ...sp import AttentionSpec, Output, Part, Plan, Stage, Stream
 from ...sp.tokens import TokenGrid, pad_to_patch, patchify
-from ..z_image.plan import check_nextdit, image_axes, output_tokens
+from ..z_image.plan import caption_block, check_nextdit, image_axes, image_block, join, joint_block, output_tokens
 from .detection import PATCH, ROPE_THETA
 
 UNSUPPORTED_INPUTS = ("ref_latents", "ref_contexts", "siglip_feats", "direct_context", "ref_frames")
@@ -61,28 +61,12 @@ def condition(call) -> None:
     call.adaln = embed.timestep_embedder(embed.time_proj(1 - call.sigma()).to(call.dtype))
 
 
-def join(call) -> None:
-    call.joint = torch.cat([call.caption, call.image], dim=1)
-
-
-def _caption_block(block, call) -> None:
-    call.caption = block(call.caption, None, None)
-
-
-def _image_block(block, call) -> None:
-    call.image = block(call.image, None, None, call.adaln)
-
-
-def _joint_block(block, call) -> None:
-    call.joint = block(call.joint, None, None, call.adaln)
-
-
 GROUPED = AttentionSpec(project=project_grouped_qkv)
 PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dim_rope, ROPE_THETA),
             condition=condition,
-            stages=(Stage("context_refiner", _caption_block, attends="caption", text=None, attention=GROUPED),
-                    Stage("noise_refiner", _image_block, attends="image", text=None, attention=GROUPED),
-                    Stage("layers", _joint_block, attends=("caption", "image"), text=None, attention=GROUPED,
+            stages=(Stage("context_refiner", caption_block, attends="caption", text=None, attention=GROUPED),
+                    Stage("noise_refiner", image_block, attends="image", text=None, attention=GROUPED),
+                    Stage("layers", joint_block, attends=("caption", "image"), text=None, attention=GROUPED,
                           before=join)),
             head=lambda call: call.model.norm_out(call.joint[:, call.caption.shape[1]:], call.adaln),
             output_tokens=output_tokens)

@@ -103,23 +103,23 @@ def output_tokens(call, tokens: torch.Tensor) -> torch.Tensor:
     return -tokens.unflatten(-1, (PATCH, PATCH, call.x.shape[1])).permute(0, 1, 4, 2, 3).flatten(2)
 
 
-def _caption_block(block, call) -> None:
+def caption_block(block, call) -> None:
     call.caption = block(call.caption, None, None)
 
 
-def _image_block(block, call) -> None:
+def image_block(block, call) -> None:
     call.image = block(call.image, None, None, call.adaln)
 
 
-def _joint_block(block, call) -> None:
+def joint_block(block, call) -> None:
     call.joint = block(call.joint, None, None, call.adaln)
 
 
 PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims, config.rope_theta),
             condition=condition,
-            stages=(Stage("context_refiner", _caption_block, attends="caption", text=None),
-                    Stage("noise_refiner", _image_block, attends="image", text=None),
-                    Stage("layers", _joint_block, attends=("caption", "image"), text=None, before=join)),
+            stages=(Stage("context_refiner", caption_block, attends="caption", text=None),
+                    Stage("noise_refiner", image_block, attends="image", text=None),
+                    Stage("layers", joint_block, attends=("caption", "image"), text=None, before=join)),
             head=lambda call: call.model.all_final_layer[f"{PATCH}-1"](call.joint[:, call.caption.shape[1]:],
                                                                        c=call.adaln),
             output_tokens=output_tokens,
