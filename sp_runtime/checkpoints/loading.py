@@ -291,9 +291,16 @@ def swap_halves(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([second, first])
 
 
-def identity_plan(keys: Iterable[str]) -> dict[str, list[tuple[str, Transform]]]:
-    """A plan for checkpoints whose keys already are the model's keys (diffusers layout)."""
+def identity_plan(keys: Iterable[str], config=None) -> dict[str, list[tuple[str, Transform]]]:
+    """A plan for checkpoints whose keys already are the model's keys (diffusers layout); the original_plan of a
+    family whose files all name weights as diffusers does."""
     return {key: [(key, None)] for key in keys}
+
+
+def diffusers_names(detection, keys: Iterable[str]) -> None:
+    """The weight_plan of a family whose files all name weights as diffusers does (ComfyUI's too, a prefix aside):
+    every layout loads as it is."""
+    return None
 
 
 def original_layout_plan(original_plan: Callable) -> Callable:

@@ -6,12 +6,12 @@ split with them); the text replicated: T5 and the last Llama layer throughout, p
 projected per block and joined to that block's attention only (double blocks through the text projections, single
 blocks as leading tokens of the joint sequence). The feed-forwards, mixture-of-experts included, route every token
 on its own, so they run on each rank's tokens. detection.py reads the header (ComfyUI and diffusers name the weights
-alike: keys.py is the identity), host.py is what ComfyUI's host side reads.
+alike: the key plan is the identity), host.py is what ComfyUI's host side reads.
 """
+from ...checkpoints.loading import diffusers_names as weight_plan, identity_plan as original_plan
 from ..family import Family, PlanModel
 from .detection import CLASS_NAME, CONFIG_KEYS, DESCRIPTION, NAME, detect
 from .host import COMFY
-from .keys import original_plan, weight_plan
 from .plan import PLAN
 
 MODEL = PlanModel(NAME, "HiDream", CLASS_NAME, detect, weight_plan, PLAN, 4, CONFIG_KEYS,

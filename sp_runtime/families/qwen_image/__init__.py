@@ -5,11 +5,11 @@ Plan (plan.py): the output latent's frames (Layered: the RGBA layers, at rotary 
 latents are patchified and split over the ranks; the text is replicated with its padding mask and joined in every
 block; Edit-2511 modulates the reference tokens at timestep 0; the head writes each rank's own output tokens.
 """
+from ...checkpoints.loading import diffusers_names as weight_plan, identity_plan as original_plan
 from ..family import Family, PlanModel
 from .detection import (CONFIG_KEYS, EDIT_2511_MARKER, LAYERED_MARKER, NAME, PATCH, REF_METHODS, VARIANT_EDIT_2511,
                         VARIANT_IMAGE, VARIANT_LAYERED, architecture, detect, with_options)
 from .host import COMFY
-from .keys import original_plan, weight_plan
 from .plan import PLAN, as_4d, default_ref_method
 
 MODEL = PlanModel(NAME, "Qwen-Image", "QwenImageTransformer2DModel", detect, weight_plan, PLAN, 5, CONFIG_KEYS,
