@@ -12,7 +12,8 @@ QWEN21_TINY = dict(patch_size=1, in_channels=16, out_channels=16, num_layers=2, 
                    num_attention_heads=5, context_in_dim=32, mlp_ratio=3, axes_dims_rope=(16, 56, 56))
 
 
-tiny_config, build_tiny_model = plain_tiny("qwen_image21", "QwenImage21Transformer2DModel", QWEN21_TINY, "axes_dims_rope")
+tiny_config, build_tiny_model = plain_tiny("qwen_image21", "QwenImage21Transformer2DModel", QWEN21_TINY,
+                                           "axes_dims_rope")
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
