@@ -36,7 +36,6 @@ NOT_IMAGE_VIDEO = "not an image / video diffusion model"
 # Variants a served family's detector refuses with an error naming them (the family's own detection.py).
 REFUSED_VARIANTS = {"Anima (Cosmos-Predict2 with an LLM adapter)": "cosmos/detection.py",
                     "Chroma Radiance": "chroma/detection.py",
-                    "MiniMax H3 reference blocks": "minimax_h3/plan.py (input refs, which its templates set)",
                     "NewBie / Ming-Image (NextDiT with pooled text / reference frames)": "lumina2/detection.py",
                     "Wan-based variant (modules Wan's detector does not know)": "wan/detection.py"}
 
@@ -70,7 +69,7 @@ KINDS = [
     (r"^NetaYume", "lumina2", "Lumina 2 (NetaYume)"),
     (r"^(NewBie|ming_image)", "NewBie / Ming-Image (NextDiT with pooled text / reference frames)",
      "NewBie / Ming-Image"),
-    (r"^(minimax_h3_ref2va|fasth3_omniref)", "MiniMax H3 reference blocks", "MiniMax H3 ref2va / omni-ref"),
+    (r"^(minimax_h3_ref2va|fasth3_omniref)", "minimax_h3", "MiniMax H3 ref2va / omni-ref"),
     (r"^(minimax_h3|fastvideo_fasth3)", "minimax_h3", "MiniMax H3 (t2va, fl2va, FastH3)"),
     (r"^anima", "Anima (Cosmos-Predict2 with an LLM adapter)", "Cosmos-Predict2 / Anima"),
     (r"^moss_image", "moss_image", "MOSS-Image"),

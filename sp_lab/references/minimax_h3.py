@@ -1,6 +1,6 @@
 """MiniMax H3 single-device reference: diffusers' stock MiniMaxH3Transformer3DModel forward fed ComfyUI's call as
-its MiniMaxH3Model builds the packed sequence ([text | keyframe rows | audio | video], (t, h, w) positions, per-row
-timesteps and modality tags), the output negated and unpacked as ComfyUI returns it. Pruned files (the curve time
+its MiniMaxH3Model builds the packed sequence ([text | keyframe rows | reference blocks | audio | video], (t, h, w)
+positions, per-row timesteps and modality tags, the text encoder's per-token tags), the output negated and unpacked as ComfyUI returns it. Pruned files (the curve time
 embedding) run the same forward with the AdaLN projections reading the curve without an activation, as ComfyUI's
 pruned path does. Written apart from the plan on purpose (diffusers' own rotary and AdaLN indexing)."""
 from __future__ import annotations
@@ -86,9 +86,29 @@ def _one_head_each(model, sigma, sample_sigmas, channels):
         model.proj_out, model.audio_proj_out = saved
 
 
+def _span(kind, latent, audio):
+    if kind == "image":
+        return 1.0
+    steps = 0.0 if audio is None else float(audio.shape[-1])
+    if kind == "audio":
+        return steps
+    return max(steps, sum(RESCALE * PER_TOKEN[k % 5] for k in range(latent.shape[2])))
+
+
+def _audio_positions(origin, steps, low, high):
+    grid = torch.zeros(2 * steps, 3, dtype=torch.float64)
+    grid[:, 0] = (origin + torch.arange(steps, dtype=torch.float64)).repeat(2)
+    grid[:steps, 2], grid[steps:, 2] = low, high
+    return grid
+
+
+def _audio_rows(audio):
+    return audio.float().permute(0, 2, 3, 1).reshape(audio.shape[0], 2 * audio.shape[3], -1)
+
+
 def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, latent_shapes,
                       keyframe_latents=(), keyframe_frames=(), keyframe_timestep=0.999, sample_sigmas=None,
-                      **_ignored) -> torch.Tensor:
+                      references=(), text_token_tags=None, audio_cond_timestep=1.0, **_ignored) -> torch.Tensor:
     weight = model.proj_out.weight
     device, dtype = weight.device, weight.dtype
     video_shape, audio_shape = latent_shapes
@@ -100,38 +120,51 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
     text_len, steps = context.shape[1], audio.shape[3]
     sigma = float((timestep.flatten()[0] / 1000.0).float().clamp(min=1e-6))
     t_video, t_audio = 1.0 - sigma, 1.0 - _shift(sigma, 12.0, 3.0)
-    t_key = max(t_video, keyframe_timestep)
-    positions = [torch.stack([torch.arange(text_len, dtype=torch.float64), torch.zeros(text_len, dtype=torch.float64),
-                              torch.zeros(text_len, dtype=torch.float64)], 1)]
-    segments = [("text", text_len, t_video, 1)]
-    video_rows = []
+    t_key, t_ref_audio = max(t_video, keyframe_timestep), max(t_audio, audio_cond_timestep)
+    batch = x.shape[0]
+    # segments: (modality "text" / "video" / "audio", rows or None, positions, timestep, tag)
+    text_pos = torch.zeros(text_len, 3, dtype=torch.float64)
+    text_pos[:, 0] = torch.arange(text_len, dtype=torch.float64)
+    segments = [("text", None, text_pos, t_video, 1)]
+    target_origin = text_len + sum(_span(r["kind"], r.get("latent"), r.get("audio")) for r in references)
     for latent, index in zip(keyframe_latents, keyframe_frames):
-        positions.append(_video_positions(latent.shape[2], frame, text_len + RESCALE * index))
-        video_rows.append(_rows(latent.float()).expand(x.shape[0], -1, -1))
-        segments.append(("key", video_rows[-1].shape[1], t_key, 0))
-    audio_pos = torch.zeros(2 * steps, 3, dtype=torch.float64)
-    audio_pos[:, 0] = (text_len + torch.arange(steps, dtype=torch.float64)).repeat(2)
-    audio_pos[:steps, 2], audio_pos[steps:, 2] = w_axis[0], w_axis[-1]
-    positions += [audio_pos, _video_positions(video.shape[2], frame, float(text_len))]
-    segments += [("audio", 2 * steps, t_audio, 2), ("video", frame.shape[0] * video.shape[2], t_video, 0)]
-    video_rows.append(_rows(video.float()))
-    distinct = sorted({t for _, _, t, _ in segments} | {t_video, t_audio})
-    step_index = torch.cat([torch.full((n,), distinct.index(t)) for _, n, t, _ in segments])
-    tags = torch.cat([torch.full((n,), tag) for _, n, _, tag in segments])
-    kinds = torch.cat([torch.full((n,), i) for i, (_, n, _, _) in enumerate(segments)])
-    where = torch.arange(kinds.shape[0])
-    video_index = where[(tags == 0) & (kinds > 0)]
+        segments.append(("video", _rows(latent.float()).expand(batch, -1, -1),
+                         _video_positions(latent.shape[2], frame, target_origin + RESCALE * index), t_key, 0))
+    origin = float(text_len)
+    for ref in references:
+        latent, ref_audio = ref.get("latent"), ref.get("audio")
+        if ref_audio is not None:
+            ends = (w_axis[0], w_axis[-1]) if ref["kind"] == "audio" else \
+                (lambda axis: (axis[0], axis[-1]))(_frame(latent.shape[3], latent.shape[4])[1])
+            segments.append(("audio", _audio_rows(ref_audio).expand(batch, -1, -1),
+                             _audio_positions(origin, ref_audio.shape[3], *ends), t_ref_audio, 2))
+        if latent is not None:
+            ref_frame = _frame(latent.shape[3], latent.shape[4])[0]
+            segments.append(("video", _rows(latent.float()).expand(batch, -1, -1),
+                             _video_positions(latent.shape[2], ref_frame, origin), t_key, 0))
+        origin += _span(ref["kind"], latent, ref_audio)
+    segments.append(("audio", _audio_rows(audio), _audio_positions(target_origin, steps, w_axis[0], w_axis[-1]),
+                     t_audio, 2))
+    segments.append(("video", _rows(video.float()), _video_positions(video.shape[2], frame, target_origin), t_video, 0))
+    counts = [text_len if rows is None else rows.shape[1] for _, rows, _, _, _ in segments]
+    distinct = sorted({t for _, _, _, t, _ in segments} | {t_video, t_audio})
+    step_index = torch.cat([torch.full((n,), distinct.index(seg[3])) for seg, n in zip(segments, counts)])
+    tags = torch.cat([torch.full((n,), seg[4]) for seg, n in zip(segments, counts)])
+    if text_token_tags is not None:
+        tags[:text_len] = text_token_tags.long()
+    modality = [seg[0] for seg, n in zip(segments, counts) for _ in range(n)]
+    where = {name: torch.tensor([i for i, m in enumerate(modality) if m == name]) for name in ("text", "video", "audio")}
     with torch.no_grad(), _no_adaln_activation(model), \
             _one_head_each(model, sigma, sample_sigmas, video_shape[1] * 4):
         out_video, out_audio = model(
-            hidden_states=torch.cat(video_rows, 1).to(device, dtype),
-            audio_hidden_states=audio.permute(0, 2, 3, 1).reshape(x.shape[0], 2 * steps, -1).to(device, dtype),
+            hidden_states=torch.cat([s[1] for s in segments if s[0] == "video"], 1).to(device, dtype),
+            audio_hidden_states=torch.cat([s[1] for s in segments if s[0] == "audio"], 1).to(device, dtype),
             encoder_hidden_states=context.to(device, dtype), timestep=torch.tensor(distinct, device=device),
             timestep_indices=step_index.to(device), token_tags=tags.to(device),
-            position_ids=torch.cat(positions).to(device), video_indices=video_index.to(device),
-            audio_indices=where[tags == 2].to(device), text_indices=where[tags == 1].to(device), return_dict=False)
+            position_ids=torch.cat([s[2] for s in segments]).to(device), video_indices=where["video"].to(device),
+            audio_indices=where["audio"].to(device), text_indices=where["text"].to(device), return_dict=False)
     b, c, t, h, w = video.shape
     target = out_video[:, -t * (h // 2) * (w // 2):].float().cpu()
     video_out = target.reshape(b, t, h // 2, w // 2, c, 2, 2).permute(0, 4, 1, 2, 5, 3, 6).reshape(video.shape)
-    audio_out = out_audio.float().cpu().reshape(b, 2, steps, -1).permute(0, 3, 1, 2)
+    audio_out = out_audio[:, -2 * steps:].float().cpu().reshape(b, 2, steps, -1).permute(0, 3, 1, 2)
     return -torch.cat([video_out.flatten(1), audio_out.flatten(1)], 1).unsqueeze(1).to(x.dtype)

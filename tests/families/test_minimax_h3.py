@@ -28,7 +28,7 @@ SIGMAS = torch.tensor([1.0, 0.8, 0.7, 0.4, 0.0])
 def make_cases(seed=2):
     g = torch.Generator().manual_seed(seed)
 
-    def case(batch, frames, height, width, steps, text, keyframes=0):
+    def case(batch, frames, height, width, steps, text, keyframes=0, references=False):
         video = torch.randn(batch, 4, frames, height, width, generator=g)
         audio = torch.randn(batch, 6, 2, steps, generator=g)
         inputs = {"context": torch.randn(batch, text, 20, generator=g),
@@ -36,9 +36,17 @@ def make_cases(seed=2):
         if keyframes:
             inputs.update(keyframe_latents=[torch.randn(1, 4, 1, height, width, generator=g) for _ in range(keyframes)],
                           keyframe_frames=[0, 8][:keyframes])
+        if references:  # ref2va / omni-ref: an image at its own size, a clip with its soundtrack, a standalone audio
+            inputs.update(references=[
+                {"kind": "image", "latent": torch.randn(1, 4, 1, 6, 4, generator=g)},
+                {"kind": "video_audio", "latent": torch.randn(1, 4, 2, 4, 4, generator=g),
+                 "audio": torch.randn(1, 6, 2, 5, generator=g)},
+                {"kind": "audio", "audio": torch.randn(1, 6, 2, 2, generator=g)}],
+                text_token_tags=torch.tensor([1, 0, 0, 0, 1, 1]), audio_cond_timestep=0.95, keyframe_timestep=0.99)
         timestep = torch.tensor([700.0] * batch)
         return torch.cat([video.flatten(1), audio.flatten(1)], 1).unsqueeze(1), timestep, inputs
-    return {"62_rows_batch2": case(2, 3, 6, 10, 5, 7), "fl2va_keyframes": case(1, 2, 4, 6, 3, 5, keyframes=2)}
+    return {"62_rows_batch2": case(2, 3, 6, 10, 5, 7), "fl2va_keyframes": case(1, 2, 4, 6, 3, 5, keyframes=2),
+            "ref2va_blocks_batch2": case(2, 2, 4, 6, 3, 6, keyframes=1, references=True)}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +89,8 @@ def test_fp32_parity_ring_and_cfg_layouts(layout_pool, mm_files, mm_references):
 
 
 def test_positions_timesteps_and_heads_matter(mm_references):
-    """Guards against a test that cannot fail: a keyframe one frame later, another sigma, the bank's later heads and
+    """Guards against a test that cannot fail: a keyframe one frame later, another sigma, the bank's later heads, the
+    reference blocks' order, a clip without its soundtrack's place, the text tags, the reference audio's timestep and
     the curve's activation each change the reference."""
     model = tiny.build_tiny_model(SEED, "fast")
     x, t, inputs = make_cases()["fl2va_keyframes"]
@@ -92,6 +101,13 @@ def test_positions_timesteps_and_heads_matter(mm_references):
     model.proj_out.weight.data[16:] = 0
     assert relative_error(reference_forward(model, x, t, **inputs), want) > 100 * FP32_TOL
     model.proj_out.weight.data = bank
+    refs_case = make_cases()["ref2va_blocks_batch2"]
+    x2, t2, refs_inputs = refs_case
+    want2 = reference_forward(model, *refs_case[:2], **refs_inputs)
+    image, clip, sound = refs_inputs["references"]
+    for changed in ({"references": [clip, image, sound]}, {"references": [image, {"kind": "video", "latent": clip["latent"]}, sound]},
+                    {"text_token_tags": torch.ones(6, dtype=torch.long)}, {"audio_cond_timestep": 1.0}):
+        assert relative_error(reference_forward(model, x2, t2, **{**refs_inputs, **changed}), want2) > 100 * FP32_TOL
     model.time_embedder = torch.nn.Module()  # no curve table: diffusers' silu applies
     model.time_embedder.forward = tiny.build_tiny_model(SEED, "fast").time_embedder.forward
     model.time_embedder.register_parameter("weight", torch.nn.Parameter(torch.zeros(1)))
@@ -175,6 +191,33 @@ def test_host_packs_the_audio_scale_and_keyframe_noise_as_comfyui():
     assert torch.allclose(audio_out, want, atol=1e-6)
 
 
+def test_host_passes_reference_blocks_tags_and_their_noise_as_comfyui():
+    """ref2va's payload (MiniMaxH3ReferenceToVideo's `refs`, ComfyUI's MiniMaxH3 extra_conds) -> `references` with
+    each latent augmented as ComfyUI's _cond_video_rows / _cond_audio_rows (video: the seed in patch rows, audio: the
+    seed + 1 in channel-major rows), the text tags flattened; a keyframe beside references keeps its own latent."""
+    from sp_runtime.families.minimax_h3.host import PackedMiniMax
+    from sp_runtime.families.minimax_h3.plan import patchify
+    g = torch.Generator().manual_seed(1)
+    video, audio = torch.randn(1, 4, 2, 4, 6, generator=g), torch.randn(1, 6, 2, 3, generator=g)
+    image, sound, key = (torch.randn(1, 4, 1, 6, 4, generator=g), torch.randn(1, 6, 2, 5, generator=g),
+                         torch.randn(1, 4, 1, 4, 6, generator=g))
+    refs = comfy_refs([{"kind": "image", "latent": image}, {"kind": "audio", "audio": sound}])["refs"]
+    payload = {"seed": 7, "visual_cond_noise_aug": 0.9, "audio_cond_noise_aug": 0.8, "refs": refs,
+               "keyframes": [{"latent": key, "resolved_frame_index": 4}], "cond_video_latents": [key, image],
+               "text_token_tags": torch.tensor([[1, 0, 1]])}
+    _, _, inputs = PackedMiniMax().pack([video, audio], torch.tensor([600.0]), {"minimax_payload": payload})
+    got_image, got_sound = inputs["references"]
+    assert (got_image["kind"], got_sound["kind"], "audio" in got_image, "latent" in got_sound) == \
+        ("image", "audio", False, False)
+    noise = torch.randn(patchify(image)[0].shape, generator=torch.Generator().manual_seed(7))
+    assert torch.allclose(patchify(got_image["latent"])[0], 0.9 * patchify(image)[0] + 0.1 * noise, atol=1e-6)
+    rows = sound[0].permute(1, 2, 0).reshape(10, 6)  # ComfyUI's pack_audio
+    noise = torch.randn(rows.shape, generator=torch.Generator().manual_seed(8))
+    assert torch.allclose(got_sound["audio"][0].permute(1, 2, 0).reshape(10, 6), 0.8 * rows + 0.2 * noise, atol=1e-6)
+    assert inputs["text_token_tags"].tolist() == [1, 0, 1] and inputs["audio_cond_timestep"] == 0.8
+    assert inputs["keyframe_frames"] == [4] and len(inputs["keyframe_latents"]) == 1
+
+
 def test_refusals_name_what_is_not_served(mm_files):
     from family_support import LocalContext
     from sp_runtime.contract import LoadRequest
@@ -185,8 +228,12 @@ def test_refusals_name_what_is_not_served(mm_files):
                              lambda *_: None)
     x, t, inputs = make_cases()["fl2va_keyframes"]
     out = torch.empty_like(x)
-    for change, message in ((dict(refs=[{"kind": "image"}]), "reference blocks"),
-                            (dict(text_token_tags=torch.ones(5)), "text tags"),
+    for change, message in ((dict(refs=[{"kind": "image"}]), "raw reference blocks"),
+                            (dict(references=[{"kind": "image", "latent": torch.randn(1, 4, 2, 4, 6)}]),
+                             r"references\[0\].*t 1 for an image"),
+                            (dict(references=[{"kind": "video_audio", "latent": torch.randn(1, 4, 2, 4, 6)}]),
+                             r"references\[0\]"), (dict(references=[{"kind": "mask"}]), r"references\[0\]"),
+                            (dict(text_token_tags=torch.ones(4)), "text_token_tags"),
                             (dict(cond_audio_latents=True), "audio keyframes"),
                             (dict(denoise_mask=torch.rand(1, 1, 2, 4, 6)), "denoise mask"),
                             (dict(sample_sigmas=None), "PDD"), (dict(keyframe_frames=[0]), "keyframe_latents"),
@@ -225,6 +272,19 @@ def comfy_network(path: str):
     return network.eval().requires_grad_(False)
 
 
+def comfy_refs(references) -> dict:
+    """Our `references` as ComfyUI's MiniMaxH3ReferenceToVideo puts them in the payload (`refs`)."""
+    refs = []
+    for ref in references:
+        block = {"kind": ref["kind"], "ref_audio_t": ref["audio"].shape[-1] if "audio" in ref else 0,
+                 "audio_latent": ref.get("audio")}
+        if "latent" in ref:
+            block.update(latent=ref["latent"], latent_t=ref["latent"].shape[2], latent_h=ref["latent"].shape[3],
+                         latent_w=ref["latent"].shape[4])
+        refs.append(block)
+    return {"refs": refs}
+
+
 @_needs_comfyui()
 @pytest.mark.parametrize("family_pool", [2], indirect=True)
 def test_pool_equals_comfys_minimax_h3(family_pool, tmp_path):
@@ -241,6 +301,13 @@ def test_pool_equals_comfys_minimax_h3(family_pool, tmp_path):
                        "cond_video_latents": inputs.get("keyframe_latents", []),
                        "keyframes": [{"latent": latent, "resolved_frame_index": index} for latent, index in
                                      zip(inputs.get("keyframe_latents", []), inputs.get("keyframe_frames", []))]}
+            if inputs.get("references"):
+                payload.update(comfy_refs(inputs["references"]), text_token_tags=inputs["text_token_tags"],
+                               audio_cond_noise_aug=0.9)
+                payload["cond_video_latents"] = payload["cond_video_latents"] + [
+                    ref["latent"] for ref in payload["refs"] if "latent" in ref]
+                payload["cond_audio_latents"] = [ref["audio_latent"] for ref in payload["refs"]
+                                                 if ref.get("audio_latent") is not None]
             with torch.inference_mode():
                 theirs = network([video, audio], t[:1], inputs["context"][:1], transformer_options={},
                                  minimax_payload=dict(payload))

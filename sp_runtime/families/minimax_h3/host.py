@@ -2,7 +2,8 @@
 `diffusion_model([video, audio], timestep, context, minimax_payload=..., denoise_mask=..., audio_denoise_mask=...)`
 into the pool's packed call (plan.py) and back: the audio carried on the video's schedule (`audio_scale`) is undone
 before and redone after the call as ComfyUI's MiniMaxH3Model.forward does, first / last frames become keyframe
-latents (noise-augmented with the payload's seed, as ComfyUI augments them), the layout is rebuilt by the workers,
+latents and ref2va's reference blocks `references` (both noise-augmented with the payload's seeds, as ComfyUI
+augments them), the text encoder's per-token tags go along, the layout is rebuilt by the workers,
 and everything else the payload asks for goes to the workers, which refuse it by name."""
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ class PackedMiniMax(HostHooks):
             audio = audio * (sigma_audio / sigma)
             self._audio = (scale, sigma_audio, audio)
         inputs.update(keyframe_inputs(payload))
-        for name in ("refs", "text_token_tags"):
-            if payload.get(name):
-                inputs[name] = payload[name]
+        inputs.update(reference_inputs(payload))
+        if payload.get("text_token_tags") is not None:
+            inputs["text_token_tags"] = payload["text_token_tags"].reshape(-1).long()
         packed = torch.cat([video.flatten(1), audio.flatten(1)], dim=1).unsqueeze(1)
         inputs["latent_shapes"] = [list(video.shape), list(audio.shape)]
         return packed, timestep, inputs
@@ -67,29 +68,62 @@ class PackedMiniMax(HostHooks):
 
 
 def keyframe_inputs(payload: dict) -> dict:
-    """fl2va's first / last frames: the payload's condition latents, noise-augmented in patch rows from the payload's
-    seed (every condition restarts the same generator, as ComfyUI's _cond_video_rows), at their frame indices."""
+    """fl2va's first / last frames (and the guides of MiniMaxH3AddGuide): the keyframes' latents, noise-augmented in
+    patch rows from the payload's seed (every condition restarts the same generator, as ComfyUI's _cond_video_rows),
+    at their frame indices."""
     keyframes = [frame for frame in payload.get("keyframes") or () if frame.get("latent") is not None]
-    latents = list(payload.get("cond_video_latents") or ())
-    if len(keyframes) != len(latents):
-        raise ValueError(f"MiniMax H3 payload has {len(latents)} condition latents for {len(keyframes)} keyframes")
+    latents = [frame["latent"] for frame in keyframes]
     inputs = {}
     if any(frame.get("audio_latent") is not None for frame in payload.get("keyframes") or ()):
         inputs["cond_audio_latents"] = True
     if not latents:
         return inputs
     strength = float(payload.get("visual_cond_noise_aug", KEYFRAME_TIMESTEP))
-    augmented = []
-    for latent in latents:
-        latent = latent.float()
-        if strength < 1.0:
-            rows = patchify(latent)
-            noise = torch.randn(rows[0].shape, generator=torch.Generator("cpu").manual_seed(int(payload.get("seed", 0))))
-            latent = strength * latent + (1.0 - strength) * unpatchify_like(noise.to(latent.device), latent)
-        augmented.append(latent)
+    augmented = [augment_video(latent, strength, int(payload.get("seed", 0))) for latent in latents]
     inputs.update(keyframe_latents=augmented, keyframe_frames=[int(frame["resolved_frame_index"]) for frame in keyframes],
                   keyframe_timestep=strength)
     return inputs
+
+
+def reference_inputs(payload: dict) -> dict:
+    """ref2va / omni-ref's reference blocks (the payload's `refs`, ComfyUI's MiniMaxH3ReferenceToVideo) as the pool's
+    `references`: each block's kind and its video / audio latents, noise-augmented as ComfyUI's _cond_video_rows /
+    _cond_audio_rows do (the video seed, the audio seed + 1, every latent restarting its generator)."""
+    refs = list(payload.get("refs") or ())
+    if not refs:
+        return {}
+    seed = int(payload.get("seed", 0))
+    video_strength = float(payload.get("visual_cond_noise_aug", KEYFRAME_TIMESTEP))
+    audio_strength = float(payload.get("audio_cond_noise_aug", 1.0))
+    references = []
+    for ref in refs:
+        block = {"kind": ref.get("kind")}
+        if ref.get("latent") is not None:
+            block["latent"] = augment_video(ref["latent"], video_strength, seed)
+        if ref.get("audio_latent") is not None:
+            block["audio"] = augment_audio(ref["audio_latent"], audio_strength, seed + 1)
+        references.append(block)
+    return {"references": references, "keyframe_timestep": video_strength, "audio_cond_timestep": audio_strength}
+
+
+def augment_video(latent: torch.Tensor, strength: float, seed: int) -> torch.Tensor:
+    """a x + (1 - a) noise, the noise drawn in ComfyUI's patch-row order [t*(H/2)*(W/2), C*4]."""
+    latent = latent.float()
+    if strength >= 1.0:
+        return latent
+    noise = torch.randn(patchify(latent)[0].shape, generator=torch.Generator("cpu").manual_seed(seed))
+    return strength * latent + (1.0 - strength) * unpatchify_like(noise.to(latent.device), latent)
+
+
+def augment_audio(latent: torch.Tensor, strength: float, seed: int) -> torch.Tensor:
+    """The same for a stereo audio latent [1, A, 2, t], the noise in channel-major rows [2*t, A]."""
+    latent = latent.float()
+    if strength >= 1.0:
+        return latent
+    _, channels, stereo, steps = latent.shape
+    noise = torch.randn(stereo * steps, channels, generator=torch.Generator("cpu").manual_seed(seed))
+    rows = noise.reshape(stereo, steps, channels).permute(2, 0, 1).unsqueeze(0)
+    return strength * latent + (1.0 - strength) * rows.to(latent.device)
 
 
 def unpatchify_like(rows: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,15 @@ Pool call: x [B, 1, N], the video latent [B, C, T, H, W] and the stereo audio la
 and concatenated (input `latent_shapes`); timestep the video sigma x 1000 (the first entry, as ComfyUI reads it);
 context the text encoder's states [B, L, text_dim]; first / last frames (fl2va) as `keyframe_latents` (a list of
 [1, C, t, H, W], noise-augmented as ComfyUI augments them) at `keyframe_frames` (their resolved pixel-frame indices),
-run at timestep max(t, `keyframe_timestep`); `sigma_shift_video` / `sigma_shift_audio` (12, 3); FastH3's head bank
-reads `sample_sigmas`. Output: ComfyUI's [-video velocity, -audio velocity], packed like x.
+run at timestep max(t, `keyframe_timestep`); ref2va / omni-ref's reference blocks as `references` (a list of
+{"kind": image / video / video_audio / audio, "latent": [1, C, t, h, w] at the block's own size, "audio":
+[1, A, 2, t]}, noise-augmented by the host), their audio rows at max(t_audio, `audio_cond_timestep`);
+`text_token_tags` [L] the text encoder's per-token modality tags (0 on vision pads, 1 on text);
+`sigma_shift_video` / `sigma_shift_audio` (12, 3); FastH3's head bank reads `sample_sigmas`. Output: ComfyUI's
+[-video velocity, -audio velocity], packed like x.
 
-PLAN: one split stream "packed" in ComfyUI's order [text | keyframe rows | audio | video]: the prompt refined on
+PLAN: one split stream "packed" in ComfyUI's order [text | keyframe rows | reference blocks | audio | video] (each
+reference block on its own time span ahead of the targets, a clip's audio rows before its video rows): the prompt refined on
 every rank (token refiner, text alone), each rank embedding its own rows; every block is full self-attention over
 the whole sequence, AdaLN per row from its (timestep, modality) pair; 3-axis rotary on 6 x rope_freq_dim channels
 of each head, whose split-half pairs are brought next to each other (a permutation of q and k channels, which keeps
@@ -27,8 +32,9 @@ FRAME_PER_TOKEN = (1, 4, 4, 4, 4)   # pixel frames per latent frame, repeating (
 FRAME_RESCALE = 5.0 / 3.0
 KEYFRAME_TIMESTEP = 0.999
 SHIFTS = (12.0, 3.0)                # video / audio sigma shifts (ComfyUI's MiniMaxH3 sampling settings)
-TAGS = {"text": 1, "keyframe": 0, "audio": 2, "video": 0}
-UNSERVED = {"refs": "reference blocks (ref2va / omni-ref)", "text_token_tags": "per-token text tags",
+TAGS = {"text": 1, "keyframe": 0, "reference": 0, "ref_audio": 2, "audio": 2, "video": 0}
+REFERENCE_KINDS = ("image", "video", "video_audio", "audio")
+UNSERVED = {"refs": "ComfyUI's raw reference blocks (the pool takes `references`, as host.py builds them)",
             "cond_audio_latents": "audio keyframes", "denoise_mask": "a partial video denoise mask",
             "audio_denoise_mask": "a partial audio denoise mask"}
 
@@ -62,11 +68,34 @@ def check(call) -> None:
                                           or list(latent.shape[3:]) != video[3:] for latent in latents):
         raise ValueError(f"keyframe_latents must be [1, {video[1]}, t, {video[3]}, {video[4]}] latents, one per "
                          f"keyframe_frames entry")
+    call.references = [check_reference(ref, index, video[1], audio[1]) for index, ref in
+                       enumerate(inputs.get("references") or ())]
+    tags = inputs.get("text_token_tags")
+    if tags is not None and (tags.dim() != 1 or tags.shape[0] != context.shape[1] or not bool(((tags >= 0) & (tags <= 2)).all())):
+        raise ValueError(f"text_token_tags must be one modality tag (0-2) per text token, [{context.shape[1]}]; got "
+                         f"{list(tags.shape)}")
     heads = call.worker.info.config.get("pdd_heads", 1)
     if heads > 1 and inputs.get("sample_sigmas") is None:
         raise ValueError(f"this FastH3 file's {heads} output heads (PDD) need the sampler's sigmas (input "
                          f"sample_sigmas)")
     call.shapes, call.keyframes = (video, audio), list(zip(frames, latents))
+
+
+def check_reference(ref, index: int, channels: int, audio_channels: int) -> tuple:
+    """One reference block -> (kind, video latent or None, audio latent or None), its shapes checked."""
+    kind = ref.get("kind") if isinstance(ref, dict) else None
+    latent, audio = (ref.get(name) for name in ("latent", "audio")) if kind else (None, None)
+    wants_video, wants_audio = kind in ("image", "video", "video_audio"), kind in ("video_audio", "audio")
+    bad_video = wants_video != (latent is not None) or latent is not None and (
+        latent.dim() != 5 or list(latent.shape[:2]) != [1, channels] or latent.shape[3] % 2 or latent.shape[4] % 2
+        or kind == "image" and latent.shape[2] != 1)
+    bad_audio = wants_audio != (audio is not None) or audio is not None and (
+        audio.dim() != 4 or list(audio.shape[:3]) != [1, audio_channels, 2])
+    if kind not in REFERENCE_KINDS or bad_video or bad_audio:
+        raise ValueError(f"references[{index}] must be {{'kind': one of {REFERENCE_KINDS}, 'latent': [1, {channels}, "
+                         f"t, h, w] (h, w even; t 1 for an image; none for audio), 'audio': [1, {audio_channels}, 2, t] "
+                         f"(audio / video_audio only)}}; got kind {kind!r}")
+    return kind, latent, audio
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -80,24 +109,59 @@ def layout(call) -> list[Stream]:
     context = call.input("context")
     text = context if context.shape[-1] == model.config.hidden_size else \
         model.token_refiner(model.context_embedder(context))
-    cursor = float(text.shape[1])
     text_ids = torch.zeros(text.shape[1], 3, dtype=torch.float64)
     text_ids[:, 0] = torch.arange(text.shape[1], dtype=torch.float64)
     parts = [Part(text, _ids(text_ids), _as_is)]
     call.kinds = [("text", text.shape[1])]
+    cursor = float(text.shape[1]) + sum(reference_span(*ref) for ref in call.references)
     for index, latent in call.keyframes:
         latent = call.ctx.to_device(f"keyframe{len(call.kinds)}", latent, torch.float32)
         origin = cursor + FRAME_RESCALE * float(index)
-        parts.append(Part(patchify(latent), _ids(video_grid(latent.shape[2], frame, origin)), "proj_in"))
-        call.kinds.append(("keyframe", parts[-1].count))
+        _add(call, parts, "keyframe", patchify(latent), video_grid(latent.shape[2], frame, origin), "proj_in")
     ends = (float(width_axis[0]), float(width_axis[-1]))
+    reference_parts(call, parts, float(text.shape[1]), ends)
     audio_rows = audio.permute(0, 2, 3, 1).flatten(1, 2)
-    parts.append(Part(audio_rows, _ids(audio_grid(cursor, audio.shape[3], *ends)), "audio_proj_in",
-                      Output(PackedRows(call.shapes, "audio"), None)))
-    parts.append(Part(patchify(video), _ids(video_grid(frames, frame, cursor)), "proj_in",
-                      Output(PackedRows(call.shapes, "video", (frames, rows, cols)), None)))
-    call.kinds += [("audio", parts[-2].count), ("video", parts[-1].count)]
+    _add(call, parts, "audio", audio_rows, audio_grid(cursor, audio.shape[3], *ends), "audio_proj_in",
+         Output(PackedRows(call.shapes, "audio"), None))
+    _add(call, parts, "video", patchify(video), video_grid(frames, frame, cursor), "proj_in",
+         Output(PackedRows(call.shapes, "video", (frames, rows, cols)), None))
     return [Stream("packed", parts)]
+
+
+def _add(call, parts: list, kind: str, rows: torch.Tensor, grid: torch.Tensor, embed, output=None) -> None:
+    parts.append(Part(rows, _ids(grid), embed, output))
+    call.kinds.append((kind, rows.shape[1]))
+
+
+def reference_span(kind: str, latent, audio) -> float:
+    """The time span a reference block takes ahead of the targets (ComfyUI's _ref_t_span)."""
+    steps = 0.0 if audio is None else float(audio.shape[-1])
+    if kind == "image":
+        return 1.0
+    if kind == "audio":
+        return steps
+    return max(steps, FRAME_RESCALE * sum(FRAME_PER_TOKEN[k % 5] for k in range(latent.shape[2])))
+
+
+def reference_parts(call, parts: list, cursor: float, target_ends: tuple) -> None:
+    """The reference blocks' rows from the text's end on, each at its own (t, h, w): an image at one time, a clip's
+    audio (at the ends of its own w axis) then its video frames, standalone audio at the target's w ends."""
+    for number, (kind, latent, audio) in enumerate(call.references):
+        if audio is not None:
+            audio = call.ctx.to_device(f"reference_audio{number}", audio, torch.float32)
+            ends = target_ends if kind == "audio" else _axis_ends(latent)
+            _add(call, parts, "ref_audio", audio.permute(0, 2, 3, 1).flatten(1, 2),
+                 audio_grid(cursor, audio.shape[3], *ends), "audio_proj_in")
+        if latent is not None:
+            latent = call.ctx.to_device(f"reference{number}", latent, torch.float32)
+            frame, _ = frame_grid(latent.shape[3], latent.shape[4])
+            _add(call, parts, "reference", patchify(latent), video_grid(latent.shape[2], frame, cursor), "proj_in")
+        cursor += reference_span(kind, latent, audio)
+
+
+def _axis_ends(latent: torch.Tensor) -> tuple[float, float]:
+    _, axis = frame_grid(latent.shape[3], latent.shape[4])
+    return float(axis[0]), float(axis[-1])
 
 
 def _as_is(model, states: torch.Tensor) -> torch.Tensor:
@@ -181,10 +245,15 @@ def condition(call) -> None:
     shift_video = float(inputs.get("sigma_shift_video") or SHIFTS[0])
     shift_audio = float(inputs.get("sigma_shift_audio") or SHIFTS[1])
     times = {"text": 1.0 - sigma, "video": 1.0 - sigma, "audio": 1.0 - time_shift_sigma(sigma, shift_video, shift_audio)}
-    times["keyframe"] = max(times["video"], float(inputs.get("keyframe_timestep") or KEYFRAME_TIMESTEP))
+    times["keyframe"] = times["reference"] = max(times["video"],
+                                                 float(inputs.get("keyframe_timestep") or KEYFRAME_TIMESTEP))
+    audio_pin = inputs.get("audio_cond_timestep")
+    times["ref_audio"] = max(times["audio"], 1.0 if audio_pin is None else float(audio_pin))
     distinct = sorted({times["video"], times["audio"]} | {times[kind] for kind, _ in call.kinds})
     steps = torch.cat([torch.full((count,), distinct.index(times[kind])) for kind, count in call.kinds])
     tags = torch.cat([torch.full((count,), TAGS[kind]) for kind, count in call.kinds])
+    if inputs.get("text_token_tags") is not None:
+        tags[:call.kinds[0][1]] = inputs["text_token_tags"].long().cpu()
     call.step_rows = steps[shard.lo:shard.hi].to(call.device)
     call.rows = (steps * 3 + tags)[shard.lo:shard.hi].to(call.device)
     embedder = model.time_embedder
