@@ -176,6 +176,8 @@ NEEDS_NEWER_COMFYUI = {
                                  "0.4.0 (HunyuanVideo 1.5 and its SR model)"),
     "minimax_h3_t2v": (("ComfyMathExpression", "ComfySwitchNode", "MiniMaxH3ImageToVideo", "ResolutionSelector",
                         "VAEDecodeAudio"), "0.30.0 (MiniMax H3)"),
+    "minimax_h3_r2v": (("ComfyMathExpression", "ComfySwitchNode", "MiniMaxH3ReferenceToVideo", "ResolutionSelector",
+                        "VAEDecodeAudio"), "0.30.0 (MiniMax H3)"),
 }
 
 
