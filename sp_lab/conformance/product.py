@@ -76,6 +76,8 @@ for _family, _seed, _calls, _spec in (
         ("hidream", 8, cases.hidream_cases, dict(layouts={name: OTHER_LAYOUTS[name]
                                                           for name in ("comfy", "diffusers_folder")})),
         ("lumina2", 6, cases.lumina2_cases, {}),
+        ("ideogram4", 9, cases.ideogram4_cases, dict(layouts={"comfy": OTHER_LAYOUTS["comfy"],
+                                                              "diffusers": OTHER_LAYOUTS["diffusers"]})),
         ("hunyuan_video", 13, cases.hunyuan_video_cases,
          dict(load_case="105_tokens", layouts={"diffusers": OTHER_LAYOUTS["diffusers"]},
               reference_model=plain_hunyuan_video, layout_cases=("105_tokens", "3_tokens_batch_1", "ref_latent"))),

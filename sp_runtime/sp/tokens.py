@@ -166,10 +166,46 @@ def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return apply_rotary_emb(x, rope, sequence_dim=1) if x.shape[1] else x
 
 
-def rotary(ids: torch.Tensor, axes: Sequence[int], theta=ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class PairFrequencies:
+    """A rotary whose every channel pair has its own frequency and position axis, angles in float32 as the models
+    that use it compute them (Qwen-VL's interleaved MRoPE: Ideogram 4). Pairs are adjacent channels here, as the
+    executor rotates them; a split-half model (pairs i, i + D/2) reorders its q / k channels by split_half_order.
+
+    inv_freq: float32 [D/2]; axis: long [D/2], the ids column each pair rotates by."""
+
+    inv_freq: torch.Tensor
+    axis: torch.Tensor
+
+    @classmethod
+    def interleaved_mrope(cls, head_dim: int, theta: float, sections: Sequence[int]) -> "PairFrequencies":
+        """Qwen-VL's interleaved MRoPE: theta^(-2i/D) on every pair, axis 0 (t) except pairs 1, 4, ... below
+        3 x sections[1] (h) and 2, 5, ... below 3 x sections[2] (w)."""
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        axis = torch.zeros(head_dim // 2, dtype=torch.long)
+        for which in (1, 2):
+            axis[which:3 * sections[which]:3] = which
+        return cls(inv_freq, axis)
+
+    def tables(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = ids[:, self.axis.to(ids.device)].float() * self.inv_freq.to(ids.device)
+        return angles.cos().repeat_interleave(2, dim=-1), angles.sin().repeat_interleave(2, dim=-1)
+
+
+def split_half_order(head_dim: int, rotary: int) -> torch.Tensor:
+    """Channel order putting split-half rotary pairs (i, i + rotary/2) next to each other, the rest after."""
+    half = rotary // 2
+    pairs = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
+    return torch.cat([pairs, torch.arange(rotary, head_dim)])
+
+
+def rotary(ids: torch.Tensor, axes, theta=ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [S, head_dim] for ids [S, len(axes)], interleaved per pair; float64 angles as ComfyUI and
-    diffusers. theta: one for every axis, or a sequence of one per axis (Cosmos' NTK-scaled axes)."""
+    diffusers. theta: one for every axis, or a sequence of one per axis (Cosmos' NTK-scaled axes). axes may be a
+    PairFrequencies instead (theta unused)."""
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+    if isinstance(axes, PairFrequencies):
+        return axes.tables(ids)
     if isinstance(theta, (int, float)):
         return FluxPosEmbed(theta=theta, axes_dim=list(axes))(ids)
     tables = [FluxPosEmbed(theta=each, axes_dim=[size])(ids[:, axis:axis + 1])

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ...sp import AttentionSpec, Output, Part, Plan, Stage, Stream, project_qkv
+from ...sp.tokens import split_half_order as rotary_pairs  # noqa: F401 (loading.py reads it here)
 from ..ltx2.plan import unpack
 
 FRAME_PER_TOKEN = (1, 4, 4, 4, 4)   # pixel frames per latent frame, repeating (ComfyUI's time axis)
@@ -279,13 +280,6 @@ def project_pairs(attn, hidden: torch.Tensor):
     if attn.rotary_pairs.device != query.device:
         attn.rotary_pairs = attn.rotary_pairs.to(query.device)
     return [query[..., attn.rotary_pairs], key[..., attn.rotary_pairs], value], extra
-
-
-def rotary_pairs(head_dim: int, rotary: int) -> torch.Tensor:
-    """Channel order putting split-half pairs (i, i + rotary/2) next to each other, the rest after."""
-    half = rotary // 2
-    pairs = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
-    return torch.cat([pairs, torch.arange(rotary, head_dim)])
 
 
 def rope(config) -> tuple[tuple[int, ...], float]:

@@ -1,0 +1,26 @@
+"""Ideogram 4's key plan: ComfyUI's names -> diffusers' Ideogram4Transformer2DModel parameters: the fused
+`attention.qkv` split in thirds into to_q / to_k / to_v, `attention.o` -> `attention.to_out.0`; every other name
+is the same in both."""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from ...checkpoints.loading import KeyPlan, row_split
+from ...contract import Detection
+
+FUSED_QKV = ".attention.qkv.weight"
+
+
+def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
+    return original_plan(keys, detection.config) if detection.layout == "original" else None
+
+
+def original_plan(keys: Iterable[str], config) -> KeyPlan:
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    plan = {}
+    for key in keys:
+        if key.endswith(FUSED_QKV):
+            plan[key] = row_split(key[:-len("qkv.weight")], ("to_q", "to_k", "to_v"), "weight", (width,) * 3)
+        else:
+            plan[key] = [(key.replace(".attention.o.", ".attention.to_out.0."), None)]
+    return plan
