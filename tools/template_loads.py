@@ -51,7 +51,7 @@ KINDS = [
     (r"^(qwen_image|FireRed-Image-Edit)", "qwen_image", "Qwen-Image (FireRed-Image-Edit: fine-tune)"),
     (r"^(flux1-|flux\.1-)", "flux", "Flux.1 (OneReward fill: fine-tune)"),
     (r"^(flux-2-klein|flux2_dev)", "flux2", "Flux.2 (klein 9B kv: fine-tune)"),
-    (r"^flux3-", "flux3", "Flux.3"),
+    (r"^flux3-", ("flux3", "Flux.3"), "Flux.3"),
     (r"^z_image", "z_image", "Z-Image"),
     (r"^sd3", "sd3", "SD3 / SD3.5"),
     (r"^Chroma1-HD", "chroma", "Chroma"),

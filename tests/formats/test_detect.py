@@ -156,6 +156,16 @@ def test_unsupported_family_names_it_and_lists_supported(tmp_path):
     assert "looks like HiDream-O1" in message and "Qwen-Image" in message and "Flux.1" in message
 
 
+def test_flux3_is_refused_by_name():
+    """Flux.3 (the templates' flux3-image-klein files) by the key diffusers' single-file loader detects it by."""
+    from sp_runtime.checkpoints.header import Header
+    header = Header("flux3-image-klein-int8-convrot.safetensors",
+                    {"model.diffusion_model.early_stream_modulations.image.lin.weight": ("BF16", (9, 3)),
+                     "model.diffusion_model.ref_time_in.in_layer.weight": ("BF16", (3, 256))})
+    with pytest.raises(ValueError, match="looks like Flux.3"):
+        detect(header)
+
+
 def test_unknown_tensors_are_summarised(tmp_path):
     path = tmp_path / "mystery.safetensors"
     save_file({"encoder.layer.0.weight": torch.zeros(2, 2), "encoder.layer.1.weight": torch.zeros(2, 2),
