@@ -159,6 +159,8 @@ def assert_close(actual, expected, rel=1e-5):
 
 # ----- example workflows -----
 EXAMPLES = os.path.join(ROOT, "example_workflows")
+# V3 nodes declared with accept_all_inputs (their other widgets are the frontend's; /object_info does not say so)
+ACCEPTS_ALL_INPUTS = ("CustomCombo",)
 # examples whose stock nodes need a newer ComfyUI than the tested 0.3.64: name -> (those node classes, the version)
 NEEDS_NEWER_COMFYUI = {
     "flux2_dev_t2i": (("EmptyFlux2LatentImage", "Flux2Scheduler"), "0.3.72 (Flux.2)"),
@@ -176,6 +178,9 @@ NEEDS_NEWER_COMFYUI = {
                                  "0.4.0 (HunyuanVideo 1.5 and its SR model)"),
     "minimax_h3_t2v": (("ComfyMathExpression", "ComfySwitchNode", "MiniMaxH3ImageToVideo", "ResolutionSelector",
                         "VAEDecodeAudio"), "0.30.0 (MiniMax H3)"),
+    "ideogram4_t2i": (("CFGOverride", "ComfyMathExpression", "ComfyNumberConvert", "CustomCombo", "DualModelGuider",
+                       "EmptyFlux2LatentImage", "Ideogram4Scheduler", "JsonExtractString", "ResolutionSelector"),
+                      "0.24.0 (Ideogram 4)"),
     "minimax_h3_r2v": (("ComfyMathExpression", "ComfySwitchNode", "MiniMaxH3ReferenceToVideo", "ResolutionSelector",
                         "VAEDecodeAudio"), "0.30.0 (MiniMax H3)"),
 }
