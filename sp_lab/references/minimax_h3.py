@@ -108,7 +108,8 @@ def _audio_rows(audio):
 
 def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor, latent_shapes,
                       keyframe_latents=(), keyframe_frames=(), keyframe_timestep=0.999, sample_sigmas=None,
-                      references=(), text_token_tags=None, audio_cond_timestep=1.0, **_ignored) -> torch.Tensor:
+                      references=(), text_token_tags=None, audio_cond_timestep=1.0, keyframe_audio_latents=(),
+                      keyframe_audio_frames=(), **_ignored) -> torch.Tensor:
     weight = model.proj_out.weight
     device, dtype = weight.device, weight.dtype
     video_shape, audio_shape = latent_shapes
@@ -130,6 +131,10 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
     for latent, index in zip(keyframe_latents, keyframe_frames):
         segments.append(("video", _rows(latent.float()).expand(batch, -1, -1),
                          _video_positions(latent.shape[2], frame, target_origin + RESCALE * index), t_key, 0))
+    for latent, index in zip(keyframe_audio_latents, keyframe_audio_frames):
+        segments.append(("audio", _audio_rows(latent).expand(batch, -1, -1),
+                         _audio_positions(target_origin + RESCALE * index, latent.shape[3], w_axis[0], w_axis[-1]),
+                         t_ref_audio, 2))
     origin = float(text_len)
     for ref in references:
         latent, ref_audio = ref.get("latent"), ref.get("audio")

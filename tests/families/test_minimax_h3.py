@@ -42,7 +42,8 @@ def make_cases(seed=2):
                 {"kind": "video_audio", "latent": torch.randn(1, 4, 2, 4, 4, generator=g),
                  "audio": torch.randn(1, 6, 2, 5, generator=g)},
                 {"kind": "audio", "audio": torch.randn(1, 6, 2, 2, generator=g)}],
-                text_token_tags=torch.tensor([1, 0, 0, 0, 1, 1]), audio_cond_timestep=0.95, keyframe_timestep=0.99)
+                text_token_tags=torch.tensor([1, 0, 0, 0, 1, 1]), audio_cond_timestep=0.95, keyframe_timestep=0.99,
+                keyframe_audio_latents=[torch.randn(1, 6, 2, 2, generator=g)], keyframe_audio_frames=[4])
         timestep = torch.tensor([700.0] * batch)
         return torch.cat([video.flatten(1), audio.flatten(1)], 1).unsqueeze(1), timestep, inputs
     return {"62_rows_batch2": case(2, 3, 6, 10, 5, 7), "fl2va_keyframes": case(1, 2, 4, 6, 3, 5, keyframes=2),
@@ -106,7 +107,8 @@ def test_positions_timesteps_and_heads_matter(mm_references):
     want2 = reference_forward(model, *refs_case[:2], **refs_inputs)
     image, clip, sound = refs_inputs["references"]
     for changed in ({"references": [clip, image, sound]}, {"references": [image, {"kind": "video", "latent": clip["latent"]}, sound]},
-                    {"text_token_tags": torch.ones(6, dtype=torch.long)}, {"audio_cond_timestep": 1.0}):
+                    {"text_token_tags": torch.ones(6, dtype=torch.long)}, {"audio_cond_timestep": 1.0},
+                    {"keyframe_audio_frames": [5]}):
         assert relative_error(reference_forward(model, x2, t2, **{**refs_inputs, **changed}), want2) > 100 * FP32_TOL
     model.time_embedder = torch.nn.Module()  # no curve table: diffusers' silu applies
     model.time_embedder.forward = tiny.build_tiny_model(SEED, "fast").time_embedder.forward
@@ -234,7 +236,8 @@ def test_refusals_name_what_is_not_served(mm_files):
                             (dict(references=[{"kind": "video_audio", "latent": torch.randn(1, 4, 2, 4, 6)}]),
                              r"references\[0\]"), (dict(references=[{"kind": "mask"}]), r"references\[0\]"),
                             (dict(text_token_tags=torch.ones(4)), "text_token_tags"),
-                            (dict(cond_audio_latents=True), "audio keyframes"),
+                            (dict(keyframe_audio_latents=[torch.randn(1, 6, 1, 2)], keyframe_audio_frames=[0]),
+                             "keyframe_audio_latents"),
                             (dict(denoise_mask=torch.rand(1, 1, 2, 4, 6)), "denoise mask"),
                             (dict(sample_sigmas=None), "PDD"), (dict(keyframe_frames=[0]), "keyframe_latents"),
                             (dict(latent_shapes=[[1, 4, 2, 4, 6], [1, 6, 1, 6]]), "stereo")):
@@ -301,13 +304,16 @@ def test_pool_equals_comfys_minimax_h3(family_pool, tmp_path):
                        "cond_video_latents": inputs.get("keyframe_latents", []),
                        "keyframes": [{"latent": latent, "resolved_frame_index": index} for latent, index in
                                      zip(inputs.get("keyframe_latents", []), inputs.get("keyframe_frames", []))]}
-            if inputs.get("references"):
+            if inputs.get("references"):  # MiniMaxH3AddGuide's audio guide and ReferenceToVideo's blocks
                 payload.update(comfy_refs(inputs["references"]), text_token_tags=inputs["text_token_tags"],
                                audio_cond_noise_aug=0.9)
+                guides = [{"audio_latent": latent, "resolved_frame_index": index} for latent, index in
+                          zip(inputs["keyframe_audio_latents"], inputs["keyframe_audio_frames"])]
+                payload["keyframes"] = payload["keyframes"] + guides
                 payload["cond_video_latents"] = payload["cond_video_latents"] + [
                     ref["latent"] for ref in payload["refs"] if "latent" in ref]
-                payload["cond_audio_latents"] = [ref["audio_latent"] for ref in payload["refs"]
-                                                 if ref.get("audio_latent") is not None]
+                payload["cond_audio_latents"] = [guide["audio_latent"] for guide in guides] + [
+                    ref["audio_latent"] for ref in payload["refs"] if ref.get("audio_latent") is not None]
             with torch.inference_mode():
                 theirs = network([video, audio], t[:1], inputs["context"][:1], transformer_options={},
                                  minimax_payload=dict(payload))

@@ -71,11 +71,9 @@ def keyframe_inputs(payload: dict) -> dict:
     """fl2va's first / last frames (and the guides of MiniMaxH3AddGuide): the keyframes' latents, noise-augmented in
     patch rows from the payload's seed (every condition restarts the same generator, as ComfyUI's _cond_video_rows),
     at their frame indices."""
+    inputs = keyframe_audio_inputs(payload)
     keyframes = [frame for frame in payload.get("keyframes") or () if frame.get("latent") is not None]
     latents = [frame["latent"] for frame in keyframes]
-    inputs = {}
-    if any(frame.get("audio_latent") is not None for frame in payload.get("keyframes") or ()):
-        inputs["cond_audio_latents"] = True
     if not latents:
         return inputs
     strength = float(payload.get("visual_cond_noise_aug", KEYFRAME_TIMESTEP))
@@ -83,6 +81,19 @@ def keyframe_inputs(payload: dict) -> dict:
     inputs.update(keyframe_latents=augmented, keyframe_frames=[int(frame["resolved_frame_index"]) for frame in keyframes],
                   keyframe_timestep=strength)
     return inputs
+
+
+def keyframe_audio_inputs(payload: dict) -> dict:
+    """MiniMaxH3AddGuide's audio guides: their latents (augmented as ComfyUI's _cond_audio_rows: the seed + 1) at
+    their keyframes' frame indices."""
+    guides = [frame for frame in payload.get("keyframes") or () if frame.get("audio_latent") is not None]
+    if not guides:
+        return {}
+    strength = float(payload.get("audio_cond_noise_aug", 1.0))
+    return {"keyframe_audio_latents": [augment_audio(frame["audio_latent"], strength, int(payload.get("seed", 0)) + 1)
+                                       for frame in guides],
+            "keyframe_audio_frames": [int(frame["resolved_frame_index"]) for frame in guides],
+            "audio_cond_timestep": strength}
 
 
 def reference_inputs(payload: dict) -> dict:

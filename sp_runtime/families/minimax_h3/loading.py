@@ -51,7 +51,7 @@ def describe(model, detection) -> dict:
     return {"adaln_curve_grid": detection.config["adaln_curve_grid"], "pdd_heads": detection.config["pdd_heads"],
             "patch_size": list(PATCH),
             "unbatched_inputs": ["latent_shapes", "keyframe_latents", "keyframe_frames", "sample_sigmas",
-                                 "references", "text_token_tags"]}
+                                 "references", "text_token_tags", "keyframe_audio_latents", "keyframe_audio_frames"]}
 
 
 MODEL = PlanModel(NAME, "MiniMax H3", "MiniMaxH3Transformer3DModel", detect, weight_plan, PLAN, 3, MODEL_KEYS,

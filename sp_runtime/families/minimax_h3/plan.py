@@ -4,7 +4,8 @@ Pool call: x [B, 1, N], the video latent [B, C, T, H, W] and the stereo audio la
 and concatenated (input `latent_shapes`); timestep the video sigma x 1000 (the first entry, as ComfyUI reads it);
 context the text encoder's states [B, L, text_dim]; first / last frames (fl2va) as `keyframe_latents` (a list of
 [1, C, t, H, W], noise-augmented as ComfyUI augments them) at `keyframe_frames` (their resolved pixel-frame indices),
-run at timestep max(t, `keyframe_timestep`); ref2va / omni-ref's reference blocks as `references` (a list of
+run at timestep max(t, `keyframe_timestep`); MiniMaxH3AddGuide's audio guides as `keyframe_audio_latents`
+([1, A, 2, t]) at `keyframe_audio_frames`, run at max(t_audio, `audio_cond_timestep`); ref2va / omni-ref's reference blocks as `references` (a list of
 {"kind": image / video / video_audio / audio, "latent": [1, C, t, h, w] at the block's own size, "audio":
 [1, A, 2, t]}, noise-augmented by the host), their audio rows at max(t_audio, `audio_cond_timestep`);
 `text_token_tags` [L] the text encoder's per-token modality tags (0 on vision pads, 1 on text);
@@ -36,7 +37,7 @@ SHIFTS = (12.0, 3.0)                # video / audio sigma shifts (ComfyUI's Mini
 TAGS = {"text": 1, "keyframe": 0, "reference": 0, "ref_audio": 2, "audio": 2, "video": 0}
 REFERENCE_KINDS = ("image", "video", "video_audio", "audio")
 UNSERVED = {"refs": "ComfyUI's raw reference blocks (the pool takes `references`, as host.py builds them)",
-            "cond_audio_latents": "audio keyframes", "denoise_mask": "a partial video denoise mask",
+            "denoise_mask": "a partial video denoise mask",
             "audio_denoise_mask": "a partial audio denoise mask"}
 
 
@@ -69,6 +70,13 @@ def check(call) -> None:
                                           or list(latent.shape[3:]) != video[3:] for latent in latents):
         raise ValueError(f"keyframe_latents must be [1, {video[1]}, t, {video[3]}, {video[4]}] latents, one per "
                          f"keyframe_frames entry")
+    audio_frames, audio_latents = (list(inputs.get(name) or ()) for name in ("keyframe_audio_frames",
+                                                                               "keyframe_audio_latents"))
+    if len(audio_frames) != len(audio_latents) or any(latent.dim() != 4 or list(latent.shape[:3]) != [1, audio[1], 2]
+                                                      for latent in audio_latents):
+        raise ValueError(f"keyframe_audio_latents must be [1, {audio[1]}, 2, t] latents, one per "
+                         f"keyframe_audio_frames entry")
+    call.audio_keyframes = list(zip(audio_frames, audio_latents))
     call.references = [check_reference(ref, index, video[1], audio[1]) for index, ref in
                        enumerate(inputs.get("references") or ())]
     tags = inputs.get("text_token_tags")
@@ -120,6 +128,10 @@ def layout(call) -> list[Stream]:
         origin = cursor + FRAME_RESCALE * float(index)
         _add(call, parts, "keyframe", patchify(latent), video_grid(latent.shape[2], frame, origin), "proj_in")
     ends = (float(width_axis[0]), float(width_axis[-1]))
+    for index, latent in call.audio_keyframes:  # after the video keyframes: the rows' order changes no output
+        latent = call.ctx.to_device(f"audio_keyframe{len(call.kinds)}", latent, torch.float32)
+        _add(call, parts, "ref_audio", latent.permute(0, 2, 3, 1).flatten(1, 2),
+             audio_grid(cursor + FRAME_RESCALE * float(index), latent.shape[3], *ends), "audio_proj_in")
     reference_parts(call, parts, float(text.shape[1]), ends)
     audio_rows = audio.permute(0, 2, 3, 1).flatten(1, 2)
     _add(call, parts, "audio", audio_rows, audio_grid(cursor, audio.shape[3], *ends), "audio_proj_in",
