@@ -229,10 +229,7 @@ def cosmos_cases(seed=12):
 def ideogram4_cases(seed=9):
     """Ideogram 4: 5 text + 35 image tokens (batch 2, CFG halves at different sigmas), the image alone (DualModelGuider's
     text-free negative: 35 tokens), 3 + 2 tokens (batch 1, fewer than the ranks)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
+    rand = seeded_randn(seed)
     return {"40_tokens": (rand(2, 16, 5, 7), torch.tensor([0.7, 0.3]), {"context": rand(2, 5, 40)}),
             "image_only": (rand(2, 16, 5, 7), torch.tensor([0.6, 0.6]), {"context": None}),
             "5_tokens": (rand(1, 16, 1, 2), torch.tensor([0.5]), {"context": rand(1, 3, 40)})}

@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Optional
 
 from ...checkpoints.header import Header
-from ...checkpoints.loading import count_blocks, find_layout, folder_entries, shape_of
+from ...checkpoints.loading import count_blocks, folder_entries, shape_of, two_layouts
 from ...contract import Detection
+from ..family import layout_detection
 
 NAME = "ideogram4"
 CLASS_NAME = "Ideogram4Transformer2DModel"
@@ -22,18 +23,13 @@ CONFIG_KEYS = ("in_channels", "num_layers", "attention_head_dim", "num_attention
 
 def detect(header: Header) -> Optional[Detection]:
     folder = folder_entries(header, CLASS_NAME, CONFIG_KEYS, tuples=("mrope_section",))
-    if folder == {}:
-        return None
-    found = find_layout(header, ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS)
-    if found is None:
-        return None
-    layout, prefix, keys = found
-    return Detection(family=NAME, variant="image", layout=layout, prefix=prefix,
-                     config=folder or architecture(keys), files=header.source.files)
+    found = two_layouts(header, folder, (ORIGINAL_ANCHORS, DIFFUSERS_ANCHORS), lambda keys, layout: architecture(keys))
+    return layout_detection(header, NAME, found, lambda config: "image")
 
 
 def architecture(keys: dict) -> dict:
-    """Ideogram4Transformer2DModel config from header shapes (keys without prefix)."""
+    """Ideogram4Transformer2DModel config from header shapes (keys without prefix; these names are the same in
+    both layouts)."""
     hidden, in_channels = shape_of(keys, "input_proj.weight")
     head_dim = shape_of(keys, "layers.0.attention.norm_q.weight")[0]
     sections = tuple(size * head_dim // 256 for size in MROPE_SECTION)

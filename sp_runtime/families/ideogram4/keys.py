@@ -3,16 +3,11 @@
 is the same in both."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
-from ...checkpoints.loading import KeyPlan, row_split
-from ...contract import Detection
+from ...checkpoints.loading import KeyPlan, original_layout_plan, row_split
 
 FUSED_QKV = ".attention.qkv.weight"
-
-
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    return original_plan(keys, detection.config) if detection.layout == "original" else None
 
 
 def original_plan(keys: Iterable[str], config) -> KeyPlan:
@@ -24,3 +19,6 @@ def original_plan(keys: Iterable[str], config) -> KeyPlan:
         else:
             plan[key] = [(key.replace(".attention.o.", ".attention.to_out.0."), None)]
     return plan
+
+
+weight_plan = original_layout_plan(original_plan)
