@@ -5,12 +5,13 @@ from comfy_api.latest import ComfyExtension, io
 
 from . import server_routes
 from .checkpoint_loader import SPCheckpointLoader
+from .controlnet import SPControlNetLoader
 from .loader import SPModelLoader
 from .lora import SPLoraLoader
 from .pool_control import SPPoolControl
 from .random_conditioning import SPRandomConditioning
 
-NODES = [SPModelLoader, SPCheckpointLoader, SPLoraLoader, SPPoolControl, SPRandomConditioning]
+NODES = [SPModelLoader, SPCheckpointLoader, SPLoraLoader, SPPoolControl, SPRandomConditioning, SPControlNetLoader]
 
 
 class UlyssesSPExtension(ComfyExtension):

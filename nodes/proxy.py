@@ -18,6 +18,7 @@ from sp_runtime.lora.patch_set import PatchSet
 from sp_runtime.sp.rope_options import is_identity
 
 from . import model_options_policy as policy
+from .controlnet import controlnet_inputs
 from .model_spec import ModelSpec
 from .pool_owner import OWNER
 
@@ -114,7 +115,7 @@ class SPDiffusionModel(torch.nn.Module):
         return executor.execute(x, timestep, context, transformer_options, **kwargs)
 
     def _forward(self, x, timestep, context, transformer_options, **kwargs):
-        self._check_options(transformer_options, kwargs.get("control"))
+        self._check_options(transformer_options)
         extra = {key: value for key, value in kwargs.items() if key not in HOST_ONLY_KEYS}
         extra.update(self._rope_input(transformer_options))
         extra.update(_skip_input(transformer_options))
@@ -123,6 +124,7 @@ class SPDiffusionModel(torch.nn.Module):
         try:
             packed, timestep, extra = hooks.pack(x, timestep, extra)
             self.handle = self.owner.serving(self.spec, self.handle, self.weight_patches)
+            extra.update(controlnet_inputs(kwargs.get("control"), self.handle.pool))
             out = self.handle(packed, timestep, context=context,
                               should_cancel=comfy.model_management.processing_interrupted, **extra)
             return hooks.unpack(out, x)
@@ -135,12 +137,9 @@ class SPDiffusionModel(torch.nn.Module):
                 raise
             raise converted from error
 
-    def _check_options(self, transformer_options: dict, control) -> None:
+    def _check_options(self, transformer_options: dict) -> None:
         """Per call: what the sampler, hooks and conditionings add to transformer_options must be on the allow-list
         (model_options_policy; the patcher checked its own options before sampling)."""
-        if control is not None:
-            raise SPPoolError("ControlNet / control inputs are not supported on a Ulysses SP model yet: the control "
-                              "network would have to run inside the SP workers. Remove the ControlNet apply node.")
         origins = self.option_origins or policy.OptionOrigins()
         try:
             policy.check(policy.transformer_option_keys(transformer_options), origins.origin)

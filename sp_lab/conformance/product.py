@@ -91,4 +91,6 @@ for _family, _seed, _calls, _spec in (
 NOT_YET = {"minimax_h3": "its calls are (video, audio, sigma, inputs), packed into rows by its host hooks: a spec "
                          "needs cases packed the same way (to do); its own test file checks every degree and layout",
            "ltx2": "a call of video and audio latents with two outputs: the suite's one-tensor call does not fit it "
-                   "yet; its own test file checks every degree and layout"}
+                   "yet; its own test file checks every degree and layout",
+           "qwen_image_controlnet": "a ControlNet runs inside its model's calls (input controlnets), never alone: "
+                                    "tests/controlnet/ checks it at every degree and layout"}

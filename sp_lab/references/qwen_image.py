@@ -14,13 +14,14 @@ from sp_lab.references import as_model
 def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
                       attention_mask: Optional[torch.Tensor] = None, ref_latents=None,
                       ref_latents_method: Optional[str] = None, additional_t_cond=None, dtype: str = "default",
-                      **_ignored) -> torch.Tensor:
+                      controlnet_block_samples=None, **_ignored) -> torch.Tensor:
     """ComfyUI's Qwen-Image diffusion_model(...) computed by diffusers' own forward on one process (Layered: the
     frames of x packed one after the other, additional_t_cond 0 unless given).
 
     The only departure from the stock call is the rotary position lookup: diffusers' tables are addressed with
     ComfyUI's position ids (diffusers centres odd grids one step differently and starts the text after the largest
-    reference image).
+    reference image). controlnet_block_samples: residuals of x's tokens per block (ComfyUI adds them to those only;
+    the reference tokens get zeros here).
     """
     model = as_model(model_or_path, load_model, dtype)
     compute = model.proj_out.weight.dtype
@@ -55,12 +56,18 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
     model.pos_embed, model.zero_cond_t = positions, zero_refs
     for block in model.transformer_blocks:
         block.zero_cond_t = zero_refs
+    hidden = torch.cat(packed, dim=1)
+    if controlnet_block_samples is not None:
+        controlnet_block_samples = [torch.nn.functional.pad(sample.to(device, compute),
+                                                            (0, 0, 0, hidden.shape[1] - sample.shape[1]))
+                                    for sample in controlnet_block_samples]
     try:
         with torch.no_grad():
-            tokens = model(hidden_states=torch.cat(packed, dim=1), encoder_hidden_states=context.to(device, compute),
+            tokens = model(hidden_states=hidden, encoder_hidden_states=context.to(device, compute),
                            encoder_hidden_states_mask=mask,
                            timestep=timestep.reshape(-1).expand(batch).to(device, compute),
-                           img_shapes=[shapes] * batch, additional_t_cond=t_cond, return_dict=False)[0]
+                           img_shapes=[shapes] * batch, additional_t_cond=t_cond,
+                           controlnet_block_samples=controlnet_block_samples, return_dict=False)[0]
     finally:
         model.pos_embed, model.zero_cond_t = saved[0], saved[1]
         for block, flag in zip(model.transformer_blocks, saved[2]):

@@ -18,6 +18,7 @@ from .family import Family
 
 FAMILIES = {
     "qwen_image": "sp_runtime.families.qwen_image",
+    "qwen_image_controlnet": "sp_runtime.families.qwen_image_controlnet",
     "qwen_image21": "sp_runtime.families.qwen_image21",
     "flux": "sp_runtime.families.flux",
     "flux2": "sp_runtime.families.flux2",

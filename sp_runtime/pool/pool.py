@@ -215,11 +215,29 @@ class WorkerPool:
             self._ensure_running()
             self._follow_file(handle)
             self._make_resident(handle.request, None, should_cancel)
+            kwargs = self._controlnets_resident(kwargs, should_cancel)
             if not self._holds(handle.key, handle.loras, handle.patches):
                 self._apply_loras(handle, handle.loras, None, handle.patches, should_cancel)
             if should_cancel is not None and should_cancel():
                 raise Cancelled("cancelled before the call was sent to the workers")
             return self._call(handle, x, timestep, kwargs, should_cancel)
+
+    def _controlnets_resident(self, kwargs: dict, should_cancel) -> dict:
+        """The input controlnets ([{"model": ControlNet handle, "hint", "strength"}, ...]) loaded here, each sent as
+        its model key (the workers run them on the call's own token shards: sp.control)."""
+        entries = kwargs.get("controlnets")
+        if not entries:
+            return kwargs
+        sent = []
+        for entry in entries:
+            net = entry.get("model") if isinstance(entry, dict) else None
+            if not isinstance(net, ModelHandle) or net.pool is not self:
+                raise ValueError("controlnets must be [{'model': ControlNet handle loaded in this pool, 'hint': "
+                                 "latent, 'strength': number}, ...]")
+            self._follow_file(net)
+            self._make_resident(net.request, None, should_cancel)
+            sent.append({"model": net.key, "hint": entry["hint"], "strength": float(entry.get("strength", 1.0))})
+        return {**kwargs, "controlnets": sent}
 
     def status(self) -> dict:
         """JSON-ready snapshot: layout, state, per-rank device / pid / memory / models / calls, and call stats."""

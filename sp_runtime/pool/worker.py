@@ -280,7 +280,17 @@ class Worker:
             versions[view_key(view)] = spec["version"]
         args = {name: decode_tree(node, tensors.__getitem__) for name, node in message["args"].items()}
         out = output.view(region["offset"], name_to_dtype(region["dtype"]), tuple(region["shape"]))
-        return args.pop("x"), args.pop("timestep"), args.pop("kwargs"), out, versions
+        return args.pop("x"), args.pop("timestep"), self._with_controlnets(args.pop("kwargs")), out, versions
+
+    def _with_controlnets(self, kwargs: dict) -> dict:
+        """The input controlnets' model keys as the loaded ControlNet workers."""
+        entries = kwargs.get("controlnets")
+        if not entries:
+            return kwargs
+        for entry in entries:
+            if entry["model"] not in self.models:
+                raise KeyError(f"ControlNet {entry['model']} is not loaded in worker rank {self.rank}")
+        return {**kwargs, "controlnets": [{**entry, "model": self.models[entry["model"]]} for entry in entries]}
 
     def _segment(self, name: str) -> Segment:
         if name not in self.segments:

@@ -15,6 +15,7 @@ import torch
 
 from ..attention import SeqShards
 from .plan import Part, Plan, Stream
+from .control import control_residuals, run_controlnet
 from .cross import LocalCrossAttention
 from .processor import Geometry, SPAttnProcessor, current_geometry
 from .tensor_parallel import parallelize
@@ -53,6 +54,7 @@ class Call:
         self.device, self.seq, self.batch = ctx.device, ctx.groups.seq, x.shape[0]
         self.shards: dict[str, Shard] = {}
         self.skip: frozenset[int] = frozenset()  # the current stage's blocks to leave out (input skip_blocks)
+        self.given_shards: dict[str, Any] = {}  # stream name -> (total tokens) -> SeqShards instead of balanced
 
     def input(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """An input ("x" or a name in inputs) on the device, cached across calls while unchanged, in the compute
@@ -97,26 +99,7 @@ class PlanWorker:
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, inputs: dict[str, Any], out: torch.Tensor,
                 ctx) -> None:
         plan, call = self.plan, Call(self, x, timestep, inputs, ctx)
-        plan.check(call)
-        rope = None if plan.rope is None else plan.rope(call.config)
-        for stream in plan.layout(call):
-            call.shards[stream.name] = shard = _shard(stream, call.seq, rope, call.device)
-            setattr(call, stream.name, _embed(self.model, stream, shard.lo, shard.hi, call.batch))
-        plan.condition(call)
-        skips = block_skips(plan, inputs.get("skip_blocks"), self.info.family)
-        for stage in plan.stages:
-            if stage.before is not None:
-                stage.before(call)
-            call.skip = skips.get(stage.blocks, frozenset())
-            geometry = nullcontext() if stage.attention is None else current_geometry(_geometry(call, stage))
-            with geometry:
-                for index, block in enumerate(getattr(self.model, stage.blocks)):
-                    ctx.check_cancel()
-                    if index in call.skip and not stage.skips_in_run:
-                        continue
-                    stage.run(block, call)
-            call.skip = frozenset()
-        names, tokens = plan.output, plan.head(call)
+        names, tokens = plan.output, self.run(call)
         tp = getattr(ctx.groups, "tp", None)
         if tp is not None and tp.rank != 0:  # the TP ranks of a group hold the same tokens: one writes them
             return
@@ -129,6 +112,39 @@ class PlanWorker:
             if plan.output_tokens is not None:
                 stream_tokens = plan.output_tokens(call, stream_tokens)
             _write(out, stream_tokens, shard)
+
+    def residuals(self, main: Call, hint: torch.Tensor, stream: str):
+        """As a ControlNet: its residuals per main-model block on main's tokens of `stream` (sp.control)."""
+        return run_controlnet(self, main, hint, stream)
+
+    def run(self, call: Call):
+        """The plan on one call, up to its head (this rank's output tokens, or what a ControlNet's head returns)."""
+        plan, ctx, inputs = self.plan, call.ctx, call.inputs
+        plan.check(call)
+        rope = None if plan.rope is None else plan.rope(call.config)
+        for stream in plan.layout(call):
+            given = call.given_shards.get(stream.name)
+            call.shards[stream.name] = shard = _shard(stream, call.seq, rope, call.device,
+                                                      None if given is None else given(stream.total))
+            setattr(call, stream.name, _embed(self.model, stream, shard.lo, shard.hi, call.batch))
+        plan.condition(call)
+        controls = control_residuals(call, plan, self.info.family)
+        skips = block_skips(plan, inputs.get("skip_blocks"), self.info.family)
+        for stage in plan.stages:
+            if stage.before is not None:
+                stage.before(call)
+            call.skip = skips.get(stage.blocks, frozenset())
+            add = controls.adder(call, stage.blocks) if controls is not None else None
+            geometry = nullcontext() if stage.attention is None else current_geometry(_geometry(call, stage))
+            with geometry:
+                for index, block in enumerate(getattr(self.model, stage.blocks)):
+                    ctx.check_cancel()
+                    if index not in call.skip or stage.skips_in_run:
+                        stage.run(block, call)
+                    if add is not None:
+                        add(index)
+            call.skip = frozenset()
+        return plan.head(call)
 
 
 def block_skips(plan: Plan, given, family: str) -> dict[str, frozenset[int]]:
@@ -151,9 +167,9 @@ def block_skips(plan: Plan, given, family: str) -> dict[str, frozenset[int]]:
     return skips
 
 
-def _shard(stream: Stream, seq, rope, device) -> Shard:
+def _shard(stream: Stream, seq, rope, device, given: Optional[SeqShards] = None) -> Shard:
     if stream.split:
-        shards = SeqShards.balanced(stream.total, seq.degree)
+        shards = given or SeqShards.balanced(stream.total, seq.degree)
         lo, hi = shards.range(seq.rank)
     else:
         shards, lo, hi = None, 0, stream.total

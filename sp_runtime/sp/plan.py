@@ -139,6 +139,17 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class Control:
+    """Where ControlNet residuals enter a model (input controlnets, sp.control): after block i of the stage `stage`,
+    residual i is added to the leading tokens of the split stream `stream` (the ControlNet runs on the same shards of
+    those tokens); `families`: the ControlNet families that may steer it."""
+
+    stage: str
+    stream: str
+    families: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     """A family's sequence-parallel forward (see the module docstring); run by sp.executor.PlanWorker.
 
@@ -151,7 +162,8 @@ class Plan:
     (sp.tensor_parallel; None: the family refuses tensor_parallel_degree > 1). comfy_blocks: ComfyUI's block kinds
     of patches_replace["dit"] (the blocks SkipLayerGuidanceDiT skips, input skip_blocks) -> the stage (its `blocks`)
     whose blocks they index, as ComfyUI's model for the family counts them (kinds it does not address are ignored,
-    as ComfyUI's model ignores them); None: block skips are refused for the family.
+    as ComfyUI's model ignores them); None: block skips are refused for the family. control: where ControlNet
+    residuals enter (None: ControlNets are refused for the family).
     """
 
     check: Callable[[Any], None]
@@ -164,3 +176,4 @@ class Plan:
     output_tokens: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None
     tensor_parallel: Optional[TensorParallelPlan] = None
     comfy_blocks: Optional[dict[str, str]] = None
+    control: Optional[Control] = None

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ...sp import Plan, Stage, Stream, image_parts, text_stream
+from ...sp import Control, Plan, Stage, Stream, image_parts, text_stream
 from ...sp.tensor_parallel import GENERIC
 from ...sp.tokens import ROPE_THETA, as_list, reference_placements, text_key_mask
 from .detection import PATCH, REF_METHODS
@@ -84,7 +84,8 @@ def head(call) -> torch.Tensor:
 
 
 PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dims_rope, ROPE_THETA), condition=condition,
-            stages=(Stage("transformer_blocks", block),), head=head, tensor_parallel=GENERIC)
+            stages=(Stage("transformer_blocks", block),), head=head, tensor_parallel=GENERIC,
+            control=Control("transformer_blocks", "image", ("qwen_image_controlnet",)))
 
 
 def _time_condition(model, value, batch: int, ctx) -> Optional[torch.Tensor]:
@@ -113,7 +114,7 @@ def _check_latent(model, x: torch.Tensor) -> tuple[int, int]:
 
 
 def _check_unsupported(inputs: dict) -> None:
-    for name in ("control", "eligen_entity_prompt_emb", "eligen_entity_masks"):
+    for name in ("control", "eligen_entity_prompt_emb", "eligen_entity_masks"):  # ControlNets: input controlnets
         if inputs.get(name) is not None:
             raise ValueError(f"{name} is not supported by the sequence-parallel Qwen-Image")
 
