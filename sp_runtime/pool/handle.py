@@ -92,7 +92,9 @@ def validate_call(info: ModelInfo, x: Any, timestep: Any, kwargs: dict) -> torch
     timestep = _timestep_tensor(timestep, batch)
     unbatched = set(info.config.get("unbatched_inputs", ()))
     for key, value in kwargs.items():
-        if key not in unbatched:
+        if key == "controlnets":
+            _check_controlnets(value, batch)
+        elif key not in unbatched:
             _check_batch(key, value, batch)
     refs = kwargs.get("ref_latents")
     for index, ref in enumerate(refs if isinstance(refs, (list, tuple)) else () if refs is None else (refs,)):
@@ -126,6 +128,16 @@ def _timestep_tensor(timestep: Any, batch: int) -> torch.Tensor:
         raise ValueError(f"timestep has shape {list(timestep.shape)} but x has batch {batch}: give one timestep per "
                          f"batch item")
     return timestep
+
+
+def _check_controlnets(entries: Any, batch: int) -> None:
+    """Each ControlNet's hint serves the whole batch (batch 1, as ComfyUI leaves a single hint) or one per item."""
+    for index, entry in enumerate(entries or ()):
+        hint = entry.get("hint") if isinstance(entry, dict) else None
+        if not isinstance(hint, torch.Tensor) or not hint.is_floating_point() or hint.dim() not in (4, 5) or \
+                hint.shape[0] not in (1, batch):
+            raise ValueError(f"controlnets[{index}] needs a hint: a floating-point latent [1 or {batch}, C, (1,) H, "
+                             f"W], got {list(hint.shape) if isinstance(hint, torch.Tensor) else type(hint).__name__}")
 
 
 def _check_batch(path: str, value: Any, batch: int) -> None:

@@ -3,7 +3,7 @@ block) runs on this rank's own leading tokens of the model's control stream, and
 strengths and summed in chain order as ComfyUI's control_merge does, are added to those tokens after each block."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -72,13 +72,3 @@ class Residuals:
                 state = getattr(call, name)
                 state[:, :residual.shape[1]] += residual.to(state.dtype)
         return add
-
-
-def run_controlnet(worker, main, hint: torch.Tensor, stream: str) -> Any:
-    """A ControlNet worker's plan on the main call's x, timestep and text, its `stream` sharded as the leading
-    tokens of the main call's stream of that name (each rank: its own tokens)."""
-    from .executor import Call
-    call = Call(worker, main.x, main.timestep, {"context": main.inputs.get("context"), "hint": hint}, main.ctx)
-    shards = main.shards[stream].shards
-    call.given_shards[stream] = lambda total: leading_shards(shards, total)
-    return worker.run(call)

@@ -15,7 +15,7 @@ import torch
 
 from ..attention import SeqShards
 from .plan import Part, Plan, Stream
-from .control import control_residuals, run_controlnet
+from .control import control_residuals, leading_shards
 from .cross import LocalCrossAttention
 from .processor import Geometry, SPAttnProcessor, current_geometry
 from .tensor_parallel import parallelize
@@ -114,8 +114,12 @@ class PlanWorker:
             _write(out, stream_tokens, shard)
 
     def residuals(self, main: Call, hint: torch.Tensor, stream: str):
-        """As a ControlNet: its residuals per main-model block on main's tokens of `stream` (sp.control)."""
-        return run_controlnet(self, main, hint, stream)
+        """As a ControlNet (sp.control): its plan on main's x, timestep and text, its `stream` sharded as the
+        leading tokens of main's stream of that name (each rank its own tokens); returns what its head returns."""
+        call = Call(self, main.x, main.timestep, {"context": main.inputs.get("context"), "hint": hint}, main.ctx)
+        shards = main.shards[stream].shards
+        call.given_shards[stream] = lambda total: leading_shards(shards, total)
+        return self.run(call)
 
     def run(self, call: Call):
         """The plan on one call, up to its head (this rank's output tokens, or what a ControlNet's head returns)."""

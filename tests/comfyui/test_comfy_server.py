@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 EXAMPLES = cs.EXAMPLES
 # inputs naming files the test server does not have: weights, LoRAs, and the example's input image / video
 FILE_INPUTS = {"unet_name", "ckpt_name", "clip_name", "clip_name1", "clip_name2", "clip_name3", "clip_name4",
-               "vae_name", "text_encoder", "model_name", "lora_name", "image", "file"}
+               "vae_name", "text_encoder", "model_name", "lora_name", "image", "file", "control_net_name"}
 
 
 def load_example(name: str) -> dict:
