@@ -75,6 +75,7 @@ def files(tmp_path_factory):
                                              **{k: v for k, v in size.items() if k != "seed"}),
                             str(root / "controlnet" / f"tiny_{name}.safetensors"), "diffusers", "float32")
             for name, size in NETS.items()}
+    write_tiny_checkpoint("qwen_image", str(root / "controlnet" / "not_a_controlnet.safetensors"), num_layers=1)
     yield {"main": main, **nets}
     cs.import_node_module("pool_owner").OWNER.close_all()
 
@@ -132,3 +133,10 @@ def test_a_stock_controlnet_on_the_sp_model_is_refused_by_name(sp, stock):
         _sample({"model": sp["model"], "union": sp["union"], "stock": stock["other"]},
                 [("stock", 1.0, 0.0, 1.0, 1), ("union", 1.0, 0.0, 1.0, 1)])
     cs.sample(sp["model"], cs.conditioning("qwen_image", 1), cs.conditioning("qwen_image", 2), steps=1, frames=1)
+
+
+def test_the_sp_loader_names_a_file_it_cannot_serve(files):
+    controlnet = cs.import_node_module("controlnet")
+    with pytest.raises(ValueError, match=r"not_a_controlnet.safetensors is not a ControlNet the Ulysses SP workers "
+                                         r"serve \(it is a qwen_image model\)"):
+        controlnet.SPControlNetLoader.execute("not_a_controlnet.safetensors")

@@ -69,7 +69,10 @@ def _run(pool, files, case):
 
 
 def test_controlnets_match_diffusers_at_every_degree(family_pool, files, models, references):
-    for name, case in _cases(models).items():
+    cases = _cases(models)
+    if family_pool.config.world_size == 1:  # nothing is split: one case for the world-1 path
+        cases = {"chained_two": cases["chained_two"]}
+    for name, case in cases.items():
         assert_parity(_run(family_pool, files, case), references[name], "float32",
                       f"controlnet/u{family_pool.config.world_size}/{name}")
 
@@ -106,3 +109,21 @@ def test_what_the_controlnet_cannot_take_is_refused_by_name(family_pool, files, 
                                                [(models["union"], nets[0][1], nets[0][2])]), "float32",
                   "controlnet/after_refusal")
     family_pool.unload_all()
+
+
+def test_detection_of_instantx_files_and_the_fun_controlnet_refused_by_name():
+    """From the header alone: the Union and Inpainting (4 mask channels more) ControlNets and their configs; the
+    Qwen-Image 2512 Fun ControlNet (another architecture) is named, not mistaken for one."""
+    from sp_runtime.checkpoints.header import Header
+    from sp_runtime.detection import detect
+    for extra in (0, 4):
+        model = build_tiny_model("qwen_image_controlnet", 0, extra_condition_channels=extra, num_layers=2)
+        header = Header("cn.safetensors", {key: ("F32", tuple(value.shape)) for key, value in
+                                           model.state_dict().items()})
+        detection = detect(header)
+        assert (detection.family, detection.config["num_layers"]) == ("qwen_image_controlnet", 2)
+        assert detection.config["extra_condition_channels"] == extra
+    fun = Header("Qwen-Image-2512-Fun-Controlnet-Union.safetensors",
+                 {"control_blocks.0.after_proj.weight": ("F32", (2, 2)), "control_img_in.weight": ("F32", (2, 2))})
+    with pytest.raises(ValueError, match="Qwen-Image Fun ControlNet"):
+        detect(fun)
