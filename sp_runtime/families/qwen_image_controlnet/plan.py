@@ -18,6 +18,8 @@ MAIN_MODEL_BLOCKS = 60  # ComfyUI's QwenImageControlNetModel repeats its residua
 
 def check(call) -> None:
     hint, x = call.inputs.get("hint"), call.x
+    if hint is None:
+        raise ValueError("a Qwen-Image ControlNet runs inside a Qwen-Image call (its input controlnets), not alone")
     if x.dim() == 5 and x.shape[2] != 1:
         raise ValueError(f"a Qwen-Image ControlNet steers one frame; x has {x.shape[2]} (Qwen-Image-Layered)")
     extra = call.config.extra_condition_channels
