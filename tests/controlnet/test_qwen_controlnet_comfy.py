@@ -126,6 +126,8 @@ def test_controlnets_equal_comfyuis_own_through_the_stock_sampler(sp, stock, cas
 
 
 def test_a_stock_controlnet_on_the_sp_model_is_refused_by_name(sp, stock):
+    """...and the SP ControlNet gives ComfyUI nothing to load: no network, no weights in this process."""
+    assert sp["union"].get_models() == [] and not isinstance(sp["union"].control_model, torch.nn.Module)
     proxy = cs.import_node_module("proxy")
     with pytest.raises((proxy.SPPoolError, ValueError), match=r"stock 'Load ControlNet Model' node \(ControlNetLoader"):
         _sample({"model": sp["model"], "union": stock["union"]}, [("union", 1.0, 0.0, 1.0, 1)])
