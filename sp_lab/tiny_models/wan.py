@@ -14,7 +14,8 @@ modules, audio_embed [B, T, 2, 5, 8] instead of ComfyUI's [B, T, 8, 5, 1280]), s
 blocks with audio injected after blocks 0 and 4 as ComfyUI's list places 2 injectors, audio_embed [B, 25, 32, 4T]
 instead of [B, 25, 1024, 4T]) and animate (WanAnimateTransformer3DModel: i2v with 5 blocks, one face adapter block,
 and the real-size motion encoder and face encoder, whose widths ComfyUI fixes) and animate2 (Wan Animate 2: i2v's
-weights, its files saying model_type animate2 in their metadata as ComfyUI's do). Defaults: 6 heads (4 ranks do not divide
+weights, its files saying model_type animate2 in their metadata as ComfyUI's do), scail / scail2 (Wan 2.1 SCAIL:
+i2v with 20 input channels and the pose Conv3d; SCAIL-2 also the 28-channel mask Conv3d). Defaults: 6 heads (4 ranks do not divide
 them) of size 16, 2 blocks. Files state their head size in the safetensors metadata key
 `ulysses_sp.head_dim` (wan.detect.HEAD_DIM_METADATA_KEY) unless head_dim_metadata=False, in which case loading
 needs the option head_dim=16. The original-layout writer is the inverse of the loader's key plan, written
@@ -37,7 +38,7 @@ CLIP_DIM = 1280         # ComfyUI's Wan image embedder input width is fixed
 FLF_CLIP_TOKENS = 10    # tiny first-last-frame models: 2 x 5 CLIP tokens
 VACE_TINY = dict(num_layers=4, vace_layers=[0, 2], vace_in_channels=96)
 VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b", "fun_5b_control",
-            "fun_5b_inp", "camera", "camera_2.2", "humo", "s2v", "animate", "animate2")
+            "fun_5b_inp", "camera", "camera_2.2", "humo", "s2v", "animate", "animate2", "scail", "scail2")
 ANIMATE_TINY = dict(num_layers=5)  # the face adapter follows every 5th block
 HUMO_TINY = dict(audio_in_features=80, audio_hidden=32, audio_dim=24)
 S2V_TINY = dict(audio_dim=32, audio_layers=25, audio_tokens=4, cond_dim=16, inject_layers=[0, 4])
@@ -50,8 +51,10 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
         raise ValueError(f"unknown Wan variant {variant!r}; tiny Wan models exist for {VARIANTS}")
     config = sized("wan", dict(WAN_TINY, **{"vace": VACE_TINY, "animate": ANIMATE_TINY}.get(variant, {})), size)
     inner = config["num_attention_heads"] * config["attention_head_dim"]
-    if variant in ("i2v", "flf2v", "fun_control", "camera", "animate", "animate2"):
+    if variant in ("i2v", "flf2v", "fun_control", "camera", "animate", "animate2", "scail", "scail2"):
         config.update(in_channels=36, image_dim=CLIP_DIM, added_kv_proj_dim=inner)
+    if variant.startswith("scail"):
+        config.update(in_channels=20, pose_in_channels=20, **({"mask_in_channels": 28} if variant == "scail2" else {}))
     if variant == "fun_control":
         config.update(in_channels=48, ref_in_channels=16)
     if variant == "fun_a14b":
@@ -131,7 +134,7 @@ _BLOCK.update({"ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2", "norm2": "norm3"
 
 
 # the variants' modules that are named as ComfyUI names them
-_SAME_NAME_MODULES = ("control_adapter.", "audio_proj.", "trainable_cond_mask.", "casual_audio_encoder.",
+_SAME_NAME_MODULES = ("patch_embedding_pose.", "patch_embedding_mask.", "control_adapter.", "audio_proj.", "trainable_cond_mask.", "casual_audio_encoder.",
                       "cond_encoder.", "audio_injector.", "frame_packer.")
 
 
