@@ -1,0 +1,81 @@
+"""Wan 2.1 SCAIL / SCAIL-2 and Wan 2.2 Bernini-R's in-context latents against ComfyUI's own code (needs COMFYUI_PATH
+at a ComfyUI with SCAILWanModel and context_latents, e.g. the newest tier; skipped otherwise): the pool at degrees
+1-4 equals ComfyUI's SCAIL2WanModel, SCAILWanModel and WanModel(context_latents=...) on the same tiny files and the
+cases of tests/families/test_wan_scail.py and test_wan_in_context.py; ComfyUI's model classes of the variants exist."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import comfy_support as cs
+from family_support import assert_parity
+from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
+from sp_lab.tiny_models.wan import tiny_config
+from test_wan_in_context import SEED as IN_CONTEXT_SEED, cases as in_context_cases
+from test_wan_scail import SEEDS as SCAIL_SEEDS, cases as scail_cases
+
+pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
+pytest_plugins = ["family_pools"]  # the shared per-degree worker pools
+
+# name -> (tiny variant, seed, cases)
+MODELS = {"scail2": ("scail2", SCAIL_SEEDS["scail2"], lambda: scail_cases("scail2")),
+          "scail": ("scail", SCAIL_SEEDS["scail"], lambda: scail_cases("scail")),
+          "bernini": ("t2v", IN_CONTEXT_SEED, in_context_cases)}
+
+
+def comfy_network(variant: str) -> torch.nn.Module:
+    """ComfyUI's own network of the variant at the tiny model's sizes (fp32, CPU)."""
+    import comfy.ldm.wan.model as comfy_wan
+    import comfy.ops
+    if not hasattr(comfy_wan, "SCAIL2WanModel"):
+        pytest.skip("this ComfyUI has no SCAIL2WanModel (the newest tier has)")
+    config = tiny_config(variant)
+    heads, dim = config["num_attention_heads"], config["num_attention_heads"] * config["attention_head_dim"]
+    common = dict(dim=dim, ffn_dim=config["ffn_dim"], text_dim=config["text_dim"], num_heads=heads,
+                  num_layers=config["num_layers"], in_dim=config["in_channels"], out_dim=config["out_channels"],
+                  device="cpu", dtype=torch.float32, operations=comfy.ops.disable_weight_init)
+    if variant == "scail2":
+        return comfy_wan.SCAIL2WanModel(**common)
+    if variant == "scail":
+        return comfy_wan.SCAILWanModel(**common)
+    return comfy_wan.WanModel(model_type="t2v", **common)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    cs.import_comfy()
+    folder = tmp_path_factory.mktemp("wan_tokens_comfy")
+    return {name: write_tiny_checkpoint("wan", str(folder / f"{name}.safetensors"), seed=seed, variant=variant,
+                                        prefix=COMFY_PREFIX) for name, (variant, seed, _) in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def comfy_outputs(files):
+    import comfy.utils
+    outputs = {}
+    for name, (variant, _, cases) in MODELS.items():
+        network = comfy_network(variant)
+        state = comfy.utils.state_dict_prefix_replace(comfy.utils.load_torch_file(files[name]), {COMFY_PREFIX: ""},
+                                                      filter_keys=True)
+        network.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            outputs[name] = {case: network.eval()(x, t, inputs["context"], transformer_options={},
+                                                  **{k: v for k, v in inputs.items() if k != "context"})
+                             for case, (x, t, inputs) in cases().items()}
+    return outputs
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_pool_equals_comfys_own_model_class(name, family_pool, files, comfy_outputs):
+    handle = family_pool.load_model(files[name])
+    for case, (x, t, inputs) in MODELS[name][2]().items():
+        assert_parity(handle(x, t, **inputs), comfy_outputs[name][case], "float32", f"comfy/{name}/{case}")
+    handle.unload()
+
+
+def test_comfy_has_the_variants_model_classes():
+    cs.import_comfy()
+    import comfy.supported_models
+    from sp_runtime.families.wan import COMFY
+    for variant in ("scail", "scail2"):
+        assert getattr(comfy.supported_models, COMFY.model_class(variant), None) is not None, variant
