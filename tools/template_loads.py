@@ -9,7 +9,8 @@ optical-flow and SAM models (NOT_DIFFUSION_LOADERS). Its first widget value is t
 
 A template holds only that file name, not the file's header, which is what the project's detection reads
 (sp_runtime.detection). So file names map to kinds through KINDS below, a table kept by hand (first match wins):
-a kind is a registered family's name (served when sp_runtime.families.FAMILIES has it), a kind the project refuses
+a kind is a registered family's name (served when sp_runtime.families.FAMILIES has it; "family:variant" when the
+family's variant registry, sp_runtime.families.<family>.variants.REGISTRY, has that variant too), a kind the project refuses
 by name (detection.OTHER_KINDS, or a variant a family's detector refuses, REFUSED_VARIANTS), a model the project
 does not name (unknown), or a model that is not an image / video diffusion model (audio, 3D, perception: left out
 of the totals, listed apart). File names matching no row count as unknown.
@@ -37,7 +38,7 @@ NOT_IMAGE_VIDEO = "not an image / video diffusion model"
 REFUSED_VARIANTS = {"Anima (Cosmos-Predict2 with an LLM adapter)": "cosmos/detection.py",
                     "Chroma Radiance": "chroma/detection.py",
                     "NewBie / Ming-Image (NextDiT with pooled text / reference frames)": "lumina2/detection.py",
-                    "Wan-based variant (modules Wan's detector does not know)": "wan/detection.py"}
+                    "Wan-based variant (modules Wan's detector does not know)": "wan/detect.py"}
 
 # (file-name pattern, kinds, label): kinds is a FAMILIES name, an OTHER_KINDS / REFUSED_VARIANTS name, NOT_IMAGE_VIDEO,
 # any other text (a model the project does not name), or a tuple of these (the first that applies: a family another
@@ -56,8 +57,11 @@ KINDS = [
     (r"^sd3", "sd3", "SD3 / SD3.5"),
     (r"^Chroma1-HD", "chroma", "Chroma"),
     (r"^chroma-radiance", "Chroma Radiance", "Chroma Radiance"),
-    (r"^(wan2\.1_14B_SCAIL|wan2\.2_bernini|wan2\.2_dancer)",
-     "Wan-based variant (modules Wan's detector does not know)", "Wan SCAIL-2 / Bernini-R / Dancer"),
+    (r"^wan2\.1_14B_SCAIL", ("wan:scail", "Wan-based variant (modules Wan's detector does not know)"),
+     "Wan 2.1 SCAIL-2"),
+    (r"^wan2\.2_bernini", ("wan:in_context", "Wan-based variant (modules Wan's detector does not know)"),
+     "Wan 2.2 Bernini-R"),
+    (r"^wan2\.2_dancer", "Wan-based variant (modules Wan's detector does not know)", "Wan 2.2 Dancer"),
     (r"^(wan2\.|wan_animate_2|Wan21-WanMove|Wan2_1-I2V|humo_)", "wan", "Wan 2.1 / 2.2 (WanMove, ATI, KJ I2V: fine-tunes)"),
     (r"^hunyuan_video_", "hunyuan_video", "HunyuanVideo 1.0"),
     (r"^hunyuanvideo1\.5", "hunyuan_video15", "HunyuanVideo 1.5"),
@@ -139,12 +143,25 @@ def classify(name: Optional[str]) -> tuple[str, str, str]:
         for kind in kinds:
             if kind == NOT_IMAGE_VIDEO:
                 return "excluded", kind, label
-            if kind in FAMILIES:
+            if _registered(kind, FAMILIES):
                 return "served", kind, label
             if kind in OTHER_KINDS or kind in REFUSED_VARIANTS:
                 return "refused", kind, label
         return "unknown", kinds[0], label
     return "unknown", "", _stem(name)
+
+
+def _registered(kind: str, families) -> bool:
+    """A family the registry has, or "family:variant" with the variant in that family's variant registry."""
+    import importlib
+    family, _, variant = kind.partition(":")
+    if family not in families or not variant:
+        return family in families and not variant
+    try:
+        registry = importlib.import_module(f"sp_runtime.families.{family}.variants").REGISTRY
+    except (ImportError, AttributeError):
+        return False
+    return any(known.name == variant for known in registry)
 
 
 def _stem(name: Optional[str]) -> str:
