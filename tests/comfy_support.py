@@ -183,6 +183,12 @@ NEEDS_NEWER_COMFYUI = {
                       "0.24.0 (Ideogram 4)"),
     "minimax_h3_r2v": (("ComfyMathExpression", "ComfySwitchNode", "MiniMaxH3ReferenceToVideo", "ResolutionSelector",
                         "VAEDecodeAudio"), "0.30.0 (MiniMax H3)"),
+    "wan22_bernini_r_image_edit": (("BatchImagesNode", "BerniniConditioning", "ComfySwitchNode", "CustomCombo",
+                                    "ImageCompare", "ResizeImageMaskNode"), "0.33.0 (Bernini-R; the newest tested)"),
+    "wan21_scail2_character_replacement": (("BatchImagesNode", "ColorTransfer", "ComfyMathExpression",
+                                            "ComfySwitchNode", "ResizeImageMaskNode", "SAM3_VideoTrack",
+                                            "SCAIL2ColoredMask", "WanSCAILToVideo"),
+                                           "0.33.0 (SCAIL-2; the newest tested)"),
 }
 
 

@@ -198,7 +198,8 @@ def assert_run_fails_on_a_missing_file(server, prompt_id: str, workflow: dict) -
         time.sleep(0.5)
     status = history[prompt_id]["status"]
     errors = [data for event, data in status["messages"] if event == "execution_error"]
-    files = {value for node in workflow.values() for name, value in node["inputs"].items() if name in FILE_INPUTS}
+    files = {value for node in workflow.values() for name, value in node["inputs"].items()
+             if name in FILE_INPUTS and isinstance(value, str)}  # an `image` input may be a link
     assert status["status_str"] == "error" and errors, status
     assert any(name in errors[0]["exception_message"] for name in files), errors[0]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_support import assert_parity, relative_error, single_rank_worker
+from family_support import assert_parity, at_worlds, relative_error, single_rank_worker
 from sp_lab.references.wan_tokens import scail_reference_forward
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
 
@@ -106,3 +106,23 @@ def test_bad_inputs_are_named(scail_files):
     worker, context = single_rank_worker(scail_files["scail"])
     with pytest.raises(ValueError, match="sam_latents needs SCAIL-2's patch_embedding_mask"):
         worker.forward(x, t, {key: value for key, value in inputs.items() if key != "ref_mask_latents"}, out, context)
+
+
+@at_worlds(2)
+def test_quantized_file_equals_its_dequantized_weights(family_pool, tmp_path):
+    """SCAIL-2 from a ComfyUI mixed-precision file (the template's int8 convrot among its formats; the pose and mask
+    convs stay float as in the release) at weight dtype fp32 equals the run on its dequantized weights."""
+    from sp_lab.tiny_models.quant_files import write_quantized
+    from sp_runtime.families.wan import load_model
+    path, reference = str(tmp_path / "scail2_quant.safetensors"), str(tmp_path / "scail2_dequantized.safetensors")
+    kinds = write_quantized("wan", path, reference, "comfy_quant", 3, COMFY_PREFIX, {"ulysses_sp.head_dim": "16"},
+                            variant="scail2")
+    assert "int8_tensorwise convrot" in set(kinds.values()), set(kinds.values())
+    handle = family_pool.load_model(path, "fp32")
+    assert handle.info.variant == "scail2" and handle.info.quant
+    model = load_model(reference, "float32")[0]
+    for case in ("animation", "replacement"):
+        x, t, inputs = cases("scail2")[case]
+        assert_parity(handle(x, t, **inputs), scail_reference_forward(model, x, t, **inputs), "float32",
+                      f"scail/quantized/{case}")
+    handle.unload()
