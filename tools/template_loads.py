@@ -89,7 +89,7 @@ KINDS = [
     (r"^fibo2", "bria_fibo2", "Bria FIBO 2"),
     (r"^capybara", "capybara", "Capybara"),
     (r"^void_pass", "void", "VOID"),
-    (r"^chrono_edit", "chronoedit", "ChronoEdit"),
+    (r"^chrono_edit", "wan", "ChronoEdit (Wan 2.1 I2V fine-tune)"),
 ]
 
 

@@ -193,10 +193,21 @@ def test_the_base_imports_no_variant():
     folder = pathlib.Path(wan.__file__).parent
     variant_modules = {variant.check.__module__.rsplit(".", 1)[-1] for variant in REGISTRY if variant.check} | {
         variant.layout.__module__.rsplit(".", 1)[-1] for variant in REGISTRY if variant.layout}
-    assert {"vace", "s2v", "humo", "animate", "animate2", "camera", "fun"} <= variant_modules
+    assert {"vace", "s2v", "humo", "animate", "animate2", "camera", "fun", "in_context", "scail"} <= variant_modules
     for base in ("detect", "keys", "load", "plan", "host", "variants"):
         tree = ast.parse((folder / f"{base}.py").read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1
                     for alias in node.names} | {node.module for node in ast.walk(tree)
                                                 if isinstance(node, ast.ImportFrom) and node.level == 1}
         assert not imported & variant_modules, (base, imported & variant_modules)
+
+
+def test_scail_files_are_told_apart_by_their_convs(tmp_path):
+    """As ComfyUI's detection: patch_embedding_mask -> SCAIL-2, patch_embedding_pose alone -> SCAIL (Wan 2.1 I2V's
+    other keys); the pose and mask input widths read from the header."""
+    for variant, mask in (("scail2", 28), ("scail", None)):
+        path = write_tiny_checkpoint("wan", str(tmp_path / f"{variant}.safetensors"), variant=variant,
+                                     prefix=COMFY_PREFIX)
+        found = detect(path)
+        assert (found.family, found.variant, found.config["pose_in_channels"], found.config.get("mask_in_channels"),
+                found.config["image_dim"]) == ("wan", variant, 20, mask, 1280)
