@@ -9,11 +9,11 @@ optical-flow and SAM models (NOT_DIFFUSION_LOADERS). Its first widget value is t
 
 A template holds only that file name, not the file's header, which is what the project's detection reads
 (sp_runtime.detection). So file names map to kinds through KINDS below, a table kept by hand (first match wins):
-a kind is a registered family's name (served when sp_runtime.families.FAMILIES has it; "family:variant" when the
-family's variant registry, sp_runtime.families.<family>.variants.REGISTRY, has that variant too), a kind the project refuses
-by name (detection.OTHER_KINDS, or a variant a family's detector refuses, REFUSED_VARIANTS), a model the project
-does not name (unknown), or a model that is not an image / video diffusion model (audio, 3D, perception: left out
-of the totals, listed apart). File names matching no row count as unknown.
+a kind is a registered family's name (served when sp_runtime.families.FAMILIES has it; "family:variant" when
+also the family's variant registry, sp_runtime.families.<family>.variants.REGISTRY, has that variant), a kind the
+project refuses by name (detection.OTHER_KINDS, or a variant a family's detector refuses, REFUSED_VARIANTS), a model
+the project does not name (unknown), or a model that is not an image / video diffusion model (audio, 3D,
+perception: left out of the totals, listed apart). File names matching no row count as unknown.
 
     python tools/template_loads.py /path/to/comfyui_workflow_templates_json-0.1.123-py3-none-any.whl [--json]
 """
