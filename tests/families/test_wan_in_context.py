@@ -1,7 +1,7 @@
 """Wan 2.2 Bernini-R's in-context references under SP: ComfyUI's context_latents (BerniniConditioning's source video
 and reference images, each at its own size) as more tokens of a plain Wan 2.2 T2V after the video's,
 their rotary turned by the source id, equal a single-device whole-sequence forward over diffusers' stock blocks
-(sp_lab.references.wan_tokens) at Ulysses 1-4 (6 heads), Ring 3, Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2, fp32,
+(sp_lab.references.wan_tokens) at Ulysses 1-4 (6 heads), Ring 3, Ulysses 2 x Ring 2, Ulysses 2 x CFG 2, TP 2, fp32,
 token ranges that split parts, batch 2, fewer tokens than ranks; bad latents, and context_latents on a Wan variant
 that does not take them, are named."""
 from __future__ import annotations
@@ -60,6 +60,14 @@ def test_fp32_parity_every_ulysses_degree(family_pool, bernini_file, references)
 def test_fp32_parity_ring_hybrid_and_cfg(layout_pool, bernini_file, references):
     layout, pool = layout_pool
     _check(pool, bernini_file, references, layout)
+
+
+def test_tensor_parallel_takes_the_latents(bernini_file, references):
+    """The in-context variant leaves the blocks as plain Wan's: a Bernini-R (T2V) model keeps Wan's TP plan."""
+    from sp_runtime.config import SPConfig
+    from sp_runtime.pool import WorkerPool
+    with WorkerPool(SPConfig(["cpu"] * 2, tensor_parallel_degree=2)) as pool:
+        _check(pool, bernini_file, references, "tp2")
 
 
 def test_the_latents_and_their_source_ids_change_the_output(references):

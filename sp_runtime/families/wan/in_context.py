@@ -65,4 +65,4 @@ def prepare(call) -> None:
 IN_CONTEXT = register(Variant(
     "in_context", applies=lambda model, variant: variant in SERVED, inputs={name: ("context_latents",)
                                                                             for name in SERVED},
-    check=check, layout=layout, prepare=prepare))
+    tensor_parallel=True, check=check, layout=layout, prepare=prepare))

@@ -35,7 +35,7 @@ def plan_for(variants) -> Plan:
                   skips_in_run=True)
     return Plan(check=partial(check, variants), layout=partial(layout, variants),
                 condition=partial(condition, variants), stages=(stage,), head=head, rope=rope, output="video",
-                tensor_parallel=None if variants else TENSOR_PARALLEL,
+                tensor_parallel=TENSOR_PARALLEL if all(v.tensor_parallel for v in variants) else None,
                 comfy_blocks={"double_block": "blocks"})
 
 

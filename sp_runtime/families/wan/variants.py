@@ -32,8 +32,9 @@ class Variant:
     config entries of a file in one of those layouts or with that metadata (original_class: its folder's class).
     Loading: model_class (diffusers' class name), config_keys (config entries that are not diffusers' arguments,
     given to attach(model, entries)), info(model) -> ModelInfo.config entries, comfy (variant -> ComfyUI class).
-    Calls: inputs (ComfyUI inputs it takes), appended (the input whose frames follow x's, default
-    time_dim_concat), rope_options (False: ScaleROPE refused by name), also (ModuleLists its hooks run).
+    Calls: tensor_parallel (its hooks leave the blocks as the base's: TP splits them the same), inputs (ComfyUI
+    inputs it takes), appended (the input whose frames follow x's, default time_dim_concat), rope_options (False:
+    ScaleROPE refused by name), also (ModuleLists its hooks run).
     """
 
     name: str
@@ -55,6 +56,7 @@ class Variant:
     attach: Hook = None
     info: Hook = None
     comfy: dict = field(default_factory=dict)
+    tensor_parallel: bool = False
     inputs: dict = field(default_factory=dict)  # Detection.variant -> inputs
     appended: str = "time_dim_concat"
     rope_options: bool = True
