@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sp_runtime.cli.linkprobe import all_to_all_sweep, run_ranks  # noqa: E402
 from sp_runtime.cli.machine import LoadMonitor, describe_machine, load_average, write_json  # noqa: E402
-from sp_runtime.cli.recommend import transfer_seconds  # noqa: E402
+from sp_runtime.cli.speed_model import transfer_seconds  # noqa: E402
 from sp_lab.tiny_models import tiny_config  # noqa: E402
 
 SIZES = {"qwen_image": dict(num_layers=2, num_attention_heads=8, attention_head_dim=64, joint_attention_dim=64),

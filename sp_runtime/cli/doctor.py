@@ -16,7 +16,7 @@ import torch
 
 from ..config import SPConfig
 from .machine import DEFAULT_CPU_WORKERS, LoadMonitor, describe_machine, parse_devices, write_json
-from .recommend import MODELS, Throughput, measure_throughput, recommend
+from .model_shapes import DOCTOR_MODELS
 
 NCCL_P2P_REMEDIES = [
     "NCCL then copies through host memory: expect lower all-to-all bandwidth (see the table) and prefer fewer ranks",
@@ -31,7 +31,7 @@ CPU_SIZES_MIB = (0.0625, 0.25, 1, 4, 16)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=sorted(MODELS), default="qwen-image",
+    parser.add_argument("--model", choices=sorted(DOCTOR_MODELS), default="qwen-image",
                         help="model to recommend degrees for (default: qwen-image)")
     parser.add_argument("--width", type=int, default=None, help="image width (default: the model's usual)")
     parser.add_argument("--height", type=int, default=None, help="image height (default: the model's usual)")
@@ -82,10 +82,8 @@ def run(args) -> int:
     if len(devices) > 1 and not args.skip_bandwidth:
         out.section(f"all-to-all bandwidth over {len(devices)} ranks")
         report["all_to_all"] = _bandwidth(out, devices, sizes, args.repeats)
-    out.section(f"recommendation for {args.model}")
-    report["recommendation"] = _recommendation(out, args, devices, report.get("all_to_all"), stated)
     out.section(f"predicted step time per layout for {args.model}")
-    report["layouts"] = _layouts(out, args, devices, report["recommendation"], report.get("all_to_all"), stated)
+    report["recommendation"] = _recommendation(out, args, devices, report.get("all_to_all"), stated)
     report["machine_load"] = monitor.finish()
     out.line(report["machine_load"]["note"])
     if args.json == "-":
@@ -253,54 +251,28 @@ def _bandwidth(out: _Printer, devices: list[str], sizes: list[int], repeats: int
 
 
 def _recommendation(out: _Printer, args, devices: list[str], sweep: Optional[dict], stated: dict) -> dict:
-    from .model_shapes import FULL_SIZE
-    from .recommend import MODELS
-    preset = FULL_SIZE[MODELS[args.model]]
+    """The speed model's table for the model and resolution: every layout (Ulysses, Ring, hybrid, CFG, TP,
+    shard_weights) on up to --plan-devices, from the stated or measured throughput and link, and its recommendation:
+    the fastest that fits in memory (fewer devices when within 5%), with the reasons."""
+    from .model_shapes import FULL_SIZE, latent_shape, token_count
+    from .speed_model import Device, Link, Throughput, format_table, known_shape, measure_throughput, plan
+    preset = FULL_SIZE[DOCTOR_MODELS[args.model]]
     width, height = args.width or preset.width, args.height or preset.height
     frames = args.frames or preset.frames
-    config = preset.size
-    heads = config["num_attention_heads"]
+    tokens = token_count(preset.family, latent_shape(preset.family, 16, width, height, frames))
+    text = args.text_tokens or preset.text_tokens
+    shape = known_shape(args.model)
     if "flops" in stated:
         matmul, attention = stated["flops"]
         throughput = Throughput(devices[0], "bfloat16", attention, matmul)
     else:
-        throughput = measure_throughput(devices[0], heads, config["attention_head_dim"])
-    memory = None
-    if devices[0].startswith("cuda"):
-        memory = min(torch.cuda.get_device_properties(int(d.split(":")[1])).total_memory for d in devices)
-    rows = (sweep or {}).get("rows")
-    result = recommend(args.model, width, height, frames, args.text_tokens, devices, rows, throughput, memory)
-    size = f"{width}x{height}" + (f", {frames} frames" if preset.is_video else "")
-    out.line(f"{args.model} at {size}: {result['image_tokens']} image + {result['text_tokens']} text tokens, "
-             f"{result['heads']} heads, {result['parameters'] / 1e9:.1f}B parameters")
-    out.line(f"{'stated' if 'flops' in stated else 'measured on ' + devices[0]}: attention "
-             f"{throughput.attention_flops_per_s / 1e12:.2f} TFLOP/s, matmul "
-             f"{throughput.matmul_flops_per_s / 1e12:.2f} TFLOP/s ({throughput.dtype})")
-    for candidate in result["candidates"]:
-        comm = "?" if candidate["comm_ms"] is None else f"{candidate['comm_ms']:.1f}"
-        out.line(f"  {candidate['layout']:<4} estimated {candidate['estimated_ms']:>10.1f} ms/step (compute "
-                 f"{candidate['compute_ms']:.1f}, exchanges {comm}), speed-up "
-                 f"{candidate.get('estimated_speedup', 1):.2f}x")
-    out.line(f"recommended: {result['recommended_layout']}")
-    for reason in result["reasons"]:
-        out.line(f"  - {reason}")
-    out.line(f"  ({result['note']})")
-    return result
-
-
-def _layouts(out: _Printer, args, devices: list[str], recommendation: dict, sweep: Optional[dict],
-             stated: dict) -> dict:
-    """The speed model's table: every layout (Ulysses, Ring, hybrid, CFG, shard_weights) on up to --plan-devices,
-    from the stated or measured throughput and link, and the fastest that fits in memory."""
-    from .speed_model import Device, Link, format_table, known_shape, plan
-    shape = known_shape(args.model)
-    measured = recommendation["throughput"]
-    matmul, attention = stated.get("flops", (measured["matmul_flops_per_s"], measured["attention_flops_per_s"]))
+        throughput = measure_throughput(devices[0], shape.heads, shape.head_dim)
     memory = args.memory_gb * 1e9 if args.memory_gb else None
     if memory is None and devices[0].startswith("cuda"):
         memory = min(torch.cuda.get_device_properties(int(d.split(":")[1])).total_memory for d in devices)
-    shared = not devices[0].startswith("cuda") and not stated.get("flops")
-    device = Device(devices[0], matmul, attention, memory, shared_cores=shared)
+    shared = not devices[0].startswith("cuda") and "flops" not in stated
+    device = Device(devices[0], throughput.matmul_flops_per_s, throughput.attention_flops_per_s, memory,
+                    shared_cores=shared)
     rows = (sweep or {}).get("rows")
     if args.link_gbs:
         link, link_note = Link(args.link_gbs * 1e9), f"stated {args.link_gbs:g} GB/s per direction"
@@ -309,13 +281,46 @@ def _layouts(out: _Printer, args, devices: list[str], recommendation: dict, swee
     else:
         link, link_note = Link(float("inf"), latency_s=0.0), "link not measured (--link-gbs): exchanges not counted"
     count = args.plan_devices or len(devices)
-    result = plan(shape, recommendation["image_tokens"], recommendation["text_tokens"], count, device, link)
-    out.line(f"{args.model}: {recommendation['image_tokens']} image + {recommendation['text_tokens']} text tokens"
-             f"{', CFG (batch 2)' if shape.cfg else ''}; {matmul / 1e12:.3g} / {attention / 1e12:.3g} TFLOP/s "
-             f"(matmul / attention, {'stated' if stated.get('flops') else 'measured'}); link: {link_note}"
+    result = plan(shape, tokens, text, count, device, link)
+    size = f"{width}x{height}" + (f", {frames} frames" if preset.is_video else "")
+    out.line(f"{args.model} at {size}: {tokens} image + {text} text tokens{', CFG (batch 2)' if shape.cfg else ''}, "
+             f"{shape.heads} heads, {shape.parameters / 1e9:.1f}B parameters; "
+             f"{throughput.matmul_flops_per_s / 1e12:.3g} / {throughput.attention_flops_per_s / 1e12:.3g} TFLOP/s "
+             f"(matmul / attention, {'stated' if 'flops' in stated else 'measured on ' + devices[0]}, "
+             f"{throughput.dtype}); link: {link_note}"
              + ("; CPU workers share their cores: compute does not shrink" if shared else ""))
     for line in format_table(result):
         out.line(line)
     best = result["recommended"]
-    return {"devices": count, "link": link_note, "matmul_flops": matmul, "attention_flops": attention,
-            "rows": [row.__dict__ for row in result["rows"]], "recommended": best.layout if best else None}
+    reasons = _reasons(result, shape, memory, shared)
+    out.line(f"recommended: {best.layout if best else 'none fits'}")
+    for reason in reasons:
+        out.line(f"  - {reason}")
+    return {"model": args.model, "width": width, "height": height, "frames": frames if preset.is_video else None,
+            "image_tokens": tokens, "text_tokens": text, "heads": shape.heads, "head_dim": shape.head_dim,
+            "parameters": shape.parameters, "throughput": throughput.__dict__, "devices": count, "link": link_note,
+            "rows": [row.__dict__ for row in result["rows"]], "recommended_layout": best.layout if best else None,
+            "reasons": reasons, "note": "predicted by the speed model (sp_runtime/cli/speed_model.py); measure with "
+                                        "`python -m sp_lab bench`"}
+
+
+def _reasons(result: dict, shape, memory: Optional[float], shared: bool) -> list[str]:
+    best, rows = result["recommended"], result["rows"]
+    one = next(row for row in rows if row.devices == 1)
+    if best is None:
+        reasons = [f"no layout fits in {memory / 1e9:.1f} GB per device: load fp8 weights or use larger GPUs"]
+    elif best.devices > 1:
+        reasons = [f"predicted {best.speedup:.2f}x faster than one device ({best.step_s * 1e3:.1f} vs "
+                   f"{one.step_s * 1e3:.1f} ms per step; exchanges {best.exchange_s * 1e3:.1f} ms of it)"]
+    else:
+        others = [row for row in rows if row.devices > 1]
+        reasons = ["one device: nothing to split over"] if not others else [
+            f"no layout on more devices is predicted to be at least 5% faster than one device (best: "
+            f"{others[0].layout} at {others[0].speedup:.2f}x)"]
+    if one.fits is False:
+        reasons.append(f"the {shape.parameters * 2 / 1e9:.1f} GB of bf16 weights do not fit on one device "
+                       f"({memory / 1e9:.1f} GB): layouts that hold less per device (shard_weights, TP) are needed")
+    if shared:
+        reasons.append("CPU workers share the same cores: sequence parallelism adds no compute on a CPU-only "
+                       "machine (use it for correctness checks); on GPUs each rank brings its own")
+    return reasons

@@ -14,6 +14,7 @@ WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=
                text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
                rope_max_seq_len=1024, pos_embed_seq_len=None)
+DOCTOR_MODELS = {"qwen-image": "qwen-image-20b", "flux": "flux-12b", "wan": "wan-14b"}  # --model: preset name
 TUPLE_KEYS = ("axes_dims_rope", "patch_size")  # config values diffusers wants as tuples (JSON gives lists)
 
 
@@ -80,9 +81,10 @@ def token_count(family: str, latent: tuple[int, ...]) -> int:
 
 def model_class(family: str):
     """The diffusers transformer class of a family that has presets."""
-    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, WanTransformer3DModel
+    from diffusers import (FluxTransformer2DModel, HunyuanVideoTransformer3DModel, QwenImageTransformer2DModel,
+                           WanTransformer3DModel)
     classes = {"qwen_image": QwenImageTransformer2DModel, "flux": FluxTransformer2DModel,
-               "wan": WanTransformer3DModel}
+               "wan": WanTransformer3DModel, "hunyuan_video": HunyuanVideoTransformer3DModel}
     if family not in classes:
         raise ValueError(f"synthetic models exist for {sorted(classes)}, not {family!r}")
     return classes[family]

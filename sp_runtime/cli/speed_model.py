@@ -93,12 +93,11 @@ def known_shape(model: str) -> ModelShape:
     from accelerate import init_empty_weights
     from diffusers import HunyuanVideoTransformer3DModel
 
-    from .model_shapes import FULL_SIZE, empty_model
-    from .recommend import MODELS
+    from .model_shapes import DOCTOR_MODELS, FULL_SIZE, empty_model
     if model == "hunyuan-video":
         with init_empty_weights():
             return shape_of(model, "hunyuan_video", HunyuanVideoTransformer3DModel(**HUNYUAN_VIDEO_13B))
-    preset = FULL_SIZE[MODELS[model]]
+    preset = FULL_SIZE[DOCTOR_MODELS[model]]
     built = empty_model(preset.family, preset.size)
     return shape_of(model, preset.family, built, cfg=preset.family in ("qwen_image", "wan"))
 
@@ -106,6 +105,50 @@ def known_shape(model: str) -> ModelShape:
 def video_tokens(width: int, height: int, frames: int) -> int:
     """Tokens of a 4x-temporal, 8x-spatial VAE latent in 1x2x2 patches (Wan, HunyuanVideo)."""
     return (1 + (frames - 1) // 4) * (height // 16) * (width // 16)
+
+
+@dataclass
+class Throughput:
+    """Achieved FLOP/s of attention and of large matmuls, measured on one device (or stated)."""
+
+    device: str
+    dtype: str
+    attention_flops_per_s: float
+    matmul_flops_per_s: float
+
+
+def measure_throughput(device: str, heads: int, head_dim: int, repeats: int = 3) -> Throughput:
+    """Achieved FLOP/s of SDPA and of a square-ish matmul on one device (bf16 on GPUs, fp32 on CPUs)."""
+    import torch
+
+    from .machine import device_sync, median_time
+    target = torch.device(device)
+    dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
+    tokens, probe_heads = (8192, heads) if target.type == "cuda" else (1024, min(heads, 8))
+    width = heads * head_dim
+    q, k, v = (torch.randn(1, probe_heads, tokens, head_dim, device=target, dtype=dtype) for _ in range(3))
+    a = torch.randn(tokens, width, device=target, dtype=dtype)
+    b = torch.randn(width, width, device=target, dtype=dtype)
+    with torch.inference_mode():
+        attention_s = median_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), repeats,
+                                  sync=device_sync(target))
+        matmul_s = median_time(lambda: a @ b, repeats, sync=device_sync(target))
+    return Throughput(device, str(dtype).removeprefix("torch."),
+                      4 * tokens * tokens * probe_heads * head_dim / attention_s, 2 * tokens * width * width / matmul_s)
+
+
+def transfer_seconds(message_bytes: float, sweep: Sequence[dict]) -> float:
+    """Time of one all-to-all of message_bytes per rank, interpolated (log-log) in the measured sweep."""
+    points = sorted((row["bytes"], row["seconds"]) for row in sweep)
+    if message_bytes <= points[0][0]:
+        return points[0][1]
+    if message_bytes >= points[-1][0]:  # beyond the sweep: the largest message's bandwidth
+        return points[-1][1] * message_bytes / points[-1][0]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if b0 <= message_bytes <= b1:
+            weight = math.log(message_bytes / b0) / math.log(b1 / b0)
+            return math.exp(math.log(t0) + weight * (math.log(t1) - math.log(t0)))
+    return points[-1][1]
 
 
 @dataclass(frozen=True)
@@ -130,7 +173,6 @@ class Link:
 
     def all_to_all_seconds(self, buffer_bytes: float, sent_bytes: float) -> float:
         if self.sweep:
-            from .recommend import transfer_seconds
             return transfer_seconds(buffer_bytes, self.sweep)
         return self.latency_s + sent_bytes / self.bandwidth
 

@@ -1,12 +1,12 @@
 """`python -m sp_runtime doctor` on 2 CPU workers (devices, worker start, gloo all-to-all bandwidth, JSON), the
-peer-to-peer report with a GPU pair that lacks P2P (simulated), and the degree recommendation's model on GPU-like
-numbers."""
+peer-to-peer report with a GPU pair that lacks P2P (simulated), and the speed model's recommendation on stated
+GPU-like numbers."""
 import json
 
 import pytest
 
 from sp_runtime.__main__ import main
-from sp_runtime.cli.recommend import Throughput, recommend, shard_weights_estimate, transfer_seconds
+from sp_runtime.cli.speed_model import transfer_seconds
 
 
 def test_doctor_on_cpu_workers_writes_its_report(tmp_path, capsys):
@@ -26,8 +26,9 @@ def test_doctor_on_cpu_workers_writes_its_report(tmp_path, capsys):
     recommendation = report["recommendation"]
     assert recommendation["image_tokens"] == 1024 and recommendation["heads"] == 24
     assert recommendation["recommended_layout"] == "1"  # CPU workers share their cores
-    assert [c["layout"] for c in recommendation["candidates"]] == ["1", "u2"]
-    assert recommendation["candidates"][1]["comm_ms"] > 0
+    layouts = {row["layout"]: row for row in recommendation["rows"]}
+    assert {"1", "u2", "r2", "u2+shard_weights"} <= set(layouts) and layouts["u2"]["exchange_s"] > 0
+    assert recommendation["link"] == "the measured all-to-all sweep"
     assert any("share the same cores" in reason for reason in recommendation["reasons"])
     assert "all-to-all bandwidth" in printed and "recommended: 1" in printed
 
@@ -72,43 +73,31 @@ def test_transfer_time_interpolates_the_measured_sweep():
     assert transfer_seconds(1, sweep) == pytest.approx(1e-3)
 
 
-def _link(gigabytes_per_s):
-    return [{"bytes": size, "seconds": 20e-6 + size / (gigabytes_per_s * 1e9)} for size in (2**16, 2**20, 2**28)]
+def _stated_doctor(capsys, model: str, size: list[str], devices: int, link_gbs: float, memory_gb: float) -> dict:
+    """The doctor's report for stated H100-like GPUs (600 / 400 TFLOP/s): no worker, no link measured."""
+    code = main(["doctor", "--devices", "cpu*2", "--skip-workers", "--skip-bandwidth", "--model", model, *size,
+                 "--plan-devices", str(devices), "--tflops", "600,400", "--link-gbs", str(link_gbs),
+                 "--memory-gb", str(memory_gb), "--json", "-"])
+    assert code == 0
+    return json.loads(capsys.readouterr().out)["recommendation"]
 
 
-H100_LIKE = Throughput("cuda:0", "bfloat16", 400e12, 600e12)
-
-
-def test_recommendation_uses_every_gpu_when_the_link_is_fast():
-    result = recommend("wan", 832, 480, 81, None, [f"cuda:{i}" for i in range(4)], _link(100), H100_LIKE, 80e9)
+def test_recommendation_uses_every_gpu_when_the_link_is_fast(capsys):
+    result = _stated_doctor(capsys, "wan", ["--width", "832", "--height", "480", "--frames", "81"], 4, 100, 80)
     assert result["image_tokens"] == 21 * 30 * 52
-    assert result["recommended_layout"] == "u4"
-    u4 = result["candidates"][-1]
-    assert u4["estimated_speedup"] > 3 and u4["comm_ms"] < u4["compute_ms"]
-    assert any("40 heads on 4 ranks: divisible" in reason for reason in result["reasons"])
+    best = next(row for row in result["rows"] if row["layout"] == result["recommended_layout"])
+    assert best["devices"] == 4 and best["speedup"] > 3 and best["exchange_s"] < best["compute_s"]
+    assert result["reasons"][0].startswith(f"predicted {best['speedup']:.2f}x faster than one device")
 
 
-def test_recommendation_stays_small_when_the_link_is_slow_and_names_head_padding():
-    small_image = recommend("flux", 512, 512, 1, None, ["cuda:0", "cuda:1", "cuda:2"], _link(0.5), H100_LIKE, 80e9)
-    assert small_image["recommended_layout"] == "1"
-    three = small_image["candidates"][-1]
-    assert three["layout"] == "u3" and three["comm_ms"] > three["compute_ms"]
-    assert any("24 heads on 3 ranks: divisible" in reason for reason in three["reasons"])
-    wan = recommend("wan", 832, 480, 81, None, ["cuda:0", "cuda:1", "cuda:2"], _link(100), H100_LIKE, 24e9)
-    assert any("padded to 42" in reason for reason in wan["candidates"][-1]["reasons"])
-    assert any("do not fit in 24.0 GB" in reason for reason in wan["reasons"])
+def test_recommendation_stays_on_one_gpu_when_the_link_is_slow(capsys):
+    result = _stated_doctor(capsys, "flux", ["--width", "512", "--height", "512"], 4, 0.5, 80)
+    assert result["recommended_layout"] == "1"
+    assert "no layout on more devices is predicted to be at least 5% faster" in result["reasons"][0]
 
 
-def test_recommendation_weighs_shard_weights_when_the_model_does_not_fit():
-    gpus = [f"cuda:{i}" for i in range(4)]
-    fast = recommend("qwen-image", 1328, 1328, 1, None, gpus, _link(1000), H100_LIKE, 24e9)
-    weights = fast["parameters"] * 2
-    sharding = fast["shard_weights"]
-    assert sharding["bytes_moved_per_step"] == pytest.approx(weights * 3 / 4, rel=1e-6)
-    assert weights / 4 < sharding["weights_per_device_bytes"] < weights / 4 + 0.1 * weights  # + two blocks
-    assert any("load with shard_weights" in reason for reason in fast["reasons"])
-    assert "(overlapped: hidden)" in sharding["advice"]
-    compute_s = fast["candidates"][-1]["compute_ms"] / 1e3
-    slow = shard_weights_estimate(weights, fast["attention_layers"], 4, _link(25), compute_s)
-    assert slow["gather_ms"] > 10 * sharding["gather_ms"] and "adds ~" in slow["advice"]
-    assert shard_weights_estimate(weights, 60, 1, _link(25), compute_s) is None
+def test_recommendation_splits_the_weights_when_the_model_does_not_fit(capsys):
+    result = _stated_doctor(capsys, "qwen-image", ["--width", "1328", "--height", "1328"], 4, 450, 24)
+    layout = result["recommended_layout"]
+    assert "shard_weights" in layout or "tp" in layout
+    assert any("do not fit on one device (24.0 GB)" in reason for reason in result["reasons"])
