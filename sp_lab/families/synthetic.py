@@ -42,7 +42,9 @@ def detect(header: Header) -> Optional[Detection]:
 def family_worker(family: str, model, config: dict, dtypes):
     """The family's worker around a built model, made by the family's own worker_from_model (as its load() does)."""
     from sp_runtime.families import family_module
-    module = family_module(family)  # qwen_image (one variant for every config), flux or wan
+    module = family_module(family)  # qwen_image (one variant for every config), flux, wan or hunyuan_video
+    if family == "hunyuan_video":  # built with token-replace blocks, as its loader builds them
+        return module.MODEL.worker(model, Detection(family=family, layout="diffusers", config=config), dtypes, {})
     variant = module.VARIANT_IMAGE if family == "qwen_image" else module.variant_of(config)
     detection = Detection(family=family, variant=variant, layout="diffusers", config=config)
     return module.worker_from_model(model, detection, dtypes, {})

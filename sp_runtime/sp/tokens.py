@@ -161,9 +161,15 @@ def reference_placements(method: str, shape_hw: tuple[int, int], refs_hw: Sequen
 # Rotary and text masks
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """diffusers' rotary on [B, S, H, D]; a rank with no tokens (more ranks than tokens) has nothing to rotate."""
-    from diffusers.models.embeddings import apply_rotary_emb
-    return apply_rotary_emb(x, rope, sequence_dim=1) if x.shape[1] else x
+    """diffusers' rotary (apply_rotary_emb, interleaved pairs) on [B, S, H, D] with rotary()'s tables, as one
+    complex product in float32 (diffusers' real form makes five float32 passes: 4x slower on a CPU, same values); a
+    rank with no tokens (more ranks than tokens) has nothing to rotate."""
+    if not x.shape[1]:
+        return x
+    cos, sin = rope
+    turn = torch.complex(cos[:, 0::2].float(), sin[:, 0::2].float())[None, :, None, :]
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)
 
 
 @dataclass(frozen=True)
