@@ -1,5 +1,6 @@
 """Host-side arenas: the input arena (call arguments, each kept while unchanged so it is not copied again) and the
-output arena (where every rank writes its share of the result). Both grow geometrically and are reused.
+output arena (where every rank writes its share of the result, handed to the caller in place). Both grow
+geometrically and are reused.
 """
 from __future__ import annotations
 
@@ -173,32 +174,44 @@ class InputArena:
 
 
 class OutputArena:
-    """One result at a time, at offset 0; grown geometrically when a larger result comes."""
+    """One result at a time, at offset 0, handed to the caller in place (a view of the segment, no copy). While the
+    caller still holds a result (or any view of it), the next call gets a new segment, so a result never changes
+    under its holder; a caller that drops each result before the next call (ComfyUI's samplers) reuses one segment.
+    Grown geometrically when a larger result comes."""
 
     def __init__(self, token: str, spill_dir: Optional[Callable[[], str]] = None):
         self._token = token
         self._spill_dir = spill_dir  # gives the folder segments go to when /dev/shm is too small
         self._generation = itertools.count()
         self.segment: Optional[Segment] = None
+        self._idle_uses = 0  # the segment's storage use count with no result alive
 
     def region(self, dtype: torch.dtype, shape: tuple[int, ...]) -> dict:
         needed = nbytes_of(dtype, shape)
-        if self.segment is None or needed > self.segment.size:
+        if self.segment is None or needed > self.segment.size or self.result_alive():
             old = self.segment
-            self.segment = Segment.create(self._token, f"o{next(self._generation)}",
-                                          _grown(old.size if old else 0, needed), self._spill_dir)
+            size = old.size if old is not None and needed <= old.size else _grown(old.size if old else 0, needed)
+            self.segment = Segment.create(self._token, f"o{next(self._generation)}", size, self._spill_dir)
+            self._idle_uses = _uses(self.segment)
             if old is not None:
-                old.release()
+                old.release()  # unmapped once the caller drops the result that still views it
         return {"segment": self.segment.name, "dtype": dtype_to_name(dtype), "shape": list(shape), "offset": 0}
 
+    def result_alive(self) -> bool:
+        """Whether a result handed out from the current segment (or a view of it) is still referenced."""
+        return self.segment is not None and _uses(self.segment) > self._idle_uses
+
     def read(self, region: dict, dtype: torch.dtype) -> torch.Tensor:
-        """A private CPU copy of the result, so the arena can be reused by the next call."""
-        view = self.segment.view(0, dtype, tuple(region["shape"]))
-        out = torch.empty_like(view)
-        out.copy_(view)
-        return out
+        """The result in place: a CPU tensor viewing the segment (the next call writes elsewhere while it lives)."""
+        return self.segment.view(0, dtype, tuple(region["shape"]))
 
     def release(self) -> None:
         if self.segment is not None:
             self.segment.release()
         self.segment = None
+
+
+def _uses(segment: Segment) -> int:
+    """References to the storage under the segment's tensor: one per tensor viewing it (besides the segment's)."""
+    return torch._C._storage_Use_Count(segment.base.untyped_storage()._cdata)
+

@@ -46,7 +46,8 @@ class ModelHandle:
 
     def __call__(self, x: torch.Tensor, timestep: Any, context: Optional[torch.Tensor] = None,
                  should_cancel: Optional[Callable[[], bool]] = None, **extra: Any) -> torch.Tensor:
-        """One forward with ComfyUI's diffusion_model arguments; returns a CPU tensor of info.output_shape."""
+        """One forward with ComfyUI's diffusion_model arguments; returns a CPU tensor of info.output_shape (the
+        pool's output segment itself, not a copy: later calls write elsewhere while the caller holds it)."""
         timestep = validate_call(self.info, x, timestep, {"context": context, **extra})
         return self._pool.run(self, x, timestep, {"context": context, **extra}, should_cancel)
 

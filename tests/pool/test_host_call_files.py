@@ -99,3 +99,22 @@ def test_the_load_request_carries_the_detection_so_workers_and_loras_detect_noth
     assert worker.info.quant == request.detection.quant
     base = lora_state(worker, sent.header, torch.device("cpu"), sent.detection).base
     assert base.prefix == request.detection.prefix
+
+
+@pytest.mark.parametrize("family_pool", [1], indirect=True)
+def test_steady_calls_add_no_segment_and_hand_out_the_output_in_place(family_pool, mixed_file):
+    """Repeat calls of a real family reuse the pool's segments, and the result is the output segment itself (no copy
+    on the host); a result still held when the next call comes keeps its values (that call writes elsewhere)."""
+    handle = family_pool.load_model(mixed_file)
+    x, timestep, context = qwen_call()
+    expected = handle(x, timestep, context=context).clone()
+    segments = family_pool.segment_names()
+    for _ in range(3):
+        out = handle(x, timestep, context=context)
+        assert torch.equal(out, expected)
+        assert out.untyped_storage().data_ptr() == family_pool._outputs.segment.base.data_ptr()
+        del out
+        assert family_pool.segment_names() == segments
+    held = handle(x, timestep, context=context)
+    other = handle(x + 1, timestep, context=context)
+    assert torch.equal(held, expected) and not torch.equal(other, expected)
