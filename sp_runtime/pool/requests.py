@@ -192,7 +192,8 @@ class _Wait:
         self.beats = {worker.rank: (self.control.heartbeat(worker.rank), now) for worker in workers}
         self.blocks, self.block_at, self.block_s = self._blocks_done(), now, 0.0
         self.progress_at = now  # the last time a block passed or a CPU worker computed
-        self.cpu = {worker.rank: _CpuMeter(worker.pid, now) for worker in workers if worker.device.startswith("cpu")}
+        self.cpu = {worker.rank: _CpuMeter(worker.psutil_process(), now) for worker in workers
+                    if worker.device.startswith("cpu")}
 
     def run(self) -> list[dict]:
         while self.pending:
@@ -293,8 +294,8 @@ class _Wait:
 class _CpuMeter:
     """Whether a CPU worker computes: its CPU time (all threads) over the last CPU_WINDOW_S, sampled."""
 
-    def __init__(self, pid: int, now: float):
-        self._process = _process(pid)
+    def __init__(self, process, now: float):
+        self._process = process  # psutil.Process, or None: no CPU signal
         first = self._seconds()
         self._samples = collections.deque([(now, first)] if first is not None else [])
 
@@ -316,14 +317,6 @@ class _CpuMeter:
             self._samples.popleft()
         start, start_cpu = self._samples[0]
         return cpu - start_cpu >= max(CPU_BUSY_MIN_S, CPU_BUSY_SHARE * (now - start))
-
-
-def _process(pid: int):
-    try:
-        import psutil
-        return psutil.Process(pid)
-    except Exception:  # noqa: BLE001 - psutil missing or the process gone: no CPU signal
-        return None
 
 
 def call_message(handle, x: torch.Tensor, timestep: torch.Tensor, kwargs: dict, inputs: InputArena,

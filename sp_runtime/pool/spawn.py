@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Optional
 
@@ -164,10 +164,22 @@ class WorkerProcess:
     conn: Connection
     log_path: str
     ready: bool = False
+    _psutil: object = field(default=None, repr=False, compare=False)
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def psutil_process(self):
+        """psutil's handle on this worker (its CPU time, for the stall watch), made once per worker rather than per
+        call; None without psutil or once the process is gone."""
+        if self._psutil is None:
+            try:
+                import psutil
+                self._psutil = psutil.Process(self.pid)
+            except Exception:  # noqa: BLE001 - psutil missing or the process gone: no CPU signal
+                self._psutil = False
+        return self._psutil or None
 
     def alive(self) -> bool:
         return self.process.poll() is None
