@@ -5,6 +5,7 @@ Flux, Wan, the test toy) live in their own modules and register in sp_runtime.fa
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol
 
@@ -76,9 +77,9 @@ class LoadRequest:
     stamp: list = field(default_factory=list)
     detection: Optional[Detection] = field(default=None, compare=False, repr=False)
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """Cache key of a loaded model inside a worker."""
+        """Cache key of a loaded model inside a worker (made once: the pool asks for it several times per call)."""
         import json
         return json.dumps([self.path, self.dtype, self.options, self.stamp], sort_keys=True)
 
