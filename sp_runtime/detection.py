@@ -24,7 +24,6 @@ INTERNAL_FAMILIES_ENV = "ULYSSES_SP_INTERNAL_FAMILIES"
 OTHER_KINDS = {
     "HunyuanImage 2.1": ("byt5_in.fc1.weight",),
     "SDXL / SD1.x UNet": ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
-    "LTX-Video": ("patchify_proj.weight",),
     "HiDream-O1": ("t_embedder1.mlp.0.weight",),
     "Flux.3": ("early_stream_modulations.image.lin.weight",),  # diffusers' CHECKPOINT_KEY_NAMES["flux3"]
     "a VAE": ("decoder.conv_in.weight", "decoder.conv_in.conv.weight", "decoder.middle.0.residual.0.gamma"),

@@ -66,7 +66,7 @@ KINDS = [
     (r"^hunyuan_video_", "hunyuan_video", "HunyuanVideo 1.0"),
     (r"^hunyuanvideo1\.5", "hunyuan_video15", "HunyuanVideo 1.5"),
     (r"^ltx-2", "ltx2", "LTX-2 / 2.3 / 2.5"),
-    (r"^ltx-video", "LTX-Video", "LTX-Video 0.9"),
+    (r"^ltx-video", "ltxv", "LTX-Video 0.9"),
     (r"^(hidream_i1|hidream_e1)", ("hidream", "HiDream"), "HiDream I1 / E1"),
     (r"^hidream_o1", "HiDream-O1", "HiDream-O1"),
     (r"^(sd_xl|svd)", "SDXL / SD1.x UNet", "SDXL / SVD UNet"),

@@ -233,3 +233,22 @@ def ideogram4_cases(seed=9):
     return {"40_tokens": (rand(2, 16, 5, 7), torch.tensor([0.7, 0.3]), {"context": rand(2, 5, 40)}),
             "image_only": (rand(2, 16, 5, 7), torch.tensor([0.6, 0.6]), {"context": None}),
             "5_tokens": (rand(1, 16, 1, 2), torch.tensor([0.5]), {"context": rand(1, 3, 40)})}
+
+
+def ltxv_cases(seed=14):
+    """LTX-Video 0.9: a video of 105 tokens (3 frames of 5 x 7, 24 fps), image to video (per-token sigmas, 0 on the
+    first frame, as ComfyUI's process_timestep gives them), a guide frame at keyframe_idxs, 2 tokens."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+    sigmas = torch.tensor([0.8, 0.6]).view(2, 1, 1).repeat(1, 60, 1)
+    sigmas[:, :20] = 0.0
+    guides = torch.stack(torch.meshgrid(torch.tensor([40.0]), torch.arange(3.0) * 32, torch.arange(4.0) * 32,
+                                        indexing="ij")).flatten(1)[None]
+    return {"odd_video": (rand(2, 16, 3, 5, 7), torch.tensor([0.7, 0.4]), {"context": rand(2, 9, 32),
+                                                                          "frame_rate": 24.0}),
+            "i2v_per_token": (rand(2, 16, 3, 4, 5), sigmas, {"context": rand(2, 7, 32), "frame_rate": 25}),
+            "guide_frame": (rand(1, 16, 3, 3, 4), torch.tensor([0.9]), {"context": rand(1, 5, 32),
+                                                                       "keyframe_idxs": guides}),
+            "2_tokens": (rand(1, 16, 1, 1, 2), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}

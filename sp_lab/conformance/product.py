@@ -6,7 +6,8 @@ import functools
 import os
 
 from sp_lab.references import reference_forward
-from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, tiny_config, write_tiny_checkpoint
+from sp_lab.tiny_models.ltxv import release_metadata as ltxv_metadata
 from sp_lab.tiny_models.quant_files import write_quantized
 
 from . import Conformance, cases, register_conformance
@@ -17,7 +18,8 @@ OTHER_LAYOUTS = {"comfy": {}, "diffusers": dict(layout="diffusers"),
 
 FLUX2_LAYOUTS = {"diffusers": dict(layout="diffusers"), "diffusers_folder": dict(layout="diffusers_folder",
                                                                                  max_shard_size="10MB")}
-QUANTIZED_METADATA = {"wan": {"ulysses_sp.head_dim": "16"}}  # the tiny Wan's head size (its writer's metadata)
+QUANTIZED_METADATA = {"wan": {"ulysses_sp.head_dim": "16"},  # the tiny Wan's head size (its writer's metadata)
+                      "ltxv": ltxv_metadata(tiny_config("ltxv"))}  # the tiny LTX-Video's heads
 QWEN21_LAYOUTS = {name: OTHER_LAYOUTS[name] for name in ("diffusers", "diffusers_folder")}
 
 
@@ -78,6 +80,8 @@ for _family, _seed, _calls, _spec in (
         ("lumina2", 6, cases.lumina2_cases, {}),
         ("ideogram4", 9, cases.ideogram4_cases, dict(layouts={"comfy": OTHER_LAYOUTS["comfy"],
                                                               "diffusers": OTHER_LAYOUTS["diffusers"]})),
+        ("ltxv", 14, cases.ltxv_cases, dict(load_case="i2v_per_token", layout_cases=("odd_video", "i2v_per_token",
+                                                                                      "guide_frame", "2_tokens"))),
         ("hunyuan_video", 13, cases.hunyuan_video_cases,
          dict(load_case="105_tokens", layouts={"diffusers": OTHER_LAYOUTS["diffusers"]},
               reference_model=plain_hunyuan_video, layout_cases=("105_tokens", "3_tokens_batch_1", "ref_latent"))),

@@ -32,6 +32,7 @@ FAMILIES = {
     "hunyuan_video": "sp_runtime.families.hunyuan_video",
     "hunyuan_video15": "sp_runtime.families.hunyuan_video15",
     "ltx2": "sp_runtime.families.ltx2",
+    "ltxv": "sp_runtime.families.ltxv",
     "cosmos": "sp_runtime.families.cosmos",
     "ideogram4": "sp_runtime.families.ideogram4",
 }
