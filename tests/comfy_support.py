@@ -176,6 +176,7 @@ NEEDS_NEWER_COMFYUI = {
     "hunyuan_video15_720p_t2v": (("EmptyHunyuanVideo15Latent", "HunyuanVideo15LatentUpscaleWithModel",
                                   "HunyuanVideo15SuperResolution", "LatentUpscaleModelLoader"),
                                  "0.4.0 (HunyuanVideo 1.5 and its SR model)"),
+    "kandinsky5_t2v": (("Kandinsky5ImageToVideo",), "0.3.68 (Kandinsky 5)"),
     "minimax_h3_t2v": (("ComfyMathExpression", "ComfySwitchNode", "MiniMaxH3ImageToVideo", "ResolutionSelector",
                         "VAEDecodeAudio"), "0.30.0 (MiniMax H3)"),
     "ideogram4_t2i": (("CFGOverride", "ComfyMathExpression", "ComfyNumberConvert", "CustomCombo", "DualModelGuider",

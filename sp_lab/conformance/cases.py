@@ -252,3 +252,17 @@ def ltxv_cases(seed=14):
             "guide_frame": (rand(1, 16, 3, 3, 4), torch.tensor([0.9]), {"context": rand(1, 5, 32),
                                                                        "keyframe_idxs": guides}),
             "2_tokens": (rand(1, 16, 1, 1, 2), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}
+
+
+def kandinsky5_cases(seed=15):
+    """Kandinsky 5 video model (latent, image latent, mask: 33 channels): 36 tokens of odd height and width (padded
+    by wrap-around, batch 2), image to video (time_dim_replace over the first frame), 2 tokens."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+    return {"odd_video": (rand(2, 33, 3, 5, 7), torch.tensor([700.0, 300.0]), {"context": rand(2, 9, 32),
+                                                                              "y": rand(2, 24)}),
+            "i2v": (rand(2, 33, 2, 4, 6), torch.tensor([900.0, 900.0]),
+                    {"context": rand(2, 7, 32), "y": rand(2, 24), "time_dim_replace": rand(1, 16, 1, 4, 6).repeat(2, 1, 1, 1, 1)}),
+            "2_tokens": (rand(1, 33, 1, 2, 4), torch.tensor([500.0]), {"context": rand(1, 3, 32), "y": rand(1, 24)})}

@@ -33,6 +33,7 @@ FAMILIES = {
     "hunyuan_video15": "sp_runtime.families.hunyuan_video15",
     "ltx2": "sp_runtime.families.ltx2",
     "ltxv": "sp_runtime.families.ltxv",
+    "kandinsky5": "sp_runtime.families.kandinsky5",
     "cosmos": "sp_runtime.families.cosmos",
     "ideogram4": "sp_runtime.families.ideogram4",
 }

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from family_support import LocalContext, assert_parity, single_rank_worker
+from family_support import assert_parity, single_rank_worker
 from sp_lab.conformance.cases import ltxv_cases
 from sp_lab.references.ltxv import reference_forward
 from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
