@@ -34,6 +34,7 @@ FAMILIES = {
     "ltx2": "sp_runtime.families.ltx2",
     "ltxv": "sp_runtime.families.ltxv",
     "kandinsky5": "sp_runtime.families.kandinsky5",
+    "krea2": "sp_runtime.families.krea2",
     "cosmos": "sp_runtime.families.cosmos",
     "ideogram4": "sp_runtime.families.ideogram4",
 }
