@@ -264,15 +264,20 @@ def kandinsky5_cases(seed=15):
     return {"odd_video": (rand(2, 33, 3, 5, 7), torch.tensor([700.0, 300.0]), {"context": rand(2, 9, 32),
                                                                               "y": rand(2, 24)}),
             "i2v": (rand(2, 33, 2, 4, 6), torch.tensor([900.0, 900.0]),
-                    {"context": rand(2, 7, 32), "y": rand(2, 24), "time_dim_replace": rand(1, 16, 1, 4, 6).repeat(2, 1, 1, 1, 1)}),
+                    {"context": rand(2, 7, 32), "y": rand(2, 24),
+                     "time_dim_replace": rand(1, 16, 1, 4, 6).repeat(2, 1, 1, 1, 1)}),
             "2_tokens": (rand(1, 33, 1, 2, 4), torch.tensor([500.0]), {"context": rand(1, 3, 32), "y": rand(1, 24)})}
 
 
 def krea2_cases(seed=17):
-    """Krea 2: an image of 35 tokens of odd height and width (padded by wrap-around, batch 2), 2 tokens."""
+    """Krea 2: an image of 35 tokens of odd height and width (padded by wrap-around, batch 2), the style reference
+    (two references modulated at time 0, the second of odd size), 2 tokens."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
         return torch.randn(*shape, generator=g)
     return {"odd_latent": (rand(2, 16, 9, 13), torch.tensor([0.7, 0.3]), {"context": rand(2, 6, 480)}),
+            "style_refs": (rand(2, 16, 6, 8), torch.tensor([0.9, 0.9]),
+                           {"context": rand(2, 5, 480), "ref_latents_method": "index_timestep_zero",
+                            "ref_latents": [rand(1, 16, 4, 6).repeat(2, 1, 1, 1), rand(2, 16, 3, 5)]}),
             "2_tokens": (rand(1, 16, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 480)})}

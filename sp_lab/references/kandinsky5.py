@@ -32,7 +32,8 @@ def reference_forward(model_or_path, x: torch.Tensor, timestep: torch.Tensor, co
         out = model(padded.permute(0, 2, 3, 4, 1), context.expand(batch, -1, -1).to(device, compute),
                     timestep.reshape(-1).expand(batch).to(device), y.expand(batch, -1).to(device, compute),
                     tuple(torch.arange(size, device=device) for size in grid),
-                    torch.arange(context.shape[1], device=device), scale_factor=scale, return_dict=False)  # a tensor, not a tuple
+                    torch.arange(context.shape[1], device=device), scale_factor=scale,
+                    return_dict=False)  # a tensor, not a tuple
     out = out.permute(0, 4, 1, 2, 3)[:, :, :frames, :height, :width]
     return (out if x.dim() == 5 else out[:, :, 0]).to(x.dtype).cpu()
 

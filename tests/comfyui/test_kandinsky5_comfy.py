@@ -33,7 +33,8 @@ def test_reference_equals_comfys_kandinsky5(tmp_path, variant):
     assert theirs["image_model"] == "kandinsky5" and theirs["visual_embed_dim"] == \
         (2 * ours["in_visual_dim"] + 1 if ours["visual_cond"] else ours["in_visual_dim"]) * 4
     # ComfyUI states the rotary axes only for its known widths, (16, 24, 24) being its class default
-    assert (theirs["model_dim"], theirs["ff_dim"], theirs["time_dim"], tuple(theirs.get("axes_dims", (16, 24, 24)))) == \
+    axes = tuple(theirs.get("axes_dims", (16, 24, 24)))
+    assert (theirs["model_dim"], theirs["ff_dim"], theirs["time_dim"], axes) == \
         (ours["model_dim"], ours["ff_dim"], ours["time_dim"], ours["axes_dims"])
     settings = {key: value for key, value in theirs.items() if key != "image_model"}
     network = model_module.Kandinsky5(**settings, in_text_dim=32, in_text_dim2=24, **comfy_settings()).eval()

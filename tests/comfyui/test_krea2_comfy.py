@@ -1,6 +1,7 @@
 """Krea 2 against ComfyUI's own SingleStreamDiT (needs COMFYUI_PATH with comfy/ldm/krea2): the reference forward the
 pool is held to (sp_lab.references.krea2, the conformance suite's) equals ComfyUI's network built from what its
-detection says of the tiny file, with its weights, on the suite's cases."""
+detection says of the tiny file, with its weights, on the suite's cases (the style reference's index_timestep_zero
+references included)."""
 from __future__ import annotations
 
 import pytest
@@ -32,7 +33,7 @@ def test_reference_equals_comfys_single_stream_dit(tmp_path):
     network = model_module.SingleStreamDiT(**settings, **comfy_settings()).eval()
     load_comfy_weights(network, path)
     cases = krea2_cases()
-    expected = comfy_outputs(network, cases, lambda net, x, t, inputs: net(x, t, inputs["context"]))
+    expected = comfy_outputs(network, cases, lambda net, x, t, inputs: net(x, t, **inputs))
     model = krea2.load_model(path)[0]
     for name, (x, t, inputs) in cases.items():
         assert_parity(reference_forward(model, x, t, **inputs), expected[name], "float32", f"comfyui_krea2/{name}")

@@ -47,7 +47,8 @@ def test_comfyui_knows_the_model_families():
                                                                "wan", "hunyuan_video", "hunyuan_video15",
                                                                "z_image", "lumina2", "ltx2", "sd3", "chroma",
                                                                "hidream", "minimax_h3", "cosmos",
-                                                               "ideogram4"}
+                                                               "ideogram4",
+                                                               "ltxv", "kandinsky5", "krea2"}
     assert comfy_host("ideogram4").model_class("image") == "Ideogram4"
     assert comfy_host("sd3").model_class("3.5_medium") == "SD3"
     assert comfy_host("hidream").model_class("") == "HiDream"
@@ -62,6 +63,10 @@ def test_comfyui_knows_the_model_families():
     assert comfy_host("flux").model_class("schnell") == "FluxSchnell"
     assert comfy_host("wan").model_class("i2v_concat") == "WAN21_T2V"
     assert comfy_host("ltx2").model_class("av") == "LTXAV"
+    assert comfy_host("ltxv").model_class("") == "LTXV"
+    assert comfy_host("kandinsky5").model_class("image") == "Kandinsky5Image"
+    assert comfy_host("kandinsky5").model_class("video") == "Kandinsky5"
+    assert comfy_host("krea2").model_class("") == "Krea2"
 
 
 def test_one_registry_line_adds_a_family(monkeypatch):

@@ -41,7 +41,8 @@ def test_image_model_takes_4d_latents(tmp_path):
 
 def released_header(model_dim: int, in_features: int) -> Header:
     """Kandinsky 5 Lite (video: 1792 wide, 132 input features; image: 2560, 64), Qwen2.5-VL and CLIP text."""
-    keys = {"visual_embeddings.in_layer.weight": (model_dim, in_features), "out_layer.out_layer.weight": (64, model_dim),
+    keys = {"visual_embeddings.in_layer.weight": (model_dim, in_features),
+            "out_layer.out_layer.weight": (64, model_dim),
             "time_embeddings.in_layer.bias": (512,), "text_embeddings.in_layer.weight": (model_dim, 3584),
             "pooled_text_embeddings.in_layer.weight": (512, 768)}
     for block in range(2):

@@ -1,6 +1,6 @@
 """Krea 2 beyond the conformance suite (sp_lab.conformance: every file layout, fp32 parity at Ulysses 1-4, Ring,
 hybrid and CFG layouts, quantized file, LoRA): the key plan against diffusers' converter, the released sizes as
-ComfyUI's detection reads them, and reference latents (the style-reference workflow) refused by name."""
+ComfyUI's detection reads them, and reference latents (the style-reference workflow) used only with a method."""
 from __future__ import annotations
 
 import pytest
@@ -51,9 +51,19 @@ def test_released_header():
     assert detection.config == diffusers_defaults  # the released model is diffusers' default configuration
 
 
-def test_reference_latents_refused_by_name(tmp_path):
+def test_references_need_a_method_and_their_zero_time_matters(tmp_path):
+    """As ComfyUI: references without ref_latents_method are left out; with "index" they are modulated at the
+    call's time, which differs from index_timestep_zero (so the suite's style case can fail); a bad shape is named."""
     path = write_tiny_checkpoint("krea2", str(tmp_path / "krea2.safetensors"), seed=1, prefix=COMFY_PREFIX)
     worker, context = single_rank_worker(path)
-    x, t, inputs = krea2_cases()["2_tokens"]
-    with pytest.raises(ValueError, match="ref_latents .*style reference"):
-        worker.forward(x, t, {**inputs, "ref_latents": [x]}, torch.empty(x.shape), context)
+    x, t, inputs = krea2_cases()["style_refs"]
+    outs = {}
+    for method in (None, "index", "index_timestep_zero"):
+        outs[method] = torch.empty(x.shape)
+        worker.forward(x, t, {**inputs, "ref_latents_method": method}, outs[method], context)
+    plain = torch.empty(x.shape)
+    worker.forward(x, t, {"context": inputs["context"]}, plain, context)
+    assert torch.equal(outs[None], plain)
+    assert (outs["index"] - outs["index_timestep_zero"]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"ref_latents\[0\] has shape"):
+        worker.forward(x, t, {**inputs, "ref_latents": [x[:, :8]]}, plain, context)

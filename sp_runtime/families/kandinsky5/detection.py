@@ -62,7 +62,8 @@ def architecture(keys: dict) -> dict:
             "in_text_dim": shape_of(keys, "text_embeddings.in_layer.weight")[1],
             "in_text_dim2": shape_of(keys, "pooled_text_embeddings.in_layer.weight")[1],
             "time_dim": shape_of(keys, "time_embeddings.in_layer.bias")[0], "patch_size": PATCH,
-            "model_dim": model_dim, "ff_dim": shape_of(keys, "visual_transformer_blocks.0.feed_forward.in_layer.weight")[0],
+            "model_dim": model_dim,
+            "ff_dim": shape_of(keys, "visual_transformer_blocks.0.feed_forward.in_layer.weight")[0],
             "num_text_blocks": count_blocks(keys, "text_transformer_blocks"),
             "num_visual_blocks": count_blocks(keys, "visual_transformer_blocks"), "axes_dims": axes,
             "rope_scale_factor": rope_scale_factor(model_dim)}

@@ -1,12 +1,14 @@
 """Krea 2's sequence-parallel plan for ComfyUI's `diffusion_model(x, timesteps, context)` (SingleStreamDiT in
-comfy/ldm/krea2/model.py) on diffusers' Krea2Transformer2DModel: x [B, 16, H, W], padded by wrap-around to 2 x 2 patches; timesteps the sigma (embedded x 1000); context the Qwen3-VL
-layer stack [B, L, layers x width], replicated.
+comfy/ldm/krea2/model.py) on diffusers' Krea2Transformer2DModel: x [B, 16, H, W], padded by
+wrap-around to 2 x 2 patches; timesteps the sigma (embedded x 1000); context the Qwen3-VL layer stack
+[B, L, layers x width], replicated.
 
 PLAN: the image patch tokens split (positions (0, row, column)); the text fused (text_fusion, txt_in) on every rank
 and joined as the leading tokens of every single-stream block (text_prefix: each rank runs the block on [text, its
 image tokens], the attention over all of them); grouped key / value heads repeated for their query heads, the
-attention output gated by sigmoid(to_gate) per token. Reference latents (ComfyUI's style reference, with their
-zero-timestep modulation) are refused by name: not served yet.
+attention output gated by sigmoid(to_gate) per token. Reference latents (the style-reference workflow: ComfyUI uses
+them only with a ref_latents_method) join the split stream at (i, row, column), reference i counted from 1; with
+"index_timestep_zero" their tokens are modulated by the time embedding of 0 (a per-token modulation).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ...sp import AttentionSpec, Plan, Stage, Stream, image_parts, text_stream
+from ...sp.tokens import as_list
 from .detection import PATCH
 
 
@@ -28,16 +31,21 @@ def check(call) -> None:
         shape = None if context is None else list(context.shape)
         raise ValueError(f"Krea 2 needs context [B, L, {width}] ({config.num_text_layers} Qwen3-VL layers of "
                          f"{config.text_hidden_dim}: CLIPLoader type 'krea2'); got {shape}")
-    if inputs.get("ref_latents"):
-        raise ValueError("ref_latents (Krea 2's image style reference) are not supported by the sequence-parallel "
-                         "Krea 2 yet; use the text-to-image workflow")
+    for number, ref in enumerate(as_list(inputs.get("ref_latents"))):
+        if ref.dim() != 4 or ref.shape[1] != channels or ref.shape[0] not in (1, x.shape[0]):
+            raise ValueError(f"ref_latents[{number}] has shape {list(ref.shape)}; Krea 2 takes [B or 1, {channels}, "
+                             f"h, w] references")
     if call.timestep.numel() not in (1, x.shape[0]):
         raise ValueError(f"timestep has shape {list(call.timestep.shape)}; Krea 2 takes one per batch item")
 
 
 def layout(call) -> list[Stream]:
-    x = call.input("x")
-    image = image_parts([x], [(0, 0, 0)], PATCH, False, torch.float32, 3, "img_in")
+    x, method = call.input("x"), call.inputs.get("ref_latents_method")
+    refs = as_list(call.inputs.get("ref_latents")) if method is not None else []  # ComfyUI: no method, no refs
+    refs = [call.ctx.to_device(f"ref_latents.{number}", ref, call.dtype) for number, ref in enumerate(refs)]
+    call.zero_refs = method == "index_timestep_zero" and bool(refs)
+    image = image_parts([x, *refs], [(index, 0, 0) for index in range(len(refs) + 1)], PATCH, False, torch.float32,
+                        3, "img_in")
     context = call.input("context")
     call.text_len = context.shape[1]
     text = text_stream(context.expand(call.batch, *context.shape[1:]),
@@ -57,10 +65,17 @@ def rope(config):
 
 
 def condition(call) -> None:
+    """The time embedding and the blocks' modulation; with index_timestep_zero, per token: this rank's reference
+    tokens take the modulation of time 0 (text and image tokens the sigma's)."""
     model = call.model
     sigma = call.sigma()
     call.temb = model.time_embed(sigma, dtype=call.dtype)
     call.temb_mod = model.time_mod_proj(F.gelu(call.temb, approximate="tanh"))
+    if call.zero_refs:
+        zero = model.time_mod_proj(F.gelu(model.time_embed(sigma * 0, dtype=call.dtype), approximate="tanh"))
+        references = call.shards["image"].flags(lambda part: part.output is None, call.device)
+        tokens = torch.cat([torch.zeros(call.text_len, dtype=torch.bool, device=call.device), references])
+        call.temb_mod = torch.where(tokens[None, :, None], zero, call.temb_mod)
 
 
 def join_text(call) -> None:
