@@ -6,12 +6,13 @@ plan.py is the sequence-parallel plan (latent tokens split, text blocks replicat
 image model takes 4-D latents, the video model 5-D: one PlanModel each, chosen by the detection's variant. The
 reference is sp_lab.references.kandinsky5.
 """
+from ...checkpoints.loading import diffusers_names, identity_plan
 from ..family import Family, PlanModel
 from .detection import CLASS_NAME, CONFIG_KEYS, DESCRIPTION, NAME, detect
 from .host import COMFY
 from .plan import PLAN
 
-MODELS = {variant: PlanModel(NAME, "Kandinsky 5", CLASS_NAME, detect, lambda detection, keys: None, PLAN, x_ndim,
+MODELS = {variant: PlanModel(NAME, "Kandinsky 5", CLASS_NAME, detect, diffusers_names, PLAN, x_ndim,
                              CONFIG_KEYS, channels=lambda model: (model.visual_embeddings.in_layer.in_features // 4,
                                                                   model.config.out_visual_dim))
           for variant, x_ndim in (("image", 4), ("video", 5))}
@@ -22,13 +23,8 @@ def load(request, detection, device, groups, progress):
     return MODELS[detection.variant].load(request, detection, device, groups, progress)
 
 
-def original_plan(keys, config=None):
-    """The release's key names are the model's (LoRAs use them too)."""
-    return {key: [(key, None)] for key in keys}
-
-
-FAMILY = Family(NAME, DESCRIPTION, detect, load, COMFY, lambda detection, keys: None, original_plan, load_model,
+FAMILY = Family(NAME, DESCRIPTION, detect, load, COMFY, diffusers_names, identity_plan, load_model,
                 signatures=("visual_transformer_blocks.0.visual_modulation.out_layer.weight",))
 
 __all__ = ["COMFY", "CONFIG_KEYS", "DESCRIPTION", "FAMILY", "MODELS", "NAME", "PLAN", "detect", "load",
-           "load_model", "original_plan"]
+           "load_model"]

@@ -2,10 +2,9 @@
 convert_krea2_transformer_checkpoint_to_diffusers; each block's six modulation vectors, stored flat, as [6, width])."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
-from ...checkpoints.loading import KeyPlan
-from ...contract import Detection
+from ...checkpoints.loading import KeyPlan, original_layout_plan
 
 TOP = (("first.", "img_in."), ("tmlp.0.", "time_embed.linear_1."), ("tmlp.2.", "time_embed.linear_2."),
        ("tproj.1.", "time_mod_proj."), ("txtmlp.0.scale", "txt_in.norm.weight"), ("txtmlp.1.", "txt_in.linear_1."),
@@ -17,10 +16,6 @@ INNER = ((".attn.wq.", ".attn.to_q."), (".attn.wk.", ".attn.to_k."), (".attn.wv.
          (".attn.qknorm.qnorm.scale", ".attn.norm_q.weight"), (".attn.qknorm.knorm.scale", ".attn.norm_k.weight"),
          (".mlp.", ".ff."), (".prenorm.scale", ".norm1.weight"), (".postnorm.scale", ".norm2.weight"),
          (".mod.lin", ".scale_shift_table"))
-
-
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    return original_plan(keys) if detection.layout == "original" else None
 
 
 def original_plan(keys: Iterable[str], config=None) -> KeyPlan:
@@ -43,3 +38,6 @@ def renamed(key: str) -> str:
     for old, new in INNER:
         key = key.replace(old, new)
     return key
+
+
+weight_plan = original_layout_plan(original_plan)  # ComfyUI files through original_plan, diffusers' as they are

@@ -2,18 +2,12 @@
 diffusers' convert_ltx_transformer checkpoint conversion)."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
-from ...checkpoints.loading import KeyPlan
-from ...contract import Detection
+from ...checkpoints.loading import KeyPlan, original_layout_plan
 
 RENAMES = (("patchify_proj.", "proj_in."), ("adaln_single.", "time_embed."), (".q_norm.", ".norm_q."),
            (".k_norm.", ".norm_k."))
-
-
-def weight_plan(detection: Detection, keys: Iterable[str]) -> Optional[KeyPlan]:
-    """ComfyUI files through original_plan, diffusers layouts as they are (None)."""
-    return original_plan(keys) if detection.layout == "original" else None
 
 
 def original_plan(keys: Iterable[str], config=None) -> KeyPlan:
@@ -26,3 +20,6 @@ def renamed(key: str) -> str:
         if key.startswith(old) or old.startswith("."):
             key = key.replace(old, new)
     return key
+
+
+weight_plan = original_layout_plan(original_plan)  # ComfyUI files through original_plan, diffusers' as they are
