@@ -238,10 +238,7 @@ def ideogram4_cases(seed=9):
 def ltxv_cases(seed=14):
     """LTX-Video 0.9: a video of 105 tokens (3 frames of 5 x 7, 24 fps), image to video (per-token sigmas, 0 on the
     first frame, as ComfyUI's process_timestep gives them), a guide frame at keyframe_idxs, 2 tokens."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
+    rand = seeded_randn(seed)
     sigmas = torch.tensor([0.8, 0.6]).view(2, 1, 1).repeat(1, 60, 1)
     sigmas[:, :20] = 0.0
     guides = torch.stack(torch.meshgrid(torch.tensor([40.0]), torch.arange(3.0) * 32, torch.arange(4.0) * 32,
@@ -257,10 +254,7 @@ def ltxv_cases(seed=14):
 def kandinsky5_cases(seed=15):
     """Kandinsky 5 video model (latent, image latent, mask: 33 channels): 36 tokens of odd height and width (padded
     by wrap-around, batch 2), image to video (time_dim_replace over the first frame), 2 tokens."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
+    rand = seeded_randn(seed)
     return {"odd_video": (rand(2, 33, 3, 5, 7), torch.tensor([700.0, 300.0]), {"context": rand(2, 9, 32),
                                                                               "y": rand(2, 24)}),
             "i2v": (rand(2, 33, 2, 4, 6), torch.tensor([900.0, 900.0]),
@@ -272,10 +266,7 @@ def kandinsky5_cases(seed=15):
 def krea2_cases(seed=17):
     """Krea 2: an image of 35 tokens of odd height and width (padded by wrap-around, batch 2), the style reference
     (two references modulated at time 0, the second of odd size), 2 tokens."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
+    rand = seeded_randn(seed)
     return {"odd_latent": (rand(2, 16, 9, 13), torch.tensor([0.7, 0.3]), {"context": rand(2, 6, 480)}),
             "style_refs": (rand(2, 16, 6, 8), torch.tensor([0.9, 0.9]),
                            {"context": rand(2, 5, 480), "ref_latents_method": "index_timestep_zero",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from family_support import assert_parity, single_rank_worker
+from sp_lab.conformance.cases import seeded_randn
 from sp_lab.references.kandinsky5 import reference_forward
 from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_lab.tiny_models.kandinsky5 import build_tiny_model
@@ -17,10 +18,7 @@ from sp_runtime.families import kandinsky5
 
 
 def image_cases(seed=16):
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g)
+    rand = seeded_randn(seed)
     return {"odd_image": (rand(2, 16, 7, 9), torch.tensor([800.0, 200.0]), {"context": rand(2, 6, 32),
                                                                           "y": rand(2, 24)})}
 
