@@ -172,7 +172,7 @@ def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: the executor's rotary cache compares rope specs
 class PairFrequencies:
     """A rotary whose every channel pair has its own frequency and position axis, angles in float32 as the models
     that use it compute them (Qwen-VL's interleaved MRoPE: Ideogram 4). Pairs are adjacent channels here, as the
