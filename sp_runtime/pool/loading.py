@@ -36,9 +36,19 @@ def load_worker_model(request, device, groups, progress):
     if isinstance(getattr(worker, "model", None), torch.nn.Module):
         worker.info.quant = detection.quant
         worker.info.weight_bytes = weight_bytes(worker.model) + (worker.shards.resident_bytes if shard else 0)
+        if tp is not None:  # an uneven head count leaves the first TP ranks more: each reports the largest share
+            worker.info.weight_bytes = _largest(tp, worker.info.weight_bytes, device)
         worker.info.quant_kernels = choose_kernels(worker.model, torch.device(device),
                                                    request.options.get("quant_kernels"))
     return with_runtime_options(worker, request.options)
+
+
+def _largest(tp, value: int, device) -> int:
+    import torch
+    import torch.distributed as dist
+    largest = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=tp.group)
+    return int(largest.item())
 
 
 def _check_tensor_parallel(tp, request, detection, shard) -> None:

@@ -87,13 +87,11 @@ class PlanWorker:
 
     def split_tensor_parallel(self, tp) -> None:
         """Split the blocks' Linears across the TP group (groups.TensorParallel) as the plan's tensor_parallel says;
-        ValueError naming the family when its plan declares none, or a custom block TP cannot see into."""
+        ValueError naming the family and its reason when its plan refuses TP (a string)."""
         plan = self.plan.tensor_parallel
-        custom = [stage.blocks for stage in self.plan.stages if stage.attention is None]
-        if plan is None or custom:
-            why = f"its custom blocks ({', '.join(custom)})" if custom and plan is not None else "it declares no TP plan"
+        if isinstance(plan, str):
             raise ValueError(f"tensor_parallel_degree={tp.degree} is not supported for {self.info.family!r} models "
-                             f"({why}); use ulysses_degree / ring_degree / shard_weights for this model")
+                             f"({plan}); use ulysses_degree / ring_degree / shard_weights for this model")
         lists = [name for stage in self.plan.stages for name in (stage.blocks, *stage.also)]
         self.tp_slices = parallelize(self.model, lists, plan, tp.group, tp.rank, tp.degree)
 

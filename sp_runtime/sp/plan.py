@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .tensor_parallel import TensorParallelPlan
+from .tensor_parallel import GENERIC, TensorParallelPlan
 
 Embed = Union[str, Callable[[Any, torch.Tensor], torch.Tensor]]  # a model attribute, or (model, raw) -> states
 
@@ -159,7 +159,9 @@ class Plan:
     sequence rank 0 only). rope(config) -> (axes, theta) of the rotary tables (diffusers' FluxPosEmbed) for the parts' ids, or
     None. output_tokens(call, tokens): what becomes of the output tokens before they are unpatchified (e.g.
     Z-Image's feature order and sign). tensor_parallel: which Linears of the stages' blocks TP splits
-    (sp.tensor_parallel; None: the family refuses tensor_parallel_degree > 1). comfy_blocks: ComfyUI's block kinds
+    (sp.tensor_parallel; by default the generic plan of diffusers' attention, FeedForward and modulation Linears,
+    which the conformance suite checks at TP for every family; a string: why the family refuses TP, named in the
+    error). comfy_blocks: ComfyUI's block kinds
     of patches_replace["dit"] (the blocks SkipLayerGuidanceDiT skips, input skip_blocks) -> the stage (its `blocks`)
     whose blocks they index, as ComfyUI's model for the family counts them (kinds it does not address are ignored,
     as ComfyUI's model ignores them); None: block skips are refused for the family. control: where ControlNet
@@ -174,6 +176,6 @@ class Plan:
     rope: Optional[Callable[[Any], tuple[Sequence[int], float]]] = None
     output: Union[str, tuple[str, ...]] = "image"
     output_tokens: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None
-    tensor_parallel: Optional[TensorParallelPlan] = None
+    tensor_parallel: Union[TensorParallelPlan, str] = GENERIC
     comfy_blocks: Optional[dict[str, str]] = None
     control: Optional[Control] = None

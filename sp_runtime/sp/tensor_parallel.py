@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..attention import SeqShards
 from ..formats import QuantLinear
 
 COLUMN, ROW, GATHER, NORM = "column", "row", "gather", "norm"
@@ -94,23 +95,30 @@ def parallelize(model: torch.nn.Module, block_lists: Sequence[str], plan: Tensor
                 rank: int, degree: int) -> dict[str, TPSlice]:
     """Split the model's blocks (ModuleLists named in block_lists) in place for TP rank `rank` of `degree`;
     returns parameter name -> the slice of the full weight it now holds (for LoRAs, loading, accounting).
-    ValueError naming the module and the numbers when a width or head count is not divisible by the degree."""
+    Heads are shared out balanced (5 heads at TP 2: 3 and 2), the other feature axes likewise in whole heads' widths
+    where they are multiples of it; ValueError naming the module and the numbers when a rank would get nothing."""
     slices: dict[str, TPSlice] = {}
     for list_name in block_lists:
         for index, block in enumerate(getattr(model, list_name, None) or ()):
             prefix = f"{list_name}.{index}"
             modules = dict(block.named_modules())
             found = _matches(modules, plan.all_splits())
+            attentions = [path for path, module in modules.items() if _is_split_attention(path, module, found)]
+            widths = _head_widths(modules, attentions, found, prefix, degree)
             sizes = {path: _part_sizes(modules[path], split, path, modules, f"{prefix}.{path}", degree)
                      for path, split in found.items()}  # all widths before any module is cut
             for path, split in found.items():
-                cut = _split_norm if split.kind == NORM else _split_linear
                 where = f"tensor_parallel_degree={degree} cannot split {prefix}.{path}"
-                for name, piece in cut(modules[path], split.kind, sizes[path], group, rank, degree, where).items():
+                if split.kind == GATHER and any(size % degree for size in sizes[path]):
+                    continue  # its output is gathered whole: an uneven split gains little, the layer stays whole
+                names = split.parts if isinstance(split.parts, tuple) else (path,) * len(sizes[path])
+                units = [1 if split.kind == GATHER else _unit(name, widths) for name in names]
+                ranges = _ranges(sizes[path], units, rank, degree, where)
+                cut = _split_norm if split.kind == NORM else _split_linear
+                for name, piece in cut(modules[path], split.kind, ranges, group, degree, where).items():
                     slices[f"{prefix}.{path}.{name}"] = piece
-            for path, module in modules.items():
-                if _is_split_attention(path, module, found):
-                    _split_heads(module, f"{prefix}.{path}" if path else prefix, degree)
+            for path in attentions:
+                _split_heads(modules[path], f"{prefix}.{path}" if path else prefix, rank, degree)
     return slices
 
 
@@ -126,51 +134,86 @@ def _matches(modules: dict, splits: Sequence[Split]) -> dict[str, Split]:
     return found
 
 
+def _head_widths(modules: dict, attentions: list[str], found: dict, where: str, degree: int) -> dict[str, int]:
+    """The split attention modules of a block -> the features of one of their heads: the unit their projections'
+    feature axes are shared out in, so a rank's q / k / v / output columns are whole heads."""
+    widths = {}
+    for path in attentions:
+        attn, inside = modules[path], f"{path}." if path else ""
+        if attn.heads < degree:
+            raise ValueError(f"tensor_parallel_degree={degree} cannot split the {attn.heads} attention heads of "
+                             f"{where}{'.' + path if path else ''} over {degree} ranks: use a degree of at most "
+                             f"{attn.heads}")
+        inner = getattr(attn, "inner_dim", None)
+        query = modules.get(inside + "to_q")
+        widths[path] = width = (inner if isinstance(inner, int) else query.out_features) // attn.heads
+        grouped = [modules[inside + name] for name in ("to_k", "to_v") if inside + name in found]
+        if query is not None and any(proj.out_features != query.out_features for proj in grouped) and (
+                attn.heads % degree or any(proj.out_features // width % degree for proj in grouped)):
+            raise ValueError(f"tensor_parallel_degree={degree} does not divide the query and key / value heads "
+                             f"of {where}.{path} (grouped-query attention: a rank's query heads must share its "
+                             f"key / value heads): use a degree that divides both")
+    return widths
+
+
+def _unit(path: str, widths: dict[str, int]) -> int:
+    """The head width of the attention module holding `path` (its projections split in whole heads), else 1."""
+    for attention, width in widths.items():
+        if not attention or path.startswith(attention + "."):
+            return width
+    return 1
+
+
+def _ranges(sizes: list[int], units: list[int], rank: int, degree: int, where: str) -> tuple[tuple[int, int], ...]:
+    """This rank's ranges of the full feature axis made of parts of `sizes`: each part shared out balanced, in
+    its unit (whole heads) where the part is a multiple of it, else in single features."""
+    ranges, start = [], 0
+    for size, unit in zip(sizes, units):
+        step = unit if size % unit == 0 else 1
+        if size // step < degree:
+            raise ValueError(f"{where}: its {size} features cannot be shared out over {degree} ranks")
+        lo, hi = SeqShards.balanced(size // step, degree).range(rank)
+        ranges.append((start + lo * step, start + hi * step))
+        start += size
+    return tuple(ranges)
+
+
 def _part_sizes(module, split: Split, path: str, modules: dict, where: str, degree: int) -> list[int]:
     if split.kind == NORM:
         if not isinstance(module, torch.nn.RMSNorm) or module.weight is None:
             raise ValueError(f"tensor parallelism: {where} is not an RMSNorm with a weight ({type(module).__name__})")
-        width = module.normalized_shape[-1]
-    else:
-        width = module.in_features if split.kind == ROW else module.out_features
+        return [module.normalized_shape[-1]]
+    width = module.in_features if split.kind == ROW else module.out_features
     if split.parts == PACKED:
         attribute = "_tp_packed_row_blocks" if split.kind == ROW else "_tp_packed_col_blocks"
         sizes = list(getattr(module, attribute, None) or ())
         if sum(sizes) != width:
             raise ValueError(f"tensor parallelism: {where} carries no {attribute} matching its {width} features "
                              f"(this diffusers version does not declare its fused parts)")
-    elif isinstance(split.parts, tuple):
+        return sizes
+    if isinstance(split.parts, tuple):
         sizes = [modules[name].out_features for name in split.parts]
         if sum(sizes) != width:
             raise ValueError(f"tensor parallelism: {where} has {width} input features, not the {sum(sizes)} of "
                              f"{', '.join(split.parts)}")
-    else:
-        parts = 2 if split.kind == COLUMN and _gated(modules, path) else split.parts
-        sizes = [width // parts] * parts
-    for size in sizes:
-        if size % degree:
-            raise ValueError(f"tensor_parallel_degree={degree} does not divide the {size} "
-                             f"{'input' if split.kind == ROW else 'output'} features of {where}: use a degree "
-                             f"that divides {size}")
-    return sizes
+        return sizes
+    parts = 2 if split.kind == COLUMN and _gated(modules, path) else split.parts
+    if width % parts:
+        raise ValueError(f"tensor parallelism: {where} has {width} features, not {parts} equal parts")
+    return [width // parts] * parts
 
 
 def _gated(modules: dict, path: str) -> bool:
-    """A projection inside a gated activation module ([hidden, gate] halves)."""
-    parent = modules.get(path.rsplit(".", 1)[0]) if "." in path else None
+    """The fused projection of a gated activation module (diffusers' GEGLU / SwiGLU .proj: [hidden, gate] halves)."""
+    parent = modules.get(path.rsplit(".", 1)[0]) if path.endswith(".proj") else None
     return parent is not None and type(parent).__name__.endswith("GLU")
 
 
-def _split_linear(module: torch.nn.Linear, kind: str, sizes: list[int], group, rank: int, degree: int,
+def _split_linear(module: torch.nn.Linear, kind: str, ranges: tuple, group, degree: int,
                   where: str = "") -> dict[str, TPSlice]:
-    ranges, start = [], 0
-    for size in sizes:
-        piece = size // degree
-        ranges.append((start + rank * piece, start + (rank + 1) * piece))
-        start += size
     dim = 1 if kind == ROW else 0
     if isinstance(module, QuantLinear):
-        return _split_quant_linear(module, kind, dim, tuple(ranges), group, degree, where)
+        return _split_quant_linear(module, kind, dim, ranges, group, degree, where)
     weight_slice = TPSlice(dim, tuple(ranges), tuple(module.weight.shape))
     taken = {"weight": weight_slice}
     module.weight = torch.nn.Parameter(weight_slice.take(module.weight.detach()).clone(), requires_grad=False)
@@ -249,14 +292,14 @@ class RowParallelLinear(torch.nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
-def _split_norm(module: torch.nn.RMSNorm, kind: str, sizes: list[int], group, rank: int, degree: int,
+def _split_norm(module: torch.nn.RMSNorm, kind: str, ranges: tuple, group, degree: int,
                 where: str = "") -> dict[str, TPSlice]:
-    piece = sizes[0] // degree
-    weight_slice = TPSlice(0, ((rank * piece, (rank + 1) * piece),), tuple(module.weight.shape))
+    full_width = module.normalized_shape[-1]
+    weight_slice = TPSlice(0, ranges, tuple(module.weight.shape))
     module.weight = torch.nn.Parameter(weight_slice.take(module.weight.detach()).clone(), requires_grad=False)
     module.__class__ = _parallel_class(SplitRMSNorm, type(module))
-    module.tp_group, module.full_width = group, sizes[0]
-    module.normalized_shape = (piece,)
+    module.tp_group, module.full_width = group, full_width
+    module.normalized_shape = (module.weight.shape[0],)
     return {"weight": weight_slice}
 
 
@@ -322,10 +365,11 @@ def _is_split_attention(path: str, module, found: dict) -> bool:
                for name in found)
 
 
-def _split_heads(attn, where: str, degree: int) -> None:
-    if attn.heads % degree:
-        raise ValueError(f"tensor_parallel_degree={degree} does not divide the {attn.heads} attention heads of "
-                         f"{where}: use a degree that divides {attn.heads}")
-    attn.heads //= degree
+def _split_heads(attn, where: str, rank: int, degree: int) -> None:
+    """This rank's share of the heads (balanced: the first heads % degree ranks hold one more), as _ranges shares
+    out the q / k / v features."""
+    heads = attn.heads
+    lo, hi = SeqShards.balanced(heads, degree).range(rank)
+    attn.heads = hi - lo
     if isinstance(getattr(attn, "inner_dim", None), int):  # a fused projection's q / k / v widths (Flux.2)
-        attn.inner_dim //= degree
+        attn.inner_dim = attn.inner_dim // heads * attn.heads

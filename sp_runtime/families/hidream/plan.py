@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 
 from ...sp import AttentionSpec, Output, Part, Plan, Stage, Stream
+from ...sp.tensor_parallel import COLUMN, GATHER, NORM, ROW, Split, TensorParallelPlan
 from ...sp.tokens import ROPE_THETA, TokenGrid, grid_ids, pad_to_patch, patchify
 from .detection import PATCH
 
@@ -104,10 +105,18 @@ def output_tokens(call, tokens: torch.Tensor) -> torch.Tensor:
     return -tokens.unflatten(-1, (PATCH, PATCH, -1)).permute(0, 1, 4, 2, 3).flatten(2)
 
 
+# the text stream's own q / k / v / out, q / k norms across all heads, and the SwiGLU experts (w1, w3 | w2: one
+# all-reduce per expert called; the TP ranks hold the same tokens, so they route them alike)
+TENSOR_PARALLEL = TensorParallelPlan(extra=(
+    *(Split(name, COLUMN) for name in ("to_q_t", "to_k_t", "to_v_t", "w1", "w3")),
+    *(Split(name, ROW) for name in ("to_out", "to_out_t", "w2")),
+    *(Split(name, NORM) for name in ("q_rms_norm", "k_rms_norm", "q_rms_norm_t", "k_rms_norm_t")),
+    Split("adaLN_modulation.1", GATHER)))
 ATTENTION = AttentionSpec(project=project, project_text=project_text, text_first=False,
                           finish_text=lambda attn, out: attn.to_out_t(out))
 PLAN = Plan(check=check, layout=layout, condition=condition,
             rope=lambda config: (config.axes_dims_rope, ROPE_THETA),
             stages=(Stage("double_stream_blocks", double_block, attention=ATTENTION),
                     Stage("single_stream_blocks", single_block, attention=replace(ATTENTION, text_prefix=True))),
-            head=lambda call: call.model.final_layer(call.image, call.temb), output_tokens=output_tokens)
+            head=lambda call: call.model.final_layer(call.image, call.temb), output_tokens=output_tokens,
+            tensor_parallel=TENSOR_PARALLEL)

@@ -70,4 +70,4 @@ def double_block(block, call) -> None:
 PLAN = replace(hunyuan_video.PLAN, check=check, layout=layout, condition=condition,
                stages=(replace(hunyuan_video.PLAN.stages[0], run=double_block),),
                head=lambda call: call.model.proj_out(call.model.norm_out(call.image, call.temb)),
-               tensor_parallel=None)  # TP not tested on 1.5 yet: refused by name
+               )

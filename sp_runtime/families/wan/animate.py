@@ -205,4 +205,4 @@ ANIMATE = register(Variant(
     variant=lambda config: "animate" if config.get("motion_encoder_dim") else None,
     key_targets=animate_key_targets, mapped_keys=ANIMATE_MODULES, model_class="WanAnimateTransformer3DModel",
     comfy={"animate": "WAN22_Animate"}, inputs={"animate": ("face_pixel_values", "pose_latents")},
-    rope_options=False, check=check, embed=embed, prepare=prepare, after=after))
+    rope_options=False, check=check, embed=embed, prepare=prepare, after=after, tensor_parallel=True))

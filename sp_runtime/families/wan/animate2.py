@@ -212,4 +212,4 @@ ANIMATE2 = register(Variant(
     config.get("animate2") else None, rename=animate2_original_key, layouts=(RELEASE_ANCHOR, DIFFUSERS_ANCHOR),
     model_type=MODEL_TYPE, marked=marked, original_class="WanAnimate2Transformer3DModel", config_keys=("animate2",),
     comfy={"animate2": "WAN_Animate2"}, inputs={"animate2": ("pose_latents", "context_pose", "clip_fea_pose")},
-    rope_options=False, check=check, layout=layout, prepare=prepare, block=animate2_block))
+    rope_options=False, check=check, layout=layout, prepare=prepare, block=animate2_block, tensor_parallel=True))

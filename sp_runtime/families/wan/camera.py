@@ -104,4 +104,4 @@ CAMERA = register(Variant(
     config_keys=("camera_in_channels", "camera_residual_blocks"), attach=attach,
     info=lambda model: {"camera_in_channels": model.control_adapter.in_channels},
     comfy={"camera": "WAN21_Camera", "camera_2.2": "WAN22_Camera"},
-    inputs={"camera": CAMERA_INPUTS, "camera_2.2": CAMERA_INPUTS}, check=check, embed=embed))
+    inputs={"camera": CAMERA_INPUTS, "camera_2.2": CAMERA_INPUTS}, check=check, embed=embed, tensor_parallel=True))

@@ -48,4 +48,4 @@ FUN = register(Variant(
     FUN_CONTROL_CHANNELS else None,
     own_keys=("ref_conv.",), config_keys=("ref_in_channels",), attach=attach,
     info=lambda model: {"ref_in_channels": model.ref_conv.in_channels},
-    comfy={"fun_control": "WAN21_FunControl2V"}, layout=layout))
+    comfy={"fun_control": "WAN21_FunControl2V"}, layout=layout, tensor_parallel=True))

@@ -152,4 +152,4 @@ HUMO = register(Variant(
     block_keys=(BLOCK_AUDIO + ".",), config_keys=("audio_in_features", "audio_hidden", "audio_dim"), attach=attach,
     info=lambda model: {"audio_in_features": model.audio_proj.audio_proj_glob_1.layer.in_features},
     comfy={"humo": "WAN21_HuMo"}, inputs={"humo": ("audio_embed",)}, appended="reference_latent", check=check,
-    prepare=prepare, block=humo_block))
+    prepare=prepare, block=humo_block, tensor_parallel=True))

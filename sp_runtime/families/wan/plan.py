@@ -35,7 +35,8 @@ def plan_for(variants) -> Plan:
                   skips_in_run=True)
     return Plan(check=partial(check, variants), layout=partial(layout, variants),
                 condition=partial(condition, variants), stages=(stage,), head=head, rope=rope, output="video",
-                tensor_parallel=TENSOR_PARALLEL if all(v.tensor_parallel for v in variants) else None,
+                tensor_parallel=TENSOR_PARALLEL if all(v.tensor_parallel for v in variants) else
+                f"its variant {', '.join(v.name for v in variants if not v.tensor_parallel)} is not checked at TP yet",
                 comfy_blocks={"double_block": "blocks"})
 
 

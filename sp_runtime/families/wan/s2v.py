@@ -317,4 +317,4 @@ S2V = register(Variant(
     variant=lambda config: "s2v" if config.get("s2v") else None, own_keys=S2V_MODULES, config_keys=("s2v",),
     attach=attach, info=lambda model: {"audio_inject_layers": model.s2v_inject_layers}, comfy={"s2v": "WAN22_S2V"},
     inputs={"s2v": ("audio_embed", "reference_motion", "control_video")}, rope_options=False, check=check,
-    layout=layout, timesteps=timesteps, embed=embed, prepare=prepare, after=after))
+    layout=layout, timesteps=timesteps, embed=embed, prepare=prepare, after=after, tensor_parallel=True))

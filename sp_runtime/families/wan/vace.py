@@ -78,4 +78,4 @@ VACE = register(Variant(
     model_class="WanVACETransformer3DModel", comfy={"vace": "WAN21_Vace"}, inputs={"vace": ("vace_context",)},
     info=lambda model: {"vace_layers": list(model.config.vace_layers),
                         "vace_in_channels": model.config.vace_in_channels},
-    also=("vace_blocks",), check=check, prepare=prepare, after=after))
+    also=("vace_blocks",), check=check, prepare=prepare, after=after, tensor_parallel=True))
