@@ -18,7 +18,7 @@ from .plan import Part, Plan, Stream
 from .control import control_residuals, leading_shards
 from .cross import LocalCrossAttention
 from .processor import Geometry, SPAttnProcessor, current_geometry
-from .tensor_parallel import parallelize
+from .tensor_parallel import GENERIC, parallelize
 from .tokens import rotary
 
 
@@ -92,6 +92,10 @@ class PlanWorker:
         if isinstance(plan, str):
             raise ValueError(f"tensor_parallel_degree={tp.degree} is not supported for {self.info.family!r} models "
                              f"({plan}); use ulysses_degree / ring_degree / shard_weights for this model")
+        custom = [stage.blocks for stage in self.plan.stages if stage.attention is None]
+        if custom and plan is GENERIC:  # the generic plan cannot know what a custom block does with its heads
+            raise ValueError(f"tensor_parallel_degree={tp.degree} is not supported for {self.info.family!r} models "
+                             f"(custom blocks {', '.join(custom)}: their plan must declare a TP plan)")
         lists = [name for stage in self.plan.stages for name in (stage.blocks, *stage.also)]
         self.tp_slices = parallelize(self.model, lists, plan, tp.group, tp.rank, tp.degree)
 

@@ -149,7 +149,9 @@ def head(call) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 PLAN = Plan(check=check, layout=layout, condition=condition, head=head, output=("video", "audio"),
-            stages=(Stage("transformer_blocks", run_block, attends="video", text=None, attention=None),))
+            stages=(Stage("transformer_blocks", run_block, attends="video", text=None, attention=None),),
+            tensor_parallel="its audio-video block rotates q / k across all heads with whole-width rotary tables, and "
+                            "its cross-modal attention has query and key heads of different widths: not split yet")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -40,8 +40,10 @@ def plan_for(variants) -> Plan:
                 comfy_blocks={"double_block": "blocks"})
 
 
-# q / k norms span all heads: split with q / k, their mean square summed over the TP group (variants: not yet)
-TENSOR_PARALLEL = TensorParallelPlan(extra=tuple(Split(name, NORM) for name in ("norm_q", "norm_k", "norm_added_k")))
+# q / k norms span all heads: split with q / k, their mean square summed over the TP group; the blocks' own
+# attention modules only (a variant's added attention, e.g. HuMo's audio cross-attention, stays whole)
+TENSOR_PARALLEL = TensorParallelPlan(extra=tuple(Split(f"{attn}.{name}", NORM) for attn in ("attn1", "attn2")
+                                                 for name in ("norm_q", "norm_k", "norm_added_k")))
 
 
 def rope(config) -> tuple[tuple[int, int, int], float]:
