@@ -14,6 +14,13 @@ DEGREES = (1, 2, 3, 4)
 LAYOUTS = {"u1r3": (3, dict(ulysses_degree=1, ring_degree=3)),
            "u2r2": (4, dict(ulysses_degree=2, ring_degree=2)),
            "u2cfg2": (4, dict(ulysses_degree=2, cfg_degree=2))}
+# tensor-parallel layouts (TP innermost): TP 2 for every family, the others on a cheap subset (world-4 pools are slow
+# on 2 cores); test_tensor_parallel.py shares them
+TP_LAYOUTS = {"tp2": (2, dict(ulysses_degree=1, tensor_parallel_degree=2)),
+              "tp4": (4, dict(ulysses_degree=1, tensor_parallel_degree=4)),
+              "u2tp2": (4, dict(ulysses_degree=2, tensor_parallel_degree=2)),
+              "r2tp2": (4, dict(ulysses_degree=1, ring_degree=2, tensor_parallel_degree=2)),
+              "cfg2tp2": (4, dict(ulysses_degree=1, cfg_degree=2, tensor_parallel_degree=2))}
 
 
 @pytest.fixture(scope="session", params=DEGREES, ids=lambda degree: f"degree{degree}")
@@ -26,6 +33,14 @@ def family_pool(request):
 def layout_pool(request):
     """(layout name, pool) for Ring only, Ulysses x Ring and Ulysses x CFG-parallel."""
     world_size, degrees = LAYOUTS[request.param]
+    with WorkerPool(SPConfig(["cpu"] * world_size, **degrees)) as workers:
+        yield request.param, workers
+
+
+@pytest.fixture(scope="session", params=list(TP_LAYOUTS))
+def tp_pool(request):
+    """(layout name, pool) for TP alone and TP with Ulysses, Ring or CFG."""
+    world_size, degrees = TP_LAYOUTS[request.param]
     with WorkerPool(SPConfig(["cpu"] * world_size, **degrees)) as workers:
         yield request.param, workers
 
@@ -44,7 +59,8 @@ def pytest_collection_modifyitems(items):
     DEGREES / LAYOUTS, not its position in its own list. pytest groups tests by index, so without this such a test
     would run among the degree-1 tests and restart the degree-2 pool there (and the degree-1 pool after it)."""
     positions = {"family_pool": {degree: index for index, degree in enumerate(DEGREES)},
-                 "layout_pool": {name: index for index, name in enumerate(sorted(LAYOUTS))}}
+                 "layout_pool": {name: index for index, name in enumerate(sorted(LAYOUTS))},
+                 "tp_pool": {name: index for index, name in enumerate(TP_LAYOUTS)}}
     for item in items:
         callspec = getattr(item, "callspec", None)
         for name, index_of in positions.items():

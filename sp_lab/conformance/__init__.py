@@ -31,6 +31,7 @@ class Conformance:
     load_options: keyword arguments of every load (e.g. Wan's head size).
     reference_model(model) -> the model `reference` takes, from the one the family's single-device loader builds (for
         file_reference; default: that model).
+    tensor_parallel: why the family refuses tensor parallelism ("": it serves it, and is checked at TP 2).
     """
     write: Callable[[str], str]
     reference: Callable[[str], Callable]
@@ -42,6 +43,7 @@ class Conformance:
     quantized: Optional[Callable[[str, str], Any]] = None
     load_options: dict = field(default_factory=dict)
     reference_model: Optional[Callable[[Any], Any]] = None
+    tensor_parallel: str = ""
 
     @property
     def first_case(self) -> str:

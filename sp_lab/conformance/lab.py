@@ -32,6 +32,7 @@ def write_toy(folder: str) -> str:
     return path
 
 
-register_conformance("toy", Conformance(write=write_toy, reference=ToyReference, cases=toy_cases))
+register_conformance("toy", Conformance(write=write_toy, reference=ToyReference, cases=toy_cases,
+                                        tensor_parallel="not run by the executor"))
 
 NOT_YET = {"synthetic": "benchmark specs: the workers draw a real family's weights and report that family"}

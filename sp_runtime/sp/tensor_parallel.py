@@ -7,8 +7,9 @@ second feed-forward projection row-parallel (each rank multiplies its slice of t
 sums the partial outputs, the bias is added once after it). The blocks' modulation Linears (adaLN: temb -> 6 x
 width, a third of a Flux / Qwen-Image block's weights) are split by rows too and all-gathered (GATHER: a few
 numbers per item, no tokens). Norms and embedders stay replicated.
-Heads are split by TP first; Ulysses / Ring then split each rank's H/T heads / tokens as usual (sp_attention takes
-any head count).
+Heads are split by TP first, balanced (5 heads at TP 2: 3 and 2; each feature axis in whole heads' widths), then
+Ulysses / Ring split each rank's heads / tokens as usual (sp_attention takes any head count). Every family gets the
+generic plan unless it declares its own (Plan.tensor_parallel), or a string saying why it refuses TP.
 
 Why not torch.distributed.tensor.parallel (ColwiseParallel / RowwiseParallel): it turns parameters into DTensors,
 which the rest of the runtime rewrites in place as plain tensors (LoRA merges from the base weights, quantized
@@ -42,7 +43,8 @@ class Split:
     norms across heads): its weight sliced, the mean square all-reduced. parts: the split feature axis is made of these
     equal parts (a fused q / k / v: 3), or of the output widths of the named column-split Linears of the block (a
     row split whose input is their concatenation, Flux's single-block proj_out over [attention, MLP]); each part is
-    cut in T pieces and a rank takes its piece of each. A column split under a gated activation (diffusers' GEGLU,
+    shared out over the T ranks (balanced, in whole heads inside an attention module) and a rank takes its piece of
+    each. A column split under a gated activation (diffusers' GEGLU,
     SwiGLU: [hidden, gate]) takes 2 parts by itself. parts=PACKED: the sizes diffusers stores on a fused Linear
     (`_tp_packed_col_blocks` / `_tp_packed_row_blocks`, e.g. Flux.2's to_qkv_mlp_proj: q, k, v, gate, value)."""
 

@@ -87,6 +87,34 @@ def test_fp32_parity_ring_hybrid_and_cfg(layout_pool, family_subject, name):
     subject.check(pool, subject.path, layout, cases=subject.spec.layout_cases or None)
 
 
+# tensor-parallel layouts beyond TP 2 run on these families (TP 4: ones with 4 heads or more)
+TP_SUBSET = {"tp4": ("qwen_image", "z_image"), "u2tp2": ("flux", "qwen_image", "wan"), "r2tp2": ("flux", "wan"),
+             "cfg2tp2": ("flux", "qwen_image")}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fp32_parity_tensor_parallel(tp_pool, family_subject, name):
+    """Every family at TP 2 (its layout cases; odd head counts shared out 2 / 1), TP 4, TP 2 x Ulysses 2 / Ring 2 /
+    CFG 2 on a subset; a family that refuses TP says so in its spec and is refused by that name; the blocks' weights
+    are split (each rank holds less than the whole model)."""
+    layout, pool = tp_pool
+    if layout != "tp2" and name not in TP_SUBSET[layout]:
+        pytest.skip(f"{layout} runs on {', '.join(TP_SUBSET[layout])}")
+    subject = family_subject(name)
+    if subject.spec.tensor_parallel:
+        with pytest.raises(Exception, match=f"tensor_parallel_degree=2 is not supported for '{name}' models "
+                                            f"\\({re.escape(subject.spec.tensor_parallel)}"):
+            pool.load_model(subject.path, **subject.spec.load_options)
+        return
+    handle = pool.load_model(subject.path, **subject.spec.load_options)
+    for case, (x, t, inputs) in subject.spec.cases().items():
+        if case in (subject.spec.layout_cases or (case,)):
+            assert_parity(handle(x, t, **inputs), subject.outputs[case], "float32", f"{name}_{layout}/{case}")
+    whole = sum(tensor.numel() * tensor.element_size() for tensor in load_file(subject.path).values())
+    assert handle.info.weight_bytes < whole * 0.97, (handle.info.weight_bytes, whole)
+    handle.unload()
+
+
 @at_worlds(2)
 @pytest.mark.parametrize("name", NAMES)
 def test_quantized_file_equals_its_dequantized_weights(family_pool, family_subject, name):

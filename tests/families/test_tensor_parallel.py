@@ -1,7 +1,7 @@
-"""Tensor parallelism (a fourth axis, innermost): TP 2, TP 4, TP 2 x Ulysses 2, TP 2 x Ring 2 and TP 2 x CFG 2 give
-the single-device output of diffusers' stock forward (fp32, 1e-5 of the scale) for the families that declare a TP
-plan, at odd token counts, batch 2 (split by CFG) and 1; weights per rank shrink; what TP cannot split is refused by
-name."""
+"""Tensor parallelism (a fourth axis, innermost) beyond the conformance suite (which runs every family at TP 2, and
+TP 4 / TP 2 x Ulysses 2 / Ring 2 / CFG 2 on a subset: test_family_conformance.test_fp32_parity_tensor_parallel):
+LoRAs, bf16 / fp8 storage and quantized files at TP, the families outside the suite (MiniMax H3, Wan variants), slice
+loading, and what TP cannot split refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -9,71 +9,25 @@ import torch
 
 from family_support import assert_parity
 from sp_lab.references import reference_forward
-from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
+from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_lab.tiny_models.quant_files import write_quantized
-from sp_runtime.config import SPConfig
-from sp_runtime.pool import WorkerPool
-from sp_lab.conformance.cases import qwen_flux_wan_cases as make_cases
+from test_minimax_h3 import _check as mm_check, mm_files, mm_references  # noqa: F401 (fixtures)
+from test_wan_conditioning import (humo_cases, humo_path, humo_references, humo_model, vace_cases,  # noqa: F401
+                                   vace_files, vace_model, vace_references)
 
 SEED = 5
-# layout -> (devices, degrees, families run there): a world-4 pool on 2 cores is slow, so few loads there
-LAYOUTS = {"tp2": (2, dict(tensor_parallel_degree=2), ("flux", "qwen_image", "wan")),
-           "tp4": (4, dict(tensor_parallel_degree=4), ("flux", "qwen_image")),
-           "u2tp2": (4, dict(ulysses_degree=2, tensor_parallel_degree=2), ("qwen_image",)),
-           "r2tp2": (4, dict(ulysses_degree=1, ring_degree=2, tensor_parallel_degree=2), ("flux",)),
-           "cfg2tp2": (4, dict(ulysses_degree=1, cfg_degree=2, tensor_parallel_degree=2), ("flux",))}
+pytest_plugins = ["family_pools"]  # tp_pool: the TP layouts the conformance suite runs every family on
+on_tp2 = pytest.mark.parametrize("tp_pool", ["tp2"], indirect=True)
+on_tp4 = pytest.mark.parametrize("tp_pool", ["tp4"], indirect=True)
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def tp_pool(request):
-    world, degrees, _ = LAYOUTS[request.param]
-    with WorkerPool(SPConfig(["cpu"] * world, **degrees)) as pool:
-        yield request.param, pool
-
-
-def heads_for(degree: int) -> int:
-    """6 heads (3 per TP-2 rank, which Ulysses 2 does not divide); 8 at TP 4."""
-    return 8 if degree == 4 else 6
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(family, heads) -> (checkpoint, the references of its cases, its full weight bytes), made when first asked."""
-    folder, made = tmp_path_factory.mktemp("tp"), {}
-
-    def get(family: str, heads: int):
-        if (family, heads) not in made:
-            path = write_tiny_checkpoint(family, str(folder / f"{family}_{heads}.safetensors"), seed=SEED,
-                                         num_attention_heads=heads)
-            model = build_tiny_model(family, SEED, num_attention_heads=heads)
-            refs = {name: reference_forward(family)(model, x, t, **inputs)
-                    for name, (x, t, inputs) in make_cases(family).items()}
-            made[family, heads] = path, refs, sum(p.numel() * p.element_size() for p in model.parameters())
-        return made[family, heads]
-    return get
-
-
-def test_tp_equals_single_device(tp_pool, models):
-    layout, pool = tp_pool
-    degree = pool.config.tensor_parallel_degree
-    for family in LAYOUTS[layout][2]:
-        path, refs, full_bytes = models(family, heads_for(degree))
-        handle = pool.load_model(path)
-        for name, (x, t, inputs) in make_cases(family).items():
-            assert_parity(handle(x, t, **inputs), refs[name], "float32", f"tp/{layout}/{family}/{name}")
-        # the blocks' weights are split (the tiny models' embedders and heads are a larger share than at full size)
-        assert handle.info.weight_bytes < full_bytes * (0.7 if degree == 2 else 0.45), family
-        pool.unload(handle)
-
-
+@on_tp2
 def test_lora_at_tp2_equals_the_merged_checkpoint(tp_pool, tmp_path):
     """A LoRA (Flux's fused qkv, kohya names) is added to the full base weight and each rank keeps its slice: the
     result equals a checkpoint merged by hand; [] gives the base back bitwise."""
     from safetensors.torch import load_file
     from test_lora import STRENGTH, make_deltas, merged_state, relative, run, save_like, write_lora
     layout, pool = tp_pool
-    if layout != "tp2":
-        pytest.skip("one layout is enough: the LoRA path does not depend on the other axes")
     base_path = write_tiny_checkpoint("flux", str(tmp_path / "base.safetensors"), seed=2, prefix=COMFY_PREFIX)
     base = {key[len(COMFY_PREFIX):]: value for key, value in load_file(base_path).items()}
     deltas = make_deltas("flux", base, seed=7)
@@ -92,13 +46,13 @@ def test_lora_at_tp2_equals_the_merged_checkpoint(tp_pool, tmp_path):
     handle.unload()
 
 
+@on_tp4
 def test_what_tp_cannot_split_is_refused_by_name(tp_pool, tmp_path):
     layout, pool = tp_pool
-    if layout != "tp4":
-        pytest.skip("the refusals are checked once")
-    odd_heads = write_tiny_checkpoint("flux", str(tmp_path / "heads.safetensors"), seed=1, num_attention_heads=6)
-    with pytest.raises(Exception, match="tensor_parallel_degree=4 does not divide the .* of"):
-        pool.load_model(odd_heads)
+    few_heads = write_tiny_checkpoint("flux", str(tmp_path / "heads.safetensors"), seed=1, num_attention_heads=3)
+    with pytest.raises(Exception, match="tensor_parallel_degree=4 cannot split the 3 attention heads of "
+                                        "transformer_blocks.0.attn over 4 ranks"):
+        pool.load_model(few_heads)
     for fmt, only, name, what in (("comfy_quant", "int8_tensorwise convrot", "safetensors", "convrot rotation"),
                                   ("gguf", "Q4_K", "gguf", "GGUF Q4_K")):
         quantized = str(tmp_path / f"{fmt}.{name}")
@@ -108,18 +62,18 @@ def test_what_tp_cannot_split_is_refused_by_name(tp_pool, tmp_path):
                                             f"(64|256) input features would be cut at"):
             pool.load_model(quantized)
     with pytest.raises(Exception, match="tensor_parallel_degree=4 with shard_weights"):
-        pool.load_model(odd_heads, shard_weights=True)
-    with pytest.raises(Exception, match="tensor_parallel_degree=4 is not supported for 'ltx2' models"):
+        pool.load_model(few_heads, shard_weights=True)
+    with pytest.raises(Exception, match="tensor_parallel_degree=4 is not supported for 'ltx2' models \\(its "
+                                        "audio-video block rotates q / k across all heads"):
         pool.load_model(write_tiny_checkpoint("ltx2", str(tmp_path / "ltx2.safetensors"), seed=1))
 
 
+@on_tp2
 def test_low_precision_storage_at_tp2_within_bf16_rounding(tp_pool, tmp_path):
     """bf16 and fp8 storage (diffusers' layerwise casting hooks wrap the split Linears' forward: a split that did not
     re-point them left the all-reduce out, 0.98 of the scale off) against the same file run in-process."""
     from sp_runtime.families import flux
     layout, pool = tp_pool
-    if layout != "tp2":
-        pytest.skip("one layout is enough")
     g = torch.Generator().manual_seed(3)
     x, t = torch.randn(2, 16, 9, 7, generator=g), torch.tensor([0.5, 0.25])  # bf16-exact timesteps
     inputs = {"context": torch.randn(2, 9, 32, generator=g), "y": torch.randn(2, 24, generator=g),
@@ -138,13 +92,12 @@ QUANTIZED = (("scaled_fp8", None), ("comfy_quant", "int8_tensorwise"), ("comfy_q
              ("comfy_quant", "nvfp4"), ("gguf", "Q8_0"))
 
 
+@on_tp2
 def test_quantized_files_at_tp2_equal_world_1(tp_pool, tmp_path):
     """Kept quantized, split along their rows / whole input groups: the same file's output at world 1 (bf16 compute,
     as quantized files run), within bf16 rounding."""
     from sp_runtime.families import flux
     layout, pool = tp_pool
-    if layout != "tp2":
-        pytest.skip("one layout is enough")
     g = torch.Generator().manual_seed(3)
     x, t = torch.randn(2, 16, 9, 7, generator=g), torch.tensor([0.5, 0.25])
     inputs = {"context": torch.randn(2, 9, 32, generator=g), "y": torch.randn(2, 24, generator=g),
@@ -172,29 +125,24 @@ def _flux_lora(reference: str, path: str) -> str:
     return write_lora(path, "flux", make_deltas("flux", load_file(reference), seed=7), "kohya")
 
 
-# the other families with a TP plan at TP 2: (test module with make_cases, tiny size with a head count 2 divides and
-# an even MLP width)
-OTHER_FAMILIES = {"chroma": dict(), "sd3": dict(num_attention_heads=4, caption_projection_dim=256),
-                  "flux2": dict(num_attention_heads=4), "z_image": dict(n_heads=6, dim=768),
-                  "qwen_image21": dict(num_attention_heads=4), "hunyuan_video": dict(num_attention_heads=4)}
+@on_tp2
+def test_minimax_h3_at_tp2(tp_pool, mm_files, mm_references):
+    """Outside the conformance suite (packed calls): every file form, 3 heads shared out 2 / 1."""
+    for variant in mm_files:
+        mm_check(tp_pool[1], "tp2", mm_files[variant], mm_references, variant)
 
 
-@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
-def test_other_families_at_tp2(tp_pool, family, tmp_path):
-    import importlib
-    layout, pool = tp_pool
-    if layout != "tp2":
-        pytest.skip("the other families run at TP 2 (the layouts' code is the same for every family)")
-    module = importlib.import_module(f"test_{family}")
-    cases = module.make_cases(16) if family == "hunyuan_video" else module.make_cases()
-    size, seed = OTHER_FAMILIES[family], module.SEED
-    path = write_tiny_checkpoint(family, str(tmp_path / f"{family}.safetensors"), seed=seed, **size)
-    model = build_tiny_model(family, seed, **size)
-    handle = pool.load_model(path)
-    for name, (x, t, inputs) in list(cases.items())[:1]:  # one case: the layouts are covered above
-        want = reference_forward(family)(model, x, t, **inputs)
-        assert_parity(handle(x, t, **inputs), want, "float32", f"tp/{layout}/{family}/{name}")
-    handle.unload()
+@on_tp2
+def test_wan_variants_at_tp2(tp_pool, vace_files, vace_references, humo_path, humo_references):
+    """VACE (its hint blocks split like the main blocks) and HuMo (its own audio attention left whole), 3 heads."""
+    pool = tp_pool[1]
+    for variant, path, cases, references in (("vace", vace_files["comfy_prefix"], vace_cases(), vace_references),
+                                             ("humo", humo_path, humo_cases(), humo_references)):
+        handle = pool.load_model(path)
+        assert handle.info.variant == variant
+        for name, (x, t, inputs) in cases.items():
+            assert_parity(handle(x, t, **inputs), references[name], "float32", f"tp/tp2/{variant}/{name}")
+        handle.unload()
 
 
 def test_tp_loading_reads_only_the_rank_slices(tmp_path):
