@@ -5,7 +5,9 @@ it loads (TP ranks read only their slices) against a whole-model load; (2) bytes
 step for TP, shard_weights and Ulysses on 4 devices, from the speed model's exchange list (sp_runtime.cli.comm), for
 full-size Qwen-Image at 1328^2 and Wan 14B at 1280x720x81, with the predicted step times on NVLink and PCIe.
 
-Usage: python benchmarks/bench_tp.py [--out benchmarks/results/tp_cpu.json]
+Usage: python benchmarks/bench_tp.py [--out benchmarks/results/tp_cpu.json] [--plot-only]
+Also writes the figure beside the JSON (tp_cpu.png: per-rank memory and bytes sent per step for each layout);
+--plot-only redraws it from the JSON.
 """
 from __future__ import annotations
 
@@ -107,11 +109,40 @@ def bytes_per_step() -> list[dict]:
     return found
 
 
+def plot(result: dict, path: str) -> None:
+    """Bars of per-rank memory and bytes sent per rank per step, by layout, one row of panels per model."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["bytes_per_step"]
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    figure, axes = plt.subplots(len(models), 2, figsize=(11, 3.2 * len(models)), squeeze=False)
+    for line, model in zip(axes, models):
+        mine = [row for row in rows if row["model"] == model]
+        names = [row["layout"] for row in mine]
+        for axis, key, title in ((line[0], "memory_per_rank_bytes", "memory per rank (GB)"),
+                                 (line[1], "bytes_sent_per_rank", "bytes sent per rank per step (GB)")):
+            axis.barh(names, [row[key] / 1e9 for row in mine], color=["#4c72b0", "#dd8452", "#55a868", "#c44e52"])
+            axis.set_title(f"{model} {mine[0]['size']}: {title}", fontsize=9)
+            axis.invert_yaxis()
+    figure.suptitle("4 devices, speed model's predictions (H200-like, bf16)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    print(f"wrote {path}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "tp_cpu.json"))
     parser.add_argument("--load-only", action="store_true", help="only the load peaks (into --out)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the figure from --out")
     args = parser.parse_args()
+    figure = os.path.splitext(args.out)[0] + ".png"
+    if args.plot_only:
+        import json
+        with open(args.out) as handle:
+            plot(json.load(handle), figure)
+        return
     if args.load_only:
         write_json(args.out, {"machine": describe_machine(), "command": "python benchmarks/bench_tp.py --load-only",
                               "load_peak": load_peaks(materialize(BIG))}, say=True)
@@ -125,6 +156,7 @@ def main() -> None:
               "bytes_per_step": bytes_per_step()}
     result["machine_load"] = monitor.finish()
     write_json(args.out, result, say=True)
+    plot(result, figure)
 
 
 if __name__ == "__main__":
