@@ -142,16 +142,17 @@ def _head_widths(modules: dict, attentions: list[str], found: dict, where: str, 
     widths = {}
     for path in attentions:
         attn, inside = modules[path], f"{path}." if path else ""
-        if attn.heads < degree:
-            raise ValueError(f"tensor_parallel_degree={degree} cannot split the {attn.heads} attention heads of "
+        heads = getattr(attn, _heads_attribute(attn))
+        if heads < degree:
+            raise ValueError(f"tensor_parallel_degree={degree} cannot split the {heads} attention heads of "
                              f"{where}{'.' + path if path else ''} over {degree} ranks: use a degree of at most "
-                             f"{attn.heads}")
+                             f"{heads}")
         inner = getattr(attn, "inner_dim", None)
         query = modules.get(inside + "to_q")
-        widths[path] = width = (inner if isinstance(inner, int) else query.out_features) // attn.heads
+        widths[path] = width = (inner if isinstance(inner, int) else query.out_features) // heads
         grouped = [modules[inside + name] for name in ("to_k", "to_v") if inside + name in found]
         if query is not None and any(proj.out_features != query.out_features for proj in grouped) and (
-                attn.heads % degree or any(proj.out_features // width % degree for proj in grouped)):
+                heads % degree or any(proj.out_features // width % degree for proj in grouped)):
             raise ValueError(f"tensor_parallel_degree={degree} does not divide the query and key / value heads "
                              f"of {where}.{path} (grouped-query attention: a rank's query heads must share its "
                              f"key / value heads): use a degree that divides both")
@@ -358,9 +359,13 @@ class GatheredQuantLinear(QuantLinear):
         return torch.cat(pieces, dim=-1)
 
 
+def _heads_attribute(module) -> Optional[str]:
+    """Where an attention module keeps its head count (diffusers: `heads`; a few: `num_heads`)."""
+    return next((name for name in ("heads", "num_heads") if isinstance(getattr(module, name, None), int)), None)
+
+
 def _is_split_attention(path: str, module, found: dict) -> bool:
-    heads = getattr(module, "heads", None)
-    if not isinstance(heads, int) or not hasattr(module, "set_processor"):
+    if _heads_attribute(module) is None or not hasattr(module, "set_processor"):
         return False
     inside = f"{path}." if path else ""
     return any(name.startswith(inside) and name[len(inside):] in ("to_q", "to_qkv", "to_qkv_mlp_proj")
@@ -370,8 +375,9 @@ def _is_split_attention(path: str, module, found: dict) -> bool:
 def _split_heads(attn, where: str, rank: int, degree: int) -> None:
     """This rank's share of the heads (balanced: the first heads % degree ranks hold one more), as _ranges shares
     out the q / k / v features."""
-    heads = attn.heads
+    attribute = _heads_attribute(attn)
+    heads = getattr(attn, attribute)
     lo, hi = SeqShards.balanced(heads, degree).range(rank)
-    attn.heads = hi - lo
+    setattr(attn, attribute, hi - lo)
     if isinstance(getattr(attn, "inner_dim", None), int):  # a fused projection's q / k / v widths (Flux.2)
-        attn.inner_dim = attn.inner_dim // heads * attn.heads
+        attn.inner_dim = attn.inner_dim // heads * (hi - lo)
