@@ -120,8 +120,9 @@ class LoraState:
                         if name in targets})
         targets.update({name: torch.empty(piece.full_shape, dtype=targets[name].dtype, device="meta")
                         for name, piece in self.tp_slices.items() if name in targets})
-        targets.update({name: torch.empty(module.out_features, module.in_features, device="meta")
-                        for name, module in self.quantized.items()})
+        targets.update({name: torch.empty(self.tp_slices[name].full_shape if name in self.tp_slices else
+                                          (module.out_features, module.in_features), device="meta")
+                        for name, module in self.quantized.items()})  # a split layer: the whole weight's shape
         return targets
 
     @property
@@ -162,11 +163,6 @@ class LoraState:
                     unknown.append(adapter.module)
                     continue
                 for target in targets:
-                    if target.parameter in self.quantized and target.parameter in self.tp_slices:
-                        # its deltas would need the split's rows / columns of each factor: not done yet
-                        raise ValueError(f"LoRA {lora.path!r}: a LoRA on a quantized file at tensor parallelism is "
-                                         f"not supported yet (it patches the split quantized layer "
-                                         f"{target.parameter}); load a float file, or use ulysses_degree")
                     _check_shape(lora, adapter, target, parameters[target.parameter])
                     if strength != 0.0:
                         uses.setdefault(target.parameter, []).append(_Use(entry, adapter, target))
@@ -198,8 +194,9 @@ class LoraState:
                 return handles[path]
 
             def file_deltas(name: str) -> list:
-                return [_unmerged(use, change.strengths[use.entry], handle(change.files[use.entry].path))
-                        for use in change.uses.get(name, ())]
+                terms = [_unmerged(use, change.strengths[use.entry], handle(change.files[use.entry].path))
+                         for use in change.uses.get(name, ())]
+                return _split_terms(terms, self.tp_slices.get(name))
 
             def value(name: str) -> torch.Tensor:
                 """base + the LoRA files, float32"""
@@ -232,6 +229,10 @@ class LoraState:
         sources = row_sources(target.shape, targets, self.device)
         names = [found.parameter for found in targets]
         quantized = {name: file_deltas(name) for name in names if name in self.quantized}
+        split_layers = [name for name in quantized if name in self.tp_slices]
+        if split_layers:  # the patched weight is put together whole: a split layer's share of it is not
+            raise ValueError(f"ComfyUI weight patches on the split quantized layer {split_layers[0]} at tensor "
+                             f"parallelism are not supported; load a float file, or use ulysses_degree")
         if quantized and all(is_additive(patch) for patch in target.patches):
             for name, terms in _additive_terms(key, target, targets, sources, change.parameters).items():
                 if name in quantized:
@@ -256,6 +257,17 @@ class LoraState:
             self.applied.pop(name, None)
         if progress is not None:
             progress((done + 1) / total, "applying LoRA")
+
+
+def _split_terms(terms: list, piece) -> list:
+    """QuantLinear.deltas terms cut to a tensor-parallel split layer's share (sp.tensor_parallel.TPSlice of its
+    weight): its rows of each up factor (column-parallel) or its columns of each down factor (row-parallel; the
+    partial outputs are summed with the base's), the same rows / columns of a full difference."""
+    if piece is None:
+        return terms
+    return [(piece.take(first), None, factor) if up is None else
+            (first, piece.take(up), factor) if piece.dim == 0 else (piece.take(first), up, factor)
+            for first, up, factor in terms]
 
 
 def _unmerged(use: _Use, strength: float, handle) -> tuple:

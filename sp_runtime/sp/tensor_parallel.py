@@ -342,6 +342,9 @@ class RowParallelQuantLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.quant.dequantize(x.dtype))
+        for first, up, factor in self.deltas:  # a LoRA's share of the input columns (lora.apply._split_terms)
+            out = out + factor * (F.linear(x, first.to(x.dtype)) if up is None else
+                                  F.linear(F.linear(x, first.to(x.dtype)), up.to(x.dtype)))
         dist.all_reduce(out, group=self.tp_group)
         return out if self.bias is None else out + self.bias.to(x.dtype)
 

@@ -11,6 +11,8 @@ from family_support import assert_parity
 from sp_lab.references import reference_forward
 from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_lab.tiny_models.quant_files import write_quantized
+from sp_runtime.config import SPConfig
+from sp_runtime.pool import WorkerPool
 from test_minimax_h3 import _check as mm_check, mm_files, mm_references  # noqa: F401 (fixtures)
 from test_wan_conditioning import (humo_cases, humo_path, humo_references, humo_model, vace_cases,  # noqa: F401
                                    vace_files, vace_model, vace_references)
@@ -95,7 +97,8 @@ QUANTIZED = (("scaled_fp8", None), ("comfy_quant", "int8_tensorwise"), ("comfy_q
 @on_tp2
 def test_quantized_files_at_tp2_equal_world_1(tp_pool, tmp_path):
     """Kept quantized, split along their rows / whole input groups: the same file's output at world 1 (bf16 compute,
-    as quantized files run), within bf16 rounding."""
+    as quantized files run), within bf16 rounding; a LoRA on the split quantized layers (per-tensor fp8, GGUF) equals
+    the same file and LoRA on one device, [] gives the file's output back bitwise."""
     from sp_runtime.families import flux
     layout, pool = tp_pool
     g = torch.Generator().manual_seed(3)
@@ -111,10 +114,16 @@ def test_quantized_files_at_tp2_equal_world_1(tp_pool, tmp_path):
         assert handle.info.quant, path
         got = handle(x, t, **inputs)
         assert_parity(got, want, "bfloat16", f"tp/{layout}/flux/{fmt}/{only}")
-        if fmt == "scaled_fp8":  # a LoRA on split quantized layers is refused by name; the model stays as it was
+        if fmt in ("scaled_fp8", "gguf"):  # a LoRA on the split quantized layers: each rank its share of the factors
             lora = _flux_lora(str(tmp_path / "reference.safetensors"), str(tmp_path / "lora.safetensors"))
-            with pytest.raises(Exception, match="a LoRA on a quantized file at tensor parallelism is not supported"):
-                pool.set_loras(handle, [[lora, 1.0]])
+            pool.set_loras(handle, [[lora, 1.0]])
+            with WorkerPool(SPConfig(["cpu"])) as single:  # the same file and LoRA on one device
+                whole = single.load_model(path)
+                single.set_loras(whole, [[lora, 1.0]])
+                want = whole(x, t, **inputs)
+            assert (want - got).abs().max() > 0.05 * want.abs().max(), "the LoRA changes nothing"
+            assert_parity(handle(x, t, **inputs), want, "bfloat16", f"tp/{layout}/flux/{fmt}/lora")
+            pool.set_loras(handle, [])
             assert torch.equal(handle(x, t, **inputs), got)
         handle.unload()
 
