@@ -159,4 +159,5 @@ def output_tokens(call, tokens: torch.Tensor) -> torch.Tensor:
 PLAN = Plan(check=check, layout=layout, condition=condition, head=head, rope=rope, output="video",
             output_tokens=output_tokens, comfy_blocks={"double_block": "visual_transformer_blocks"},
             stages=(Stage("visual_transformer_blocks", run_block, attends="video", text=None,
-                          attention=AttentionSpec(project=project, finish=finish)),))
+                          attention=AttentionSpec(project=project, finish=finish)),),
+            tensor_parallel="its blocks' Linears have no TP plan yet (the generic one finds none of them)")

@@ -106,4 +106,5 @@ def head(call) -> torch.Tensor:
 PLAN = Plan(check=check, layout=layout, condition=condition, head=head, rope=rope, output="image",
             comfy_blocks={"single_block": "transformer_blocks"},
             stages=(Stage("transformer_blocks", run_block, before=join_text,
-                          attention=AttentionSpec(project_gated, finish_gated, text_prefix=True)),))
+                          attention=AttentionSpec(project_gated, finish_gated, text_prefix=True)),),
+            tensor_parallel="its gated grouped-query attention is not split yet")

@@ -127,4 +127,5 @@ def head(call) -> torch.Tensor:
 PLAN = Plan(check=check, layout=layout, condition=condition, head=head, output="video",
             stages=(Stage("transformer_blocks", run_block, attends="video", text=None, local=("attn2",),
                           attention=AttentionSpec(project=project_rotated)),),
-            comfy_blocks={"double_block": "transformer_blocks"})
+            comfy_blocks={"double_block": "transformer_blocks"},
+            tensor_parallel="its q / k are normed and rotated across all heads with whole-width tables: not split yet")
