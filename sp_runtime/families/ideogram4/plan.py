@@ -103,5 +103,4 @@ PLAN = Plan(check=check, layout=layout, rope=rope, condition=condition,
             stages=(Stage("layers", run_block, attends="packed", text=None,
                           attention=AttentionSpec(project=project_split_half)),),
             head=lambda call: call.model.final_layer(call.packed, call.adaln), output="packed",
-            output_tokens=output_tokens,
-            tensor_parallel="not checked at TP yet (a call error at TP 2 since its latest change)")
+            output_tokens=output_tokens)
