@@ -202,8 +202,10 @@ class OutputArena:
         return self.segment is not None and _uses(self.segment) > self._idle_uses
 
     def read(self, region: dict, dtype: torch.dtype) -> torch.Tensor:
-        """The result in place: a CPU tensor viewing the segment (the next call writes elsewhere while it lives)."""
-        return self.segment.view(0, dtype, tuple(region["shape"]))
+        """The result in place: a CPU tensor viewing the segment (the next call writes elsewhere while it lives); a
+        private copy on a torch that cannot count the segment's users."""
+        view = self.segment.view(0, dtype, tuple(region["shape"]))
+        return view if _USE_COUNT is not None else view.clone()
 
     def release(self) -> None:
         if self.segment is not None:
@@ -211,7 +213,10 @@ class OutputArena:
         self.segment = None
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # private; older or newer torch may lack it
+
+
 def _uses(segment: Segment) -> int:
     """References to the storage under the segment's tensor: one per tensor viewing it (besides the segment's)."""
-    return torch._C._storage_Use_Count(segment.base.untyped_storage()._cdata)
+    return _USE_COUNT(segment.base.untyped_storage()._cdata) if _USE_COUNT is not None else 0
 
