@@ -5,10 +5,11 @@ A new feature adds entries for the bugs that would hurt it most."""
 
 MUTATIONS = [
     # ---- the pool's buffers and caches ------------------------------------------------------------------------
-    dict(id="output-alias", bug="a call returns the reused shared-memory output buffer, not a private copy",
+    dict(id="output-alias", bug="a result still held by the caller is overwritten by the next call (the output "
+                                  "segment is reused while a result views it)",
          file="sp_runtime/pool/arena.py",
-         original="        out = torch.empty_like(view)\n        out.copy_(view)\n        return out\n",
-         replacement="        return view\n",
+         original=" or needed > self.segment.size or self.result_alive():",
+         replacement=" or needed > self.segment.size:",
          tests=["tests/pool/test_pool_inputs.py", "-k", "stay_distinct"]),
     dict(id="stale-device-copy", bug="the device cache returns any cached copy of the same shape",
          file="sp_runtime/pool/context.py",
@@ -57,8 +58,8 @@ MUTATIONS = [
          tests=["tests/pool/test_runtime_options.py::test_exact_options_equal_the_plain_model[options0]"]),
     dict(id="rank0-rotary", bug="every rank takes rank 0's rotary factors for its image tokens",
          file="sp_runtime/sp/executor.py",
-         original="rotary(torch.cat(ids)[lo:hi].to(device), *rope)",
-         replacement="rotary(torch.cat(ids)[:hi - lo].to(device), *rope)",
+         original="torch.cat(ids)[lo:hi], rope, device)",
+         replacement="torch.cat(ids)[:hi - lo], rope, device)",
          tests=["tests/families/test_family_conformance.py", "-k", "u1r3 and (qwen_image or flux or wan)"]),
     dict(id="cfg-halves-swapped", bug="a CFG group's inputs are cut from the other half of the batch",
          file="sp_runtime/cfg_parallel.py",
