@@ -29,9 +29,10 @@ FILES = {  # name -> write_tiny_checkpoint arguments
     "v15": dict(version="1.5", prefix=COMFY_PREFIX), "v15_split": dict(version="1.5", qkv="split"),
     "v15_folder": dict(version="1.5", layout="diffusers_folder"),
     "v15_sr": dict(version="1.5", variant="sr", prefix=COMFY_PREFIX),
+    "v15_capybara": dict(version="1.5", prefix=COMFY_PREFIX, capybara=True),
 }
 REFERENCE_OF = {"t2v": "t2v", "diffusers": "t2v", "i2v": "i2v", "replace": "replace", "v15": "v15",
-                "v15_split": "v15", "v15_folder": "v15", "v15_sr": "v15_sr"}
+                "v15_split": "v15", "v15_folder": "v15", "v15_sr": "v15_sr", "v15_capybara": "v15"}
 
 
 def sr_cases() -> dict:
@@ -55,8 +56,25 @@ def comparable(output: torch.Tensor, name: str) -> torch.Tensor:
     return output[:, :, 1:] if name == "replace" else output
 
 
-def _write(path: str, layout: str = "original", prefix: str = "", variant: str = "", **kwargs) -> str:
-    return write_tiny_checkpoint(path, layout, "float32", SEED, prefix, variant, **kwargs)
+def _write(path: str, layout: str = "original", prefix: str = "", variant: str = "", capybara: bool = False,
+           **kwargs) -> str:
+    write_tiny_checkpoint(path, layout, "float32", SEED, prefix, variant, **kwargs)
+    return _add_capybara_tables(path, prefix) if capybara else path
+
+
+def _add_capybara_tables(path: str, prefix: str) -> str:
+    """Capybara v0.1's file: HunyuanVideo 1.5's plus its three embedding tables (random, nonzero: read, they would
+    change nothing ComfyUI computes, but loading them as weights would fail the unknown-key check)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(path, "pt") as handle:
+        tensors, metadata = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()
+    hidden = tensors[f"{prefix}img_in.proj.weight"].shape[0]
+    generator = torch.Generator().manual_seed(3)
+    for key, rows in zip(hunyuan_video15.CAPYBARA_EXTRAS, (4, 2, 10)):
+        tensors[prefix + key] = torch.randn(rows, hidden, generator=generator)
+    save_file(tensors, path, metadata)
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +106,7 @@ def check_file(handle, name: str, references, label: str, cases=None) -> None:
 
 
 # The variants the conformance suite does not run (it runs 1.0 T2V and 1.5 in every layout); each at one degree > 1
-DEGREES_OF = {"i2v": (1, 2), "replace": (1, 4), "v15_sr": (1, 2, 3, 4)}
+DEGREES_OF = {"i2v": (1, 2), "replace": (1, 4), "v15_sr": (1, 2, 3, 4), "v15_capybara": (2,)}
 
 
 def test_fp32_parity_variants(family_pool, hv_files, hv_references):
@@ -98,7 +116,7 @@ def test_fp32_parity_variants(family_pool, hv_files, hv_references):
             continue
         handle = family_pool.load_model(hv_files[name])
         assert handle.info.family == ("hunyuan_video15" if name.startswith("v15") else "hunyuan_video")
-        assert handle.info.variant == {"v15_sr": "sr", "i2v": "i2v", "replace": "t2v"}[name]
+        assert handle.info.variant == {"v15_sr": "sr", "i2v": "i2v", "replace": "t2v", "v15_capybara": ""}[name]
         check_file(handle, name, hv_references, f"u{world}")
         handle.unload()
 
@@ -139,7 +157,8 @@ def test_detection(hv_files, tmp_path):
                 "v15": ("hunyuan_video15", "", "original", COMFY_PREFIX),
                 "v15_split": ("hunyuan_video15", "", "original", ""),
                 "v15_folder": ("hunyuan_video15", "", "diffusers", ""),
-                "v15_sr": ("hunyuan_video15", "sr", "original", COMFY_PREFIX)}
+                "v15_sr": ("hunyuan_video15", "sr", "original", COMFY_PREFIX),
+                "v15_capybara": ("hunyuan_video15", "", "original", COMFY_PREFIX)}
     for name, path in hv_files.items():
         header = read_checkpoint_header(path)
         found = [module.detect(header) for module in (hunyuan_video, hunyuan_video15)]

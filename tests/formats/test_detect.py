@@ -156,13 +156,17 @@ def test_unsupported_family_names_it_and_lists_supported(tmp_path):
     assert "looks like HiDream-O1" in message and "Qwen-Image" in message and "Flux.1" in message
 
 
-def test_flux3_is_refused_by_name():
-    """Flux.3 (the templates' flux3-image-klein files) by the key diffusers' single-file loader detects it by."""
+@pytest.mark.parametrize("name, keys, kind", [
+    # Flux.3 (the templates' flux3-image-klein files) by the key diffusers' single-file loader detects it by
+    ("flux3-image-klein-int8-convrot", ("early_stream_modulations.image.lin.weight", "ref_time_in.in_layer.weight"),
+     "Flux.3"),
+    ("fibo2_dev_int8_convrot", ("perceiver.latent_queries", "noise_refiner.0.attention.to_q.weight"), "Bria FIBO 2"),
+    ("omnigen2_fp16", ("ref_image_patch_embedder.weight", "time_caption_embed.timestep_embedder.linear_1.bias",
+                       "noise_refiner.0.attn.to_q.weight"), "OmniGen2")])
+def test_template_models_without_a_family_are_refused_by_name(name, keys, kind):
     from sp_runtime.checkpoints.header import Header
-    header = Header("flux3-image-klein-int8-convrot.safetensors",
-                    {"model.diffusion_model.early_stream_modulations.image.lin.weight": ("BF16", (9, 3)),
-                     "model.diffusion_model.ref_time_in.in_layer.weight": ("BF16", (3, 256))})
-    with pytest.raises(ValueError, match="looks like Flux.3"):
+    header = Header(f"{name}.safetensors", {f"model.diffusion_model.{key}": ("BF16", (9, 3)) for key in keys})
+    with pytest.raises(ValueError, match=f"looks like {kind} "):
         detect(header)
 
 

@@ -28,6 +28,11 @@ ORIGINAL_ANCHORS = ("cond_type_embedding.weight", f"{REFINER_STEM}.0.norm1.weigh
 DIFFUSERS_ANCHORS = ("cond_type_embed.weight", "x_embedder.proj.weight", "context_embedder_2.linear_1.weight",
                      "proj_out.weight")
 SR = "sr"  # the variant of meanflow (super-resolution) files
+# Capybara (xgen-universe; ComfyUI's templates load capybara_v0.1 into its HunyuanVideo15 class) is HunyuanVideo 1.5
+# plus three embedding tables its own forward reads only in its editing task modes (siglip_type_embedding for
+# multi-frame SigLIP edits; task_bias and cond_special_token_embedding never). ComfyUI's class has none of them, so
+# ComfyUI's call is HunyuanVideo 1.5's: they are left unread, as ComfyUI leaves them.
+CAPYBARA_EXTRAS = ("cond_special_token_embedding.weight", "siglip_type_embedding.weight", "task_bias.weight")
 
 
 def detect(header: Header) -> Optional[Detection]:
