@@ -272,3 +272,16 @@ def krea2_cases(seed=17):
                            {"context": rand(2, 5, 480), "ref_latents_method": "index_timestep_zero",
                             "ref_latents": [rand(1, 16, 4, 6).repeat(2, 1, 1, 1), rand(2, 16, 3, 5)]}),
             "2_tokens": (rand(1, 16, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 480)})}
+
+
+def mage_flow_cases(seed=19):
+    """Mage-Flow (one token per latent pixel of 128 channels): 63 tokens of odd height and width (batch 2, a masked
+    prompt), the edit's two references (one of odd size, 35 + 20 + 12 tokens), 3 tokens."""
+    rand = seeded_randn(seed)
+    t2 = torch.tensor([0.7, 0.3])
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    return {"odd_latent_masked": (rand(2, 128, 7, 9), t2, {"context": rand(2, 7, 2560), "attention_mask": mask}),
+            "edit_two_refs": (rand(2, 128, 5, 7), t2, {"context": rand(2, 5, 2560),
+                                                       "ref_latents": [rand(2, 128, 5, 4), rand(2, 128, 3, 4)]}),
+            "3_tokens": (rand(1, 128, 1, 3), t2[:1], {"context": rand(1, 3, 2560)})}

@@ -17,6 +17,7 @@ from ..contract import ComfyHost
 from .family import Family
 
 FAMILIES = {
+    "mage_flow": "sp_runtime.families.mage_flow",  # before qwen_image: the same key names
     "qwen_image": "sp_runtime.families.qwen_image",
     "qwen_image_controlnet": "sp_runtime.families.qwen_image_controlnet",
     "qwen_image21": "sp_runtime.families.qwen_image21",

@@ -38,6 +38,9 @@ def detect(header: Header) -> Optional[Detection]:
     if prefix is None:
         return None
     keys = strip_prefix(header.tensors, prefix)
+    from ..mage_flow.detection import is_mage_flow  # here: mage_flow's plan imports this package
+    if not folder and is_mage_flow(keys):
+        return None  # the same key names at Mage-Flow's widths (families/mage_flow)
     config = folder or architecture(keys)
     if EDIT_2511_MARKER in keys:
         config["zero_cond_t"] = True
