@@ -35,8 +35,7 @@ NOT_DIFFUSION_LOADERS = ("lora", "vae", "clip", "textencoder", "audioencoder", "
 NOT_IMAGE_VIDEO = "not an image / video diffusion model"
 
 # Variants a served family's detector refuses with an error naming them (the family's own detection.py).
-REFUSED_VARIANTS = {"Anima (Cosmos-Predict2 with an LLM adapter)": "cosmos/detection.py",
-                    "Chroma Radiance": "chroma/detection.py",
+REFUSED_VARIANTS = {"Chroma Radiance": "chroma/detection.py",
                     "NewBie / Ming-Image (NextDiT with pooled text / reference frames)": "lumina2/detection.py",
                     "Wan-based variant (modules Wan's detector does not know)": "wan/detect.py"}
 
@@ -75,7 +74,7 @@ KINDS = [
      "NewBie / Ming-Image"),
     (r"^(minimax_h3_ref2va|fasth3_omniref)", "minimax_h3", "MiniMax H3 ref2va / omni-ref"),
     (r"^(minimax_h3|fastvideo_fasth3)", "minimax_h3", "MiniMax H3 (t2va, fl2va, FastH3)"),
-    (r"^anima", "Anima (Cosmos-Predict2 with an LLM adapter)", "Cosmos-Predict2 / Anima"),
+    (r"^anima", "anima", "Anima (Cosmos-Predict2 with an LLM adapter)"),
     (r"^moss_image", "moss_image", "MOSS-Image"),
     (r"^ideogram4", "ideogram4", "Ideogram 4"),
     (r"^mage_flow", "mage_flow", "MageFlow (edit, turbo)"),

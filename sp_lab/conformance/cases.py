@@ -226,6 +226,30 @@ def cosmos_cases(seed=12):
             "2_tokens": (rand(1, 16, 1, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}
 
 
+def anima_cases(seed=16):
+    """Anima (LLM adapter: Qwen3 states 48 wide, T5 ids of 100, token weights): an image of 35 tokens (batch 2, 9 Qwen3
+    and 7 T5 tokens), ComfyUI's packed prompts (cond and uncond of different lengths, as its extra_conds gives them),
+    a video of 27 tokens, the adapter's output given as context (no ids), 2 tokens (batch 1, no weights)."""
+    from sp_runtime.families.anima.text import pack
+    rand = seeded_randn(seed)
+    ids = torch.Generator().manual_seed(seed)
+
+    def prompt(batch, text, tokens):
+        return {"context": rand(batch, text, 48), "t5xxl_ids": torch.randint(0, 100, (batch, tokens), generator=ids),
+                "t5xxl_weights": 0.5 + rand(batch, tokens, 1).abs()}
+    cond, uncond = prompt(1, 9, 7), prompt(1, 4, 11)
+    packed = torch.cat([pack(item["context"], item["t5xxl_ids"], item["t5xxl_weights"]) for item in (cond, uncond)])
+    return {"35_tokens": (rand(2, 16, 1, 10, 14), torch.tensor([0.7, 0.7]), prompt(2, 9, 7)),
+            "packed_cfg": (rand(2, 16, 1, 5, 7), torch.tensor([0.6, 0.6]), {"context": packed}),
+            "odd_video": (rand(2, 16, 3, 5, 6), torch.tensor([0.4, 0.9]), prompt(2, 5, 6)),
+            "adapted_context": (rand(2, 16, 1, 5, 6), torch.tensor([0.3, 0.8]), {"context": rand(2, 512, 64)}),
+            "2_tokens": (rand(1, 16, 1, 2, 4), torch.tensor([0.5]), without_weights(prompt(1, 3, 5)))}
+
+
+def without_weights(inputs: dict) -> dict:
+    return {key: value for key, value in inputs.items() if key != "t5xxl_weights"}
+
+
 def ideogram4_cases(seed=9):
     """Ideogram 4: 5 text + 35 image tokens (batch 2, CFG halves at different sigmas), the image alone (DualModelGuider's
     text-free negative: 35 tokens), 3 + 2 tokens (batch 1, fewer than the ranks)."""

@@ -67,6 +67,8 @@ for _family, _seed, _calls, _spec in (
         ("flux2", 11, cases.flux2_cases, dict(load_case="two_refs_index", layouts=FLUX2_LAYOUTS,
                                               layout_cases=("two_refs_index", "batch_1_no_guidance"))),
         ("cosmos", 12, cases.cosmos_cases, dict(load_case="odd_video", layout_cases=("odd_video", "2_tokens"))),
+        ("anima", 16, cases.anima_cases, dict(load_case="35_tokens", layouts={"comfy": OTHER_LAYOUTS["comfy"]},
+                                              layout_cases=("packed_cfg", "odd_video", "2_tokens"))),
         ("qwen_image21", 7, cases.qwen_image21_cases, dict(load_case="edit_slots_masked", layouts=QWEN21_LAYOUTS)),
         ("qwen_image", 5, cases.qwen_image_cases,
          dict(load_case="edit_two_refs", layouts=sharded("150KB", "comfy"),

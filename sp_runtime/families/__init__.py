@@ -37,6 +37,7 @@ FAMILIES = {
     "kandinsky5": "sp_runtime.families.kandinsky5",
     "krea2": "sp_runtime.families.krea2",
     "cosmos": "sp_runtime.families.cosmos",
+    "anima": "sp_runtime.families.anima",
     "ideogram4": "sp_runtime.families.ideogram4",
 }
 

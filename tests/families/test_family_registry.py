@@ -46,7 +46,7 @@ def test_comfyui_knows_the_model_families():
     assert {name for name in FAMILIES if comfy_host(name)} == {"qwen_image", "qwen_image21", "flux", "flux2",
                                                                "wan", "hunyuan_video", "hunyuan_video15",
                                                                "z_image", "lumina2", "ltx2", "sd3", "chroma",
-                                                               "hidream", "minimax_h3", "cosmos",
+                                                               "hidream", "minimax_h3", "cosmos", "anima",
                                                                "ideogram4",
                                                                "ltxv", "kandinsky5", "krea2",
                                                                "mage_flow"}

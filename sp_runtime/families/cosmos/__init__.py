@@ -3,8 +3,9 @@ fps, padding_mask)` (MiniTrainDIT in comfy/ldm/cosmos/predict2.py) on diffusers'
 
 Plan (plan.py): one split "video" stream (x and its zero padding-mask channel, in (frame, row, column) patches);
 each block's self-attention over the whole sequence, its cross-attention local against the replicated T5 text;
-the adaLN-LoRA time embedding shared by every token. Anima (its LLM adapter) and learnable extra positions are
-refused by name at detection; per-frame timesteps and padding masks at the call.
+the adaLN-LoRA time embedding shared by every token. Anima files (an LLM adapter before this DiT) are the anima
+family's (families/anima); learnable extra positions are refused by name at detection; per-frame timesteps and padding
+masks at the call.
 """
 from ..family import Family, PlanModel
 from .detection import CLASS_NAME, CONFIG_KEYS, NAME, UNUSED, architecture, detect

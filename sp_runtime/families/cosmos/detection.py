@@ -1,6 +1,6 @@
 """Cosmos-Predict2 detection from a header alone: ComfyUI's MiniTrainDIT keys (`blocks.N.mlp.layer1`, as ComfyUI's
 model_detection) or diffusers' CosmosTransformer3DModel, and the config ComfyUI's detection fixes for each size;
-Anima (an LLM adapter before the DiT) and files with learnable extra positions are refused by name."""
+Anima files (an LLM adapter before the DiT) are the anima family's; learnable extra positions are refused by name."""
 from __future__ import annotations
 
 from typing import Optional
@@ -19,10 +19,8 @@ UNUSED = ("pos_embedder.seq", "pos_embedder.dim_spatial_range", "pos_embedder.di
 CONFIG_KEYS = ("in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "num_layers",
                "mlp_ratio", "text_embed_dim", "adaln_lora_dim", "rope_scale")
 FOLDER_KEYS = CONFIG_KEYS + ("max_size", "patch_size", "concat_padding_mask", "extra_pos_embed_type")
-REFUSED = {"llm_adapter.": "Anima (its LLM adapter, 6 transformer layers that turn the Qwen3 text and T5 token "
-                           "ids into the DiT's context inside ComfyUI's model, has no diffusers class and is not "
-                           "run by ulysses-sp yet)",
-           "extra_pos_embedder.": "a Cosmos model with learnable extra positions (extra_pos_embedder)"}
+ANIMA_STEM = "llm_adapter."  # Anima's LLM adapter: its files are the anima family's (families/anima)
+REFUSED = {"extra_pos_embedder.": "a Cosmos model with learnable extra positions (extra_pos_embedder)"}
 
 
 def detect(header: Header) -> Optional[Detection]:
@@ -34,6 +32,8 @@ def detect(header: Header) -> Optional[Detection]:
     if found is None:
         return None
     layout, prefix, keys = found
+    if any(key.startswith(ANIMA_STEM) for key in keys):
+        return None
     learnable = (folder or {}).get("extra_pos_embed_type")
     for stem, what in REFUSED.items():
         if any(key.startswith(stem) for key in keys) or (learnable and "extra" in stem):

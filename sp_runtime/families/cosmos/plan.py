@@ -39,22 +39,34 @@ def project_qkv(attn, hidden: torch.Tensor):
 
 
 def check(call) -> None:
-    config, x, inputs = call.config, call.x, call.inputs
+    check_latent(call)
+    check_context(call.inputs.get("context"), call)
+    for name in ("t5xxl_ids", "t5xxl_weights"):
+        if call.inputs.get(name) is not None:
+            raise ValueError(f"{name} is not supported by the sequence-parallel Cosmos-Predict2")
+
+
+def check_latent(call) -> None:
+    """x [B, C, T, H, W], one timestep per batch item, no padding_mask."""
+    config, x = call.config, call.x
     if x.dim() != 5 or x.shape[1] != config.in_channels:
         raise ValueError(f"x has shape {list(x.shape)}; this Cosmos-Predict2 takes [B, {config.in_channels}, T, H, W]")
-    context = inputs.get("context")
-    if context is None or context.dim() != 3 or context.shape[-1] != config.text_embed_dim or \
-            context.shape[0] not in (1, x.shape[0]):
-        shape = None if context is None else list(context.shape)
-        raise ValueError(f"Cosmos-Predict2 needs context [B, L, {config.text_embed_dim}] (the T5 text encoder "
-                         f"output); got {shape}")
     if call.timestep.numel() not in (1, x.shape[0]):
         raise ValueError(f"timestep has shape {list(call.timestep.shape)}; the sequence-parallel Cosmos-Predict2 "
                          f"takes one timestep per batch item (per-frame timesteps of a denoise mask are not "
                          f"supported)")
-    for name in ("padding_mask", "t5xxl_ids", "t5xxl_weights"):
-        if inputs.get(name) is not None:
-            raise ValueError(f"{name} is not supported by the sequence-parallel Cosmos-Predict2")
+    if call.inputs.get("padding_mask") is not None:
+        raise ValueError("padding_mask is not supported by the sequence-parallel Cosmos-Predict2")
+
+
+def check_context(context, call, width: int = 0, what: str = "Cosmos-Predict2 needs context",
+                  source: str = "the T5 text encoder output") -> None:
+    """context [B or 1, L, width] (default: the DiT's text width)."""
+    width = width or call.config.text_embed_dim
+    if context is None or context.dim() != 3 or context.shape[-1] != width or \
+            context.shape[0] not in (1, call.x.shape[0]):
+        shape = None if context is None else list(context.shape)
+        raise ValueError(f"{what} [B, L, {width}] ({source}); got {shape}")
 
 
 def layout(call) -> list[Stream]:
@@ -69,11 +81,16 @@ def _embed(model, patches: torch.Tensor) -> torch.Tensor:
 
 
 def condition(call) -> None:
-    """The text replicated on every rank; ComfyUI's t_embedder (sinusoids [cos, sin] of the timestep, float32)
-    -> the adaLN-LoRA term temb [B, 3 dim] and the RMS-normed sinusoids [B, dim]."""
-    model = call.model
+    """The text replicated on every rank, and the time embedding (embed_time)."""
     context = call.input("context")
     call.text = Context(context.expand(call.batch, *context.shape[1:]))
+    embed_time(call)
+
+
+def embed_time(call) -> None:
+    """ComfyUI's t_embedder (sinusoids [cos, sin] of the timestep, float32) -> the adaLN-LoRA term temb [B, 3 dim]
+    and the RMS-normed sinusoids [B, dim]."""
+    model = call.model
     timestep = call.ctx.to_device("timestep", call.timestep.reshape(-1), torch.float32).expand(call.batch)
     sinusoids = model.time_embed.time_proj(timestep).to(call.dtype)
     call.temb, call.embedded = model.time_embed.t_embedder(sinusoids), model.time_embed.norm(sinusoids)
