@@ -3,7 +3,7 @@ group, the reference image's CLIP context (clip_fea_ref) ahead of clip_fea's, gl
 embedding and head, frames 30 / fps apart) and local mode (fps 30), audio_inject_scale, equal a single-device
 whole-sequence forward over diffusers' stock blocks (sp_lab.references.wan_tokens) at Ulysses 1-4 (6 heads), Ring 3,
 Ulysses 2 x Ring 2 and Ulysses 2 x CFG 2, fp32, padded and odd sizes, injection groups cut by shard boundaries, batch
-2, fewer tokens than ranks; detection of the released layout (fused music attention); bad inputs named."""
+2, fewer tokens than ranks, and at TP 2; detection of the released layout (fused music attention); bad inputs named."""
 from __future__ import annotations
 
 import pytest
@@ -65,6 +65,13 @@ def test_fp32_parity_every_ulysses_degree(family_pool, dancer_file, references):
 def test_fp32_parity_ring_hybrid_and_cfg(layout_pool, dancer_file, references):
     layout, pool = layout_pool
     _check(pool, dancer_file, references, layout)
+
+
+@pytest.mark.parametrize("tp_pool", ["tp2"], indirect=True)
+def test_fp32_parity_tensor_parallel(tp_pool, dancer_file, references):
+    """TP 2: the blocks split as Wan's (6 heads, 3 per rank), the music injector, global patch embedding and head
+    whole."""
+    _check(tp_pool[1], dancer_file, references, "tp2")
 
 
 def test_detection_and_key_plan(dancer_file):

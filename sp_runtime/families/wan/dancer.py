@@ -9,7 +9,8 @@ spaced 30 / fps apart (the last at round(30 / fps x frames) - 1). `audio_inject_
 diffusers has no Dancer, so its modules are stated here with ComfyUI's names (the released files' fused
 `music_encoder.*.self_attn.in_proj_*` split into q / k / v) on WanTransformer3DModel. Under SP the video stream is
 split as Wan's; the music vectors are replicated (a few hundred) and each rank's tokens attend group by group to
-their own (frame_local_attention), so a shard boundary inside a group needs no communication.
+their own (frame_local_attention), so a shard boundary inside a group needs no communication. Under TP the blocks
+split as Wan's; the music modules, the global patch embedding and head stay whole.
 """
 from __future__ import annotations
 
@@ -265,4 +266,4 @@ DANCER = register(Variant(
     mapped_keys=("music_encoder.",), config_keys=("dancer",), attach=attach,
     info=lambda model: {"music_inject_layers": model.dancer_inject_layers}, comfy={NAME: "WAN22_WanDancer"},
     inputs={NAME: ("audio_embed", "clip_fea_ref", "fps", "audio_inject_scale")}, rope_options=False, check=check,
-    layout=layout, prepare=prepare, after=after, head=head))
+    layout=layout, prepare=prepare, after=after, head=head, tensor_parallel=True))
