@@ -1,6 +1,7 @@
 """Single-device references of the Wan variants whose extra inputs are more tokens of the main sequence (the tests'
-side, written apart from sp_runtime.families.wan): Bernini-R's in-context latents (in_context_reference_forward) and
-SCAIL / SCAIL-2's reference frames, pose tokens and mask streams (scail_reference_forward). Each builds the whole
+side, written apart from sp_runtime.families.wan): Bernini-R's in-context latents (in_context_reference_forward),
+SCAIL / SCAIL-2's reference frames, pose tokens and mask streams (scail_reference_forward) and Wan Dancer's music
+injection, reference CLIP context and global mode (dancer_reference_forward). Each builds the whole
 sequence, its positions and rotary as ComfyUI's WanModel / SCAILWanModel do, and runs diffusers' stock
 WanTransformerBlocks over it."""
 from __future__ import annotations
@@ -29,8 +30,11 @@ def _turned(rotary, turns: torch.Tensor):
     return cos * angle.cos() - sin * angle.sin(), sin * angle.cos() + cos * angle.sin()
 
 
-def _whole_forward(model, hidden, positions, timestep, context, clip_fea=None, turns=None):
-    """diffusers' condition embedder, stock blocks and head over the whole sequence [B, S, dim] at positions [S, 3]."""
+def _whole_forward(model, hidden, positions, timestep, context, clip_fea=None, turns=None, image_prefix=None,
+                   after_block=None, head=None):
+    """diffusers' condition embedder, stock blocks and head over the whole sequence [B, S, dim] at positions [S, 3];
+    image_prefix: image context tokens ahead of clip_fea's, after_block(index, hidden) -> hidden after each block,
+    head: (modulation table, projection) in place of scale_shift_table / proj_out."""
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
     compute, device = model.scale_shift_table.dtype, model.scale_shift_table.device
     rotary = _whole_rotary(model.rope, positions)
@@ -45,14 +49,19 @@ def _whole_forward(model, hidden, positions, timestep, context, clip_fea=None, t
             image = None if clip_fea is None else clip_fea.to(device, compute)
             temb, projection, text, image = model.condition_embedder(timestep.float().to(device),
                                                                      context.to(device, compute), image)
+            if image_prefix is not None:
+                image = image_prefix if image is None else torch.cat([image_prefix, image], dim=1)
             if image is not None:
                 text = torch.cat([image, text], dim=1)
             hidden = hidden.to(device, compute)
-            for block in model.blocks:
+            for index, block in enumerate(model.blocks):
                 hidden = block(hidden, text, projection.unflatten(1, (6, -1)), rotary)
-            shift, scale = (model.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+                if after_block is not None:
+                    hidden = after_block(index, hidden)
+            table, proj = head or (model.scale_shift_table, model.proj_out)
+            shift, scale = (table + temb.unsqueeze(1)).chunk(2, dim=1)
             hidden = model.norm_out(hidden.float()) * (1 + scale) + shift
-            return model.proj_out(hidden.to(compute))
+            return proj(hidden.to(compute))
     finally:
         model.set_attn_processor(saved[0])
         model.condition_embedder.timesteps_proj = saved[1]
@@ -120,3 +129,75 @@ def scail_reference_forward(model, x, timestep, context, clip_fea=None, referenc
     out = _whole_forward(model, torch.cat(tokens, dim=1).to(dtype), torch.cat(positions), timestep, context, clip_fea)
     video = _unpatchify(out[:, :hidden.shape[1]], grid, patch)[:, :, refs:]
     return video[:, :, :t, :h, :w].to(x.dtype).cpu()
+
+
+def _music_features(model, audio_embed: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's WanDancerModel music encoder: projection, then layers of rotary self-attention (4 heads, positions
+    0..S-1, complex rotation of interleaved pairs) and a GELU feed-forward."""
+    music = model.music_projection(audio_embed)
+    heads, (batch, length, width) = 4, music.shape
+    half = width // heads // 2
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), 10000.0 ** (-torch.arange(half) * 2.0 / (2 * half)))
+    turn = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)[None, None]
+
+    def rotated(tensor):
+        pairs = torch.view_as_complex(tensor.float().reshape(batch, length, heads, half, 2).transpose(1, 2).contiguous())
+        return torch.view_as_real(pairs * turn).flatten(-2).to(tensor.dtype)
+
+    for layer in model.music_encoder:
+        attention, normed = layer.self_attn, layer.norm1(music)
+        q, k = rotated(attention.q_proj(normed)), rotated(attention.k_proj(normed))
+        v = attention.v_proj(normed).reshape(batch, length, heads, -1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, length, width)
+        music = music + attention.out_proj(out)
+        music = music + layer.linear2(F.gelu(layer.linear1(layer.norm2(music))))
+    return music
+
+
+def _music_injection(model, audio_embed, frames: int, tokens: int, scale: float):
+    """after_block of ComfyUI's music injector: the video's tokens regrouped into 8 x frames groups, each attending
+    to its own stretched music vector."""
+    music = _music_features(model, audio_embed)
+    width = model.scale_shift_table.shape[-1]
+    vectors = F.interpolate(music[:, None], size=(8 * frames, width), mode="bilinear")[:, 0]
+    batch, groups = vectors.shape[0], 8 * frames
+    layers = [0, 4, 8, 12, 16, 20, 24, 27][:len(model.music_injector.injector)]
+
+    def inject(index, hidden):
+        if index not in layers:
+            return hidden
+        attention = model.music_injector.injector[layers.index(index)]
+        grouped = F.layer_norm(hidden[:, :tokens], (width,), eps=1e-6).reshape(batch * groups, tokens // groups, width)
+        context = vectors.reshape(batch * groups, 1, width)
+        q = attention.norm_q(attention.q(grouped))
+        k, v = attention.norm_k(attention.k(context)), attention.v(context)
+        heads = [part.unflatten(2, (attention.heads, -1)).transpose(1, 2) for part in (q, k, v)]
+        out = F.scaled_dot_product_attention(*heads).transpose(1, 2).reshape(batch, tokens, width)
+        return torch.cat([hidden[:, :tokens] + attention.o(out) * scale, hidden[:, tokens:]], dim=1)
+
+    return inject
+
+
+def dancer_reference_forward(model, x, timestep, context, clip_fea=None, clip_fea_ref=None, audio_embed=None,
+                             fps=30, audio_inject_scale=1.0, **_ignored):
+    """ComfyUI's WanDancerModel over the whole sequence: fps not rounding to 30 selects patch_embedding_global,
+    head_global and frame positions 30 / fps apart (the last at round(30 / fps x T) - 1)."""
+    patch, batch = tuple(model.config.patch_size), x.shape[0]
+    latent = wrap_pad(x, patch)
+    grid = [n // p for n, p in zip(latent.shape[2:], patch)]
+    positions = _grid_positions(grid)
+    global_mode = int(fps + 0.5) != 30
+    if global_mode:
+        times = torch.arange(grid[0], dtype=torch.float64) * (30.0 / fps)
+        times[-1] = int(30.0 / fps * grid[0] + 0.5) - 1
+        positions[:, 0] = times[positions[:, 0].long()]
+    hidden = _embed(model.patch_embedding_global if global_mode else model.patch_embedding, latent)
+    prefix = None if clip_fea_ref is None else model.img_emb_refimage.proj(clip_fea_ref.expand(batch, -1, -1))
+    inject = None if audio_embed is None else _music_injection(model, audio_embed.expand(batch, -1, -1), grid[0],
+                                                               hidden.shape[1], audio_inject_scale)
+    head = (model.head_global.modulation, model.head_global.head) if global_mode else None
+    dtype = model.scale_shift_table.dtype
+    out = _whole_forward(model, hidden.to(dtype), positions, timestep, context, clip_fea, image_prefix=prefix,
+                         after_block=inject, head=head)
+    video = _unpatchify(out, grid, patch)
+    return video[:, :, :x.shape[2], :x.shape[3], :x.shape[4]].to(x.dtype).cpu()

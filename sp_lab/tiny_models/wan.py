@@ -15,7 +15,9 @@ blocks with audio injected after blocks 0 and 4 as ComfyUI's list places 2 injec
 instead of [B, 25, 1024, 4T]) and animate (WanAnimateTransformer3DModel: i2v with 5 blocks, one face adapter block,
 and the real-size motion encoder and face encoder, whose widths ComfyUI fixes) and animate2 (Wan Animate 2: i2v's
 weights, its files saying model_type animate2 in their metadata as ComfyUI's do), scail / scail2 (Wan 2.1 SCAIL:
-i2v with 20 input channels and the pose Conv3d; SCAIL-2 also the 28-channel mask Conv3d). Defaults: 6 heads (4 ranks do not divide
+i2v with 20 input channels and the pose Conv3d; SCAIL-2 also the 28-channel mask Conv3d), dancer (Wan 2.2 Dancer:
+i2v with 5 blocks, music injected after blocks 0 and 4 as ComfyUI's list places 2 injectors, a music encoder 32 wide
+instead of 256 on ComfyUI's 35 music features, its files' attention in_proj fused as released). Defaults: 6 heads (4 ranks do not divide
 them) of size 16, 2 blocks. Files state their head size in the safetensors metadata key
 `ulysses_sp.head_dim` (wan.detect.HEAD_DIM_METADATA_KEY) unless head_dim_metadata=False, in which case loading
 needs the option head_dim=16. The original-layout writer is the inverse of the loader's key plan, written
@@ -38,10 +40,11 @@ CLIP_DIM = 1280         # ComfyUI's Wan image embedder input width is fixed
 FLF_CLIP_TOKENS = 10    # tiny first-last-frame models: 2 x 5 CLIP tokens
 VACE_TINY = dict(num_layers=4, vace_layers=[0, 2], vace_in_channels=96)
 VARIANTS = ("t2v", "i2v", "flf2v", "i2v_concat", "ti2v", "vace", "fun_control", "fun_a14b", "fun_5b_control",
-            "fun_5b_inp", "camera", "camera_2.2", "humo", "s2v", "animate", "animate2", "scail", "scail2")
+            "fun_5b_inp", "camera", "camera_2.2", "humo", "s2v", "animate", "animate2", "scail", "scail2", "dancer")
 ANIMATE_TINY = dict(num_layers=5)  # the face adapter follows every 5th block
 HUMO_TINY = dict(audio_in_features=80, audio_hidden=32, audio_dim=24)
 S2V_TINY = dict(audio_dim=32, audio_layers=25, audio_tokens=4, cond_dim=16, inject_layers=[0, 4])
+DANCER_TINY = dict(music_features=35, music_dim=32, music_ffn=64, music_layers=2, inject_layers=[0, 4])
 CAMERA_TINY = dict(camera_in_channels=24, camera_residual_blocks=1)
 
 
@@ -51,7 +54,7 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
         raise ValueError(f"unknown Wan variant {variant!r}; tiny Wan models exist for {VARIANTS}")
     config = sized("wan", dict(WAN_TINY, **{"vace": VACE_TINY, "animate": ANIMATE_TINY}.get(variant, {})), size)
     inner = config["num_attention_heads"] * config["attention_head_dim"]
-    if variant in ("i2v", "flf2v", "fun_control", "camera", "animate", "animate2", "scail", "scail2"):
+    if variant in ("i2v", "flf2v", "fun_control", "camera", "animate", "animate2", "scail", "scail2", "dancer"):
         config.update(in_channels=36, image_dim=CLIP_DIM, added_kv_proj_dim=inner)
     if variant.startswith("scail"):
         config.update(in_channels=20, pose_in_channels=20, **({"mask_in_channels": 28} if variant == "scail2" else {}))
@@ -65,6 +68,8 @@ def tiny_config(variant: str = "t2v", **size) -> dict:
         config.update(HUMO_TINY)
     if variant == "s2v":
         config.update(s2v=dict(S2V_TINY), num_layers=size.get("num_layers", 5))
+    if variant == "dancer":
+        config.update(dancer=dict(DANCER_TINY), num_layers=size.get("num_layers", 5))
     if variant == "flf2v":
         config["pos_embed_seq_len"] = FLF_CLIP_TOKENS
     if variant == "i2v_concat":
@@ -135,16 +140,28 @@ _BLOCK.update({"ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2", "norm2": "norm3"
 
 # the variants' modules that are named as ComfyUI names them
 _SAME_NAME_MODULES = ("patch_embedding_pose.", "patch_embedding_mask.", "control_adapter.", "audio_proj.", "trainable_cond_mask.", "casual_audio_encoder.",
-                      "cond_encoder.", "audio_injector.", "frame_packer.")
+                      "cond_encoder.", "audio_injector.", "frame_packer.",
+                      "patch_embedding_global.", "img_emb_refimage.", "head_global.", "music_injector.",
+                      "music_projection.", "music_encoder.")
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under the original Wan release's / ComfyUI's key names."""
     state = {key: value.detach() for key, value in model.state_dict().items()}
     animate = {key: state.pop(key) for key in list(state) if key.startswith(_ANIMATE_MODULES)}
-    out = {_original_name(key): value for key, value in state.items()}
+    out = {_original_name(key): value for key, value in _fused_music_attention(state).items()}
     if animate:
         out.update(_original_animate(animate))
+    return out
+
+
+def _fused_music_attention(state: dict) -> dict:
+    """Wan Dancer's music attention q / k / v as its released files hold them: one in_proj_weight / in_proj_bias."""
+    out = dict(state)
+    for key in [key for key in state if key.startswith("music_encoder.") and ".self_attn.q_proj." in key]:
+        stem, kind = key.split(".self_attn.q_proj.")
+        parts = [out.pop(f"{stem}.self_attn.{name}.{kind}") for name in ("q_proj", "k_proj", "v_proj")]
+        out[f"{stem}.self_attn.in_proj_{kind}"] = torch.cat(parts)
     return out
 
 

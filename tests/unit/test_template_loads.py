@@ -53,10 +53,12 @@ def test_counts_loaders_in_nested_subgraphs_and_classifies_them(tmp_path):
 
 
 def test_a_wan_variant_file_is_served_while_its_variant_is_registered(monkeypatch):
-    """SCAIL-2 / Bernini-R count as served through Wan's variant registry; without the variant, refused by name."""
+    """SCAIL-2 / Bernini-R / Dancer count as served through Wan's variant registry; without the variant, refused by
+    name."""
     from sp_runtime.families.wan import variants
     assert template_loads.classify("wan2.1_14B_SCAIL_2_int8_convrot.safetensors")[:2] == ("served", "wan:scail")
     assert template_loads.classify("wan2.2_bernini_r_low_noise_fp8_scaled.safetensors")[0] == "served"
-    assert template_loads.classify("wan2.2_dancer_14b_local_fp8_scaled.safetensors")[0] == "refused"
-    monkeypatch.setattr(variants, "REGISTRY", [v for v in variants.REGISTRY if v.name != "scail"])
+    assert template_loads.classify("wan2.2_dancer_14b_local_fp8_scaled.safetensors")[:2] == ("served", "wan:dancer")
+    monkeypatch.setattr(variants, "REGISTRY", [v for v in variants.REGISTRY if v.name not in ("scail", "dancer")])
     assert template_loads.classify("wan2.1_14B_SCAIL_2_fp16.safetensors")[0] == "refused"
+    assert template_loads.classify("wan2.2_dancer_14b_global_fp8_scaled.safetensors")[0] == "refused"

@@ -21,7 +21,7 @@ DIFFUSERS_CLASS = "WanTransformer3DModel"
 ORIGINAL_CLASS = "WanModel"  # config.json of the original Wan-AI release folders (original key names)
 SUPPORTED = ("Wan 2.1 / 2.2 T2V, I2V, FLF2V, TI2V 5B, VACE, Fun InP / Control / Camera (5B: InP, Control), HuMo, "
              "Wan 2.2 S2V, Wan 2.2 Animate, Wan Animate 2, Wan 2.2 Bernini-R (in-context latents), Wan 2.1 SCAIL / "
-             "SCAIL-2")
+             "SCAIL-2, Wan 2.2 Dancer")
 ORIGINAL_ANCHORS = ("patch_embedding.weight", "text_embedding.0.weight", "time_embedding.0.weight",
                     "time_projection.1.weight", "blocks.0.self_attn.q.weight", "head.head.weight", "head.modulation")
 DIFFUSERS_ANCHORS = ("patch_embedding.weight", "condition_embedder.time_proj.weight",

@@ -34,7 +34,7 @@ def plan_for(variants) -> Plan:
                   attention=AttentionSpec(project=project_qkv), also=tuple(v for variant in variants for v in variant.also),
                   skips_in_run=True)
     return Plan(check=partial(check, variants), layout=partial(layout, variants),
-                condition=partial(condition, variants), stages=(stage,), head=head, rope=rope, output="video",
+                condition=partial(condition, variants), stages=(stage,), head=partial(run_head, variants), rope=rope, output="video",
                 tensor_parallel=TENSOR_PARALLEL if all(v.tensor_parallel for v in variants) else
                 f"its variant {', '.join(v.name for v in variants if not v.tensor_parallel)} is not checked at TP yet",
                 comfy_blocks={"double_block": "blocks"})
@@ -155,17 +155,25 @@ def run_block(variants, block, call) -> None:
             variant.after(call, index, block)
 
 
-def head(call) -> torch.Tensor:
-    """norm_out modulated by the (per-token) time embedding, then proj_out: [b, n, pt*ph*pw*out_channels]."""
+def run_head(variants, call) -> torch.Tensor:
+    """A variant's head (Wan Dancer's global head) or the stock one."""
+    override = next((variant.head for variant in variants if variant.head is not None), head)
+    return override(call)
+
+
+def head(call, table: Optional[torch.Tensor] = None, projection=None) -> torch.Tensor:
+    """norm_out modulated by the (per-token) time embedding, then proj_out (or the table and projection given):
+    [b, n, pt*ph*pw*out_channels]."""
     model, hidden, modulation = call.model, call.video, call.out_modulation
-    table = model.scale_shift_table
+    table = model.scale_shift_table if table is None else table
+    projection = model.proj_out if projection is None else projection
     if call.block_modulation.dim() == 3:  # one modulation for every token
         shift, scale = (table + modulation).chunk(2, dim=1)
     else:  # per-token modulation (Wan 2.2 TI2V 5B with per-frame timesteps)
         shift, scale = (table.unsqueeze(0) + modulation.unsqueeze(2)).chunk(2, dim=2)
         shift, scale = shift.squeeze(2), scale.squeeze(2)
     hidden = (model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
-    return model.proj_out(hidden)
+    return projection(hidden)
 
 
 def cross_context(call, text_input: str, image_input: str) -> Context:

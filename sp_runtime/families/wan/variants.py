@@ -7,7 +7,7 @@ call.video (this rank's states), call.context (sp.cross.Context), call.block_mod
 check(call); layout(call, streams) edits the streams (parts of "video", more streams); timesteps(call, sigma) ->
 the timestep entries; embed(call) adds per-token terms after the patch embedding; prepare(call) per-call state;
 before(call, index, block) / after(call, index, block) around each main block; block(block, call) -> new video
-states instead of the stock block call.
+states instead of the stock block call; head(call) -> the output tokens instead of the stock head.
 """
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ class Variant:
     before: Hook = None
     after: Hook = None
     block: Hook = None
+    head: Hook = None
 
 
 REGISTRY: list[Variant] = []
