@@ -37,6 +37,8 @@ FAMILIES = {
     "krea2": "sp_runtime.families.krea2",
     "cosmos": "sp_runtime.families.cosmos",
     "ideogram4": "sp_runtime.families.ideogram4",
+    "ernie_image": "sp_runtime.families.ernie_image",
+    "longcat_image": "sp_runtime.families.longcat_image",
 }
 
 

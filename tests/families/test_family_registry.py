@@ -48,7 +48,8 @@ def test_comfyui_knows_the_model_families():
                                                                "z_image", "lumina2", "ltx2", "sd3", "chroma",
                                                                "hidream", "minimax_h3", "cosmos",
                                                                "ideogram4",
-                                                               "ltxv", "kandinsky5", "krea2"}
+                                                               "ltxv", "kandinsky5", "krea2",
+                                                               "ernie_image", "longcat_image"}
     assert comfy_host("ideogram4").model_class("image") == "Ideogram4"
     assert comfy_host("sd3").model_class("3.5_medium") == "SD3"
     assert comfy_host("hidream").model_class("") == "HiDream"
