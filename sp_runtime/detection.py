@@ -25,7 +25,8 @@ OTHER_KINDS = {
     "HunyuanImage 2.1": ("byt5_in.fc1.weight",),
     "SDXL / SD1.x UNet": ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
     "HiDream-O1": ("t_embedder1.mlp.0.weight",),
-    "Flux.3": ("early_stream_modulations.image.lin.weight",),  # diffusers' CHECKPOINT_KEY_NAMES["flux3"]
+    "Flux.3": ("early_stream_modulations.image.lin.weight",),
+    "Ovis-Image": ("double_blocks.0.img_mlp.gate_proj.weight", "context_embedder_norm.weight"),  # Flux + SwiGLU  # diffusers' CHECKPOINT_KEY_NAMES["flux3"]
     "a VAE": ("decoder.conv_in.weight", "decoder.conv_in.conv.weight", "decoder.middle.0.residual.0.gamma"),
     "a text encoder": ("encoder.block.0.layer.0.SelfAttention.q.weight", "text_model.encoder.layers.0.mlp.fc1.weight",
                        "model.layers.0.self_attn.q_proj.weight"),

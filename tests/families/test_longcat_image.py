@@ -4,6 +4,7 @@ Flux-layout files are told from Flux.1's, and the rope shift ComfyUI's LongCatIm
 which carry it, can fail without it)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from family_support import single_rank_worker
@@ -36,6 +37,10 @@ def test_released_header_and_other_flux_files():
     assert longcat_image.detect(Header("other.safetensors", _released_keys(4096))) is None
     with_pooled = {**_released_keys(3584), COMFY_PREFIX + "vector_in.in_layer.weight": ("BF16", (3072, 768))}
     assert longcat_image.detect(Header("flux.safetensors", with_pooled)) is None
+    ovis = {**_released_keys(2048), COMFY_PREFIX + "double_blocks.0.img_mlp.gate_proj.weight": ("BF16", (12288, 3072)),
+            COMFY_PREFIX + "txt_norm.weight": ("BF16", (2048,))}
+    with pytest.raises(ValueError, match="Ovis-Image"):  # Flux's layout with SwiGLU MLPs: refused by name
+        detect_any(Header("ovis_image_bf16.safetensors", ovis))
 
 
 def test_flux_and_longcat_files_are_told_apart(tmp_path):
