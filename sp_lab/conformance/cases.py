@@ -309,3 +309,27 @@ def mage_flow_cases(seed=19):
             "edit_two_refs": (rand(2, 128, 5, 7), t2, {"context": rand(2, 5, 2560),
                                                        "ref_latents": [rand(2, 128, 5, 4), rand(2, 128, 3, 4)]}),
             "3_tokens": (rand(1, 128, 1, 3), t2[:1], {"context": rand(1, 3, 2560)})}
+def ernie_image_cases(seed=18):
+    """ERNIE-Image: 35 image + 6 text tokens (batch 2, CFG halves at different times: sigma x 1000), 9 + 4 tokens
+    (batch 1), 1 + 1 tokens (fewer than the ranks)."""
+    rand = seeded_randn(seed)
+    return {"41_tokens": (rand(2, 128, 5, 7), torch.tensor([700.0, 300.0]), {"context": rand(2, 6, 40)}),
+            "batch_1": (rand(1, 128, 3, 3), torch.tensor([500.0]), {"context": rand(1, 4, 40)}),
+            "2_tokens": (rand(1, 128, 1, 1), torch.tensor([900.0]), {"context": rand(1, 1, 40)})}
+
+
+def longcat_image_cases(seed=19):
+    """LongCat-Image (ComfyUI's Flux call with the rope shifts its LongCatImage model adds: t + 1, rows and columns +
+    the text length): 35 image tokens of odd height and width (batch 2), the edit model's reference at index 1
+    (12 + 12 tokens), 2 tokens (fewer than the ranks)."""
+    rand = seeded_randn(seed)
+
+    def shifted(length: int) -> dict:
+        return {"shift_t": 1.0, "shift_y": float(length), "shift_x": float(length)}
+    return {"odd_latent": (rand(2, 16, 9, 13), torch.tensor([0.7, 0.3]),
+                           {"context": rand(2, 6, 3584), "rope_options": shifted(6)}),
+            "edit_index": (rand(2, 16, 6, 8), torch.tensor([0.9, 0.9]),
+                           {"context": rand(2, 5, 3584), "rope_options": shifted(5), "ref_latents_method": "index",
+                            "ref_latents": [rand(1, 16, 6, 8).repeat(2, 1, 1, 1)]}),
+            "2_tokens": (rand(1, 16, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 3584),
+                                                                  "rope_options": shifted(3)})}

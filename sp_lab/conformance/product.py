@@ -89,6 +89,8 @@ for _family, _seed, _calls, _spec in (
         ("krea2", 17, cases.krea2_cases, {}),
         ("mage_flow", 19, cases.mage_flow_cases, dict(load_case="edit_two_refs", layouts={"comfy": {}},
                                                       layout_cases=("odd_latent_masked", "edit_two_refs"))),
+        ("ernie_image", 18, cases.ernie_image_cases, {}),
+        ("longcat_image", 19, cases.longcat_image_cases, dict(load_case="edit_index")),
         ("hunyuan_video", 13, cases.hunyuan_video_cases,
          dict(load_case="105_tokens", layouts={"diffusers": OTHER_LAYOUTS["diffusers"]},
               reference_model=plain_hunyuan_video, layout_cases=("105_tokens", "3_tokens_batch_1", "ref_latent"))),

@@ -39,6 +39,8 @@ FAMILIES = {
     "cosmos": "sp_runtime.families.cosmos",
     "anima": "sp_runtime.families.anima",
     "ideogram4": "sp_runtime.families.ideogram4",
+    "ernie_image": "sp_runtime.families.ernie_image",
+    "longcat_image": "sp_runtime.families.longcat_image",
 }
 
 
