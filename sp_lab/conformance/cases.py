@@ -188,13 +188,13 @@ def newbie_cases(seed=5):
 
 def ming_image_cases(seed=6):
     """Ming-Image (5-D latents): one target frame (odd, an uneven caption: 11 tokens shift the image to 33); two
-    reference frames of other sizes (batch 1 and 2) and direct caption tokens; two target frames; fewer tokens than
+    reference frames of other sizes (one odd) and direct caption tokens; two target frames; fewer tokens than
     ranks."""
     rand = seeded_randn(seed)
     t2 = torch.tensor([0.8, 0.25])
     return {"t2i": (rand(2, 16, 1, 9, 13), t2, {"context": rand(2, 11, 32)}),
             "edit_refs": (rand(2, 16, 1, 8, 10), t2, {"context": rand(2, 5, 32), "direct_context": rand(2, 3, 640),
-                                                      "ref_frames": [rand(1, 16, 6, 8), rand(2, 16, 7, 5)]}),
+                                                      "ref_frames": [rand(2, 16, 6, 8), rand(2, 16, 7, 5)]}),
             "two_frames": (rand(2, 16, 2, 6, 6), t2, {"context": rand(2, 7, 32)}),
             "few_tokens": (rand(1, 16, 1, 2, 4), t2[:1], {"context": rand(1, 3, 32)})}
 

@@ -145,3 +145,19 @@ def test_refusals_name_the_input(family_pool, lumina_files):
     assert_parity(handle(x, t, **inputs), reference_forward(tiny.build_tiny_model(SEED), x, t, **inputs), "float32",
                   "lumina2_after_refusals/t2i")
     handle.unload()
+
+
+def test_newbie_refuses_a_pooled_text_of_another_width(tmp_path):
+    """NewBie's pooled text must be [batch, clip_text_dim]: another width is refused naming clip_text_pooled."""
+    from family_support import LocalContext
+    from sp_runtime.contract import LoadRequest
+    from sp_runtime.groups import SeqParallel
+    from sp_lab.conformance.cases import newbie_cases
+    path = write_tiny_checkpoint("lumina2", str(tmp_path / "newbie.safetensors"), seed=7, variant="newbie")
+    groups = type("Groups", (), {"seq": SeqParallel.single()})()
+    detection = lumina2.detect(read_checkpoint_header(path))
+    worker = lumina2.load(LoadRequest(path, "float32"), detection, torch.device("cpu"), groups, lambda *_: None)
+    x, t, inputs = newbie_cases()["pooled"]
+    with pytest.raises(ValueError, match=r"clip_text_pooled has shape \(2, 24\); NewBie takes \[batch, 40\]"):
+        worker.forward(x, t, {**inputs, "clip_text_pooled": inputs["clip_text_pooled"][:, :24]}, torch.empty_like(x),
+                       LocalContext(groups))

@@ -268,3 +268,14 @@ def test_ming_image_with_pad_tokens_equals_its_reference(tmp_path):
         out = torch.empty_like(x)
         worker.forward(x, t, inputs, out, LocalContext(groups))
         assert_parity(out, z_image_reference(model, x, t, **inputs), "float32", f"z_image_ming_pads/{case}")
+    x, t, inputs = ming_image_cases()["edit_refs"]
+    out = torch.empty_like(x)
+    for bad, match in (({"siglip_feats": [x]}, "siglip_feats .*not supported"),
+                       ({"clip_text_pooled": x[:, 0, 0]}, "clip_text_pooled .*not supported"),
+                       ({"direct_context": inputs["direct_context"][..., :8]}, "direct_context has shape"),
+                       ({"ref_frames": [x[:, :, 0, :, :4][:, :8]]}, "ref_frames holds"),
+                       ({"ref_frames": [x[:1, :, 0]]}, "ref_frames holds")):
+        with pytest.raises(ValueError, match=match):
+            worker.forward(x, t, {**inputs, **bad}, out, LocalContext(groups))
+    with pytest.raises(ValueError, match=r"Ming-Image takes \[B, 16, F, H, W\]"):
+        worker.forward(x[:, :, 0], t, inputs, torch.empty_like(x[:, :, 0]), LocalContext(groups))

@@ -39,9 +39,9 @@ def check(call) -> None:
     if direct is not None and (direct.dim() != 3 or direct.shape[-1] != width or direct.shape[0] != x.shape[0]):
         raise ValueError(f"direct_context has shape {tuple(direct.shape)}; Ming-Image takes [B, tokens, {width}]")
     for ref in call.inputs.get("ref_frames") or ():
-        if ref.dim() != 4 or ref.shape[1] != x.shape[1]:
+        if ref.dim() != 4 or ref.shape[1] != x.shape[1] or ref.shape[0] != x.shape[0]:
             raise ValueError(f"ref_frames holds a latent of shape {tuple(ref.shape)}; Ming-Image takes "
-                             f"[B, {x.shape[1]}, H, W] reference frames")
+                             f"[{x.shape[0]}, {x.shape[1]}, H, W] reference frames")
 
 
 def layout(call) -> list[Stream]:
@@ -66,7 +66,7 @@ def layout(call) -> list[Stream]:
              for f in range(frames)]
     for j, ref in enumerate(call.inputs.get("ref_frames") or ()):
         ref = call.ctx.to_device(f"ref_frames.{j}", ref, call.dtype)
-        image.append(_frame_part(_to_batch(ref, x.shape[0]), shifted + 1 + frames + j, call, None))
+        image.append(_frame_part(ref, shifted + 1 + frames + j, call, None))
     if pads:
         count = sum(part.count for part in image)
         image.append(_pads(torch.zeros(_padded(count) - count, 3), _image_pad, call.dtype))
@@ -83,13 +83,6 @@ def _frame_part(latent: torch.Tensor, frame_index: int, call, output) -> Part:
     ids[:, 1] = rows.repeat_interleave(grid.cols)
     ids[:, 2] = cols.repeat(grid.rows)
     return Part(tokens.permute(0, 1, 3, 4, 2).flatten(2), ids, _embed_image, output)
-
-
-def _to_batch(latent: torch.Tensor, batch: int) -> torch.Tensor:
-    """ComfyUI's repeat_to_batch_size: a batch-1 latent serves every item, others are tiled and cut."""
-    if latent.shape[0] in (1, batch):
-        return latent
-    return latent.repeat(-(-batch // latent.shape[0]), 1, 1, 1)[:batch]
 
 
 def _as_is(model, raw: torch.Tensor) -> torch.Tensor:
