@@ -1,5 +1,6 @@
 """What a model family brings to the shared conformance suite (tests/families/test_family_conformance.py), keyed by
-family name (or "family:variant" for a variant of the family checked as a model of its own): a tiny checkpoint writer, its single-device reference forward and ComfyUI's calls to check them on.
+family name (or "family:variant" for a variant of the family checked as a model of its own): a tiny checkpoint
+writer, its single-device reference forward and ComfyUI's calls to check them on.
 The suite runs every registered family through the pool with them (load, parity at every layout, a quantized file,
 a LoRA); a family's own test file keeps only what is special to it.
 

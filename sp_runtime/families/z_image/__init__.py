@@ -37,5 +37,5 @@ def load(request, detection, device, groups, progress):
 FAMILY = Family(NAME, "Z-Image (base, turbo, Ming-Image)", detect, load, COMFY, weight_plan, original_plan,
                 load_model, gguf_architectures=("lumina2",))
 
-__all__ = ["FAMILY", "CONFIG_KEYS", "COMFY", "MODELS", "NAME", "PAD_MULTIPLE", "PATCH", "PLAN", "architecture", "detect", "load",
-           "load_model", "original_plan", "weight_plan"]
+__all__ = ["FAMILY", "CONFIG_KEYS", "COMFY", "MODELS", "NAME", "PAD_MULTIPLE", "PATCH", "PLAN", "architecture",
+           "detect", "load", "load_model", "original_plan", "weight_plan"]
