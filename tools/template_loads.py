@@ -36,7 +36,6 @@ NOT_IMAGE_VIDEO = "not an image / video diffusion model"
 
 # Variants a served family's detector refuses with an error naming them (the family's own detection.py).
 REFUSED_VARIANTS = {"Chroma Radiance": "chroma/detection.py",
-                    "NewBie / Ming-Image (NextDiT with pooled text / reference frames)": "lumina2/detection.py",
                     "Wan-based variant (modules Wan's detector does not know)": "wan/detect.py"}
 
 # (file-name pattern, kinds, label): kinds is a FAMILIES name, an OTHER_KINDS / REFUSED_VARIANTS name, NOT_IMAGE_VIDEO,
@@ -71,8 +70,8 @@ KINDS = [
     (r"^hidream_o1", "HiDream-O1", "HiDream-O1"),
     (r"^(sd_xl|svd)", "SDXL / SD1.x UNet", "SDXL / SVD UNet"),
     (r"^NetaYume", "lumina2", "Lumina 2 (NetaYume)"),
-    (r"^(NewBie|ming_image)", "NewBie / Ming-Image (NextDiT with pooled text / reference frames)",
-     "NewBie / Ming-Image"),
+    (r"^NewBie", "lumina2", "NewBie (Lumina 2 with pooled CLIP text)"),
+    (r"^ming_image", "z_image", "Ming-Image (Z-Image-sized NextDiT)"),
     (r"^(minimax_h3_ref2va|fasth3_omniref)", "minimax_h3", "MiniMax H3 ref2va / omni-ref"),
     (r"^(minimax_h3|fastvideo_fasth3)", "minimax_h3", "MiniMax H3 (t2va, fl2va, FastH3)"),
     (r"^anima", "anima", "Anima (Cosmos-Predict2 with an LLM adapter)"),

@@ -1,5 +1,6 @@
 """What a model family brings to the shared conformance suite (tests/families/test_family_conformance.py), keyed by
-family name: a tiny checkpoint writer, its single-device reference forward and ComfyUI's calls to check them on.
+family name (or "family:variant" for a variant of the family checked as a model of its own): a tiny checkpoint
+writer, its single-device reference forward and ComfyUI's calls to check them on.
 The suite runs every registered family through the pool with them (load, parity at every layout, a quantized file,
 a LoRA); a family's own test file keeps only what is special to it.
 
@@ -80,9 +81,10 @@ def file_reference(family: str, path: str) -> Callable:
     from other weights: a quantized file's dequantized weights, a LoRA merged by hand)."""
     from sp_lab.references import reference_forward
     from sp_runtime.families import family as family_of
+    name, family = family, family.partition(":")[0]
     load_model = family_of(family).load_model
     model = load_model(path, "float32")[0] if load_model is not None else path
-    as_reference = CONFORMANCE[family].reference_model if family in CONFORMANCE else None
+    as_reference = CONFORMANCE[name].reference_model if name in CONFORMANCE else None
     return functools.partial(reference_forward(family), as_reference(model) if as_reference else model)
 
 

@@ -176,6 +176,29 @@ def lumina2_cases(seed=4):
             "few_tokens": (rand(1, 16, 2, 4), t2[:1], {"context": rand(1, 3, 32)})}
 
 
+def newbie_cases(seed=5):
+    """NewBie (Lumina 2 with pooled CLIP text, width 40): pooled text per batch item; none (zeros, as ComfyUI without
+    it); fewer tokens than ranks."""
+    rand = seeded_randn(seed)
+    t2 = torch.tensor([0.7, 0.3])
+    return {"pooled": (rand(2, 16, 9, 13), t2, {"context": rand(2, 11, 32), "clip_text_pooled": rand(2, 40)}),
+            "no_pooled": (rand(2, 16, 10, 14), t2, {"context": rand(2, 11, 32)}),
+            "few_tokens": (rand(1, 16, 2, 4), t2[:1], {"context": rand(1, 3, 32), "clip_text_pooled": rand(1, 40)})}
+
+
+def ming_image_cases(seed=6):
+    """Ming-Image (5-D latents): one target frame (odd, an uneven caption: 11 tokens shift the image to 33); two
+    reference frames of other sizes (one odd) and direct caption tokens; two target frames; fewer tokens than
+    ranks."""
+    rand = seeded_randn(seed)
+    t2 = torch.tensor([0.8, 0.25])
+    return {"t2i": (rand(2, 16, 1, 9, 13), t2, {"context": rand(2, 11, 32)}),
+            "edit_refs": (rand(2, 16, 1, 8, 10), t2, {"context": rand(2, 5, 32), "direct_context": rand(2, 3, 640),
+                                                      "ref_frames": [rand(2, 16, 6, 8), rand(2, 16, 7, 5)]}),
+            "two_frames": (rand(2, 16, 2, 6, 6), t2, {"context": rand(2, 7, 32)}),
+            "few_tokens": (rand(1, 16, 1, 2, 4), t2[:1], {"context": rand(1, 3, 32)})}
+
+
 def hunyuan_video_cases(channels: int = 16, version: str = "1.0", seed: int = 4) -> dict:
     """ComfyUI calls (x, timestep, kwargs): 35 tokens (one frame), 105 tokens, 3 tokens (batch 1); text 7 tokens; a
     reference latent (12 tokens ahead of the video); for 1.5 image-to-video SigLIP and ByT5 glyph tokens."""

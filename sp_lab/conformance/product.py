@@ -30,21 +30,25 @@ def sharded(shard_size: str, *names: str) -> dict:
     return {**layouts, "diffusers_folder": dict(layout="diffusers_folder", max_shard_size=shard_size)}
 
 
-def tiny_spec(family: str, seed: int, calls, layouts: dict = OTHER_LAYOUTS, **spec) -> Conformance:
-    """A family of sp_lab.tiny_models: its ComfyUI file with `model.diffusion_model.` as the main file, the same
-    weights in `layouts` (name -> write_tiny_checkpoint arguments), a ComfyUI mixed-precision file, diffusers'
-    forward on the model built in memory."""
+def tiny_spec(name: str, seed: int, calls, layouts: dict = OTHER_LAYOUTS, **spec) -> Conformance:
+    """A family of sp_lab.tiny_models ("family", or "family:variant" for the tiny writer's variant): its ComfyUI file
+    with `model.diffusion_model.` as the main file, the same weights in `layouts` (name -> write_tiny_checkpoint
+    arguments), a ComfyUI mixed-precision file, diffusers' forward on the model built in memory."""
+    family, _, variant = name.partition(":")
+    chosen = {"variant": variant} if variant else {}
+
     def write(folder: str, layout: str = "") -> str:
         arguments = layouts[layout] if layout else dict(prefix=COMFY_PREFIX)
-        name = f"{family}_{layout or 'comfy_prefix'}" + ("" if layout == "diffusers_folder" else ".safetensors")
-        return write_tiny_checkpoint(family, os.path.join(folder, name), seed=seed, **arguments)
+        stem = f"{family}_{variant}" if variant else family
+        path = f"{stem}_{layout or 'comfy_prefix'}" + ("" if layout == "diffusers_folder" else ".safetensors")
+        return write_tiny_checkpoint(family, os.path.join(folder, path), seed=seed, **chosen, **arguments)
 
     def reference(_path: str):
-        return functools.partial(reference_forward(family), build_tiny_model(family, seed))
+        return functools.partial(reference_forward(family), build_tiny_model(family, seed, **chosen))
 
     def quantized(path: str, reference_path: str):
         return write_quantized(family, path, reference_path, "comfy_quant", seed,
-                               metadata=QUANTIZED_METADATA.get(family))
+                               metadata=QUANTIZED_METADATA.get(family), **chosen)
     return Conformance(write=write, reference=reference, cases=calls, quantized=quantized,
                        other_files={layout: functools.partial(write, layout=layout) for layout in layouts},
                        **spec)
@@ -80,6 +84,8 @@ for _family, _seed, _calls, _spec in (
         ("hidream", 8, cases.hidream_cases, dict(layouts={name: OTHER_LAYOUTS[name]
                                                           for name in ("comfy", "diffusers_folder")})),
         ("lumina2", 6, cases.lumina2_cases, {}),
+        ("lumina2:newbie", 7, cases.newbie_cases, {}),
+        ("z_image:ming_image", 8, cases.ming_image_cases, {}),
         ("ideogram4", 9, cases.ideogram4_cases, dict(layouts={"comfy": OTHER_LAYOUTS["comfy"],
                                                               "diffusers": OTHER_LAYOUTS["diffusers"]})),
         ("ltxv", 14, cases.ltxv_cases, dict(load_case="i2v_per_token", layout_cases=("odd_video", "i2v_per_token",

@@ -1,12 +1,13 @@
 """Tiny random-weight Lumina 2 models (diffusers' Lumina2Transformer2DModel: 6 query heads over 2 key / value heads
 of size 24, 1 refiner block per stream, 2 main blocks) and their files in ComfyUI's key layout (fused
 `attention.qkv`, `attention.out`, `q_norm` / `k_norm`, `cap_embedder`, `t_embedder.mlp`, `final_layer`, the
-release's unused `norm_final`); written separately from the loader's key plan so that a round trip checks both."""
+release's unused `norm_final`); written separately from the loader's key plan so that a round trip checks both.
+Variant "newbie": NewBie's pooled-text modules (clip_text_pooled_proj, time_text_embed) of width NEWBIE_WIDTH added."""
 from __future__ import annotations
 
 import torch
 
-from .weights import plain_tiny
+from .weights import plain_tiny, randomize_
 
 LUMINA2_TINY = dict(patch_size=2, in_channels=16, hidden_size=144, num_layers=2, num_refiner_layers=1,
                     num_attention_heads=6, num_kv_heads=2, multiple_of=256, ffn_dim_multiplier=None,
@@ -22,7 +23,23 @@ _BLOCK = {".attn.to_out.0.": ".attention.out.", ".attn.norm_q.": ".attention.q_n
           ".feed_forward.linear_3.": ".feed_forward.w3."}
 
 
-tiny_config, build_tiny_model = plain_tiny("lumina2", "Lumina2Transformer2DModel", LUMINA2_TINY)
+NEWBIE_WIDTH = 40  # the pooled CLIP text's width (1024 in the release)
+tiny_config, _build_plain = plain_tiny("lumina2", "Lumina2Transformer2DModel", LUMINA2_TINY)
+
+
+def build_tiny_model(seed: int = 0, variant: str = "", **size) -> torch.nn.Module:
+    """The tiny Lumina 2; variant "newbie" with NewBie's modules (seeded apart from the base weights)."""
+    model = _build_plain(seed, **size)
+    if variant == "newbie":
+        from sp_runtime.families.lumina2.newbie import add_newbie_modules
+        extra = torch.nn.Module()
+        add_newbie_modules(model, NEWBIE_WIDTH)
+        extra.clip_text_pooled_proj, extra.time_text_embed = model.clip_text_pooled_proj, model.time_text_embed
+        randomize_(extra, seed + 1000)
+        model.requires_grad_(False)
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r} for lumina2 (known: newbie)")
+    return model
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

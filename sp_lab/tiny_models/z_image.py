@@ -2,7 +2,7 @@
 block per stream, 2 main blocks) and their files in ComfyUI's key layout (fused `attention.qkv`, `attention.out`,
 `q_norm` / `k_norm`, `x_embedder`, `final_layer`), as diffusers single files and as diffusers folders. The package's
 API dispatches here; the ComfyUI writer fuses what the loader's key plan splits, written separately so that a round
-trip checks both."""
+trip checks both. Variant "ming_image": Ming-Image Design's file (no learned pad tokens)."""
 from __future__ import annotations
 
 import torch
@@ -24,8 +24,13 @@ def tiny_config(**size) -> dict:
     return config
 
 
-def build_tiny_model(seed: int = 0, **size) -> torch.nn.Module:
-    return random_model("ZImageTransformer2DModel", tiny_config(**size), seed)
+def build_tiny_model(seed: int = 0, variant: str = "", **size) -> torch.nn.Module:
+    model = random_model("ZImageTransformer2DModel", tiny_config(**size), seed)
+    if variant == "ming_image":
+        model.x_pad_token = model.cap_pad_token = None
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r} for z_image (known: ming_image)")
+    return model
 
 
 def original_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

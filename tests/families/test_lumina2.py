@@ -2,7 +2,8 @@
 every degree, layout and file layout on sp_lab.conformance.cases.lumina2_cases against diffusers' stock
 Lumina2Transformer2DModel fed ComfyUI's call: 6 query heads over 2 key / value heads, caption / image streams of
 11 / 35 tokens, a masked caption, fewer tokens than ranks, batch 2): what the cases exercise, the key plan against
-diffusers' converter, detection against Z-Image, refusals of NewBie and Ming-Image and of bad inputs by name."""
+diffusers' converter, detection against Z-Image, NewBie's detection (its conformance spec "lumina2:newbie" runs the
+suite on newbie_cases), refusals of incomplete NewBie files, of a Ming-Image marker and of bad inputs by name."""
 from __future__ import annotations
 
 import pytest
@@ -92,16 +93,40 @@ def released_header() -> dict:
 
 
 def test_released_header_and_refused_variants():
-    """The released sizes read as ComfyUI's detection fixes them; NewBie and Ming-Image files are refused by name."""
+    """The released sizes read as ComfyUI's detection fixes them; NewBie (pooled Jina CLIP text, 1024 wide) loads as
+    variant "newbie", an incomplete NewBie and a Ming-Image marker on a Lumina 2-sized file are refused by name."""
     header = released_header()
     config = detect_any(Header("NetaYumev35_pretrained_all_in_one.safetensors", header)).config
     assert config == {"patch_size": 2, "in_channels": 16, "hidden_size": 2304, "num_layers": 26,
                       "num_refiner_layers": 2, "num_attention_heads": 24, "num_kv_heads": 8, "multiple_of": 256,
                       "ffn_dim_multiplier": None, "cap_feat_dim": 2304, "axes_dim_rope": (32, 32, 32),
                       "axes_lens": (300, 512, 512)}
-    for key, needle in (("clip_text_pooled_proj.0.weight", "NewBie"), ("__ming_image__", "Ming-Image")):
-        with pytest.raises(ValueError, match=needle):
-            detect_any(Header("x.safetensors", {**header, COMFY_PREFIX + key: ("BF16", (1024,))}))
+    newbie = {**header, **{COMFY_PREFIX + key: ("BF16", shape) for key, shape in (
+        ("clip_text_pooled_proj.0.weight", (1024,)), ("clip_text_pooled_proj.1.weight", (1024, 1024)),
+        ("clip_text_pooled_proj.1.bias", (1024,)), ("time_text_embed.1.weight", (1024, 2048)),
+        ("time_text_embed.1.bias", (1024,)))}}
+    detection = detect_any(Header("NewBie-Image-Exp0.1-bf16.safetensors", newbie))
+    assert (detection.family, detection.variant, detection.config) == ("lumina2", "newbie",
+                                                                        {**config, "clip_text_dim": 1024})
+    assert detect_any(Header("NetaYume.safetensors", header)).variant == "image"
+    incomplete = {key: value for key, value in newbie.items() if "time_text_embed.1.bias" not in key}
+    with pytest.raises(ValueError, match=r"NewBie .*time_text_embed\.1\.bias"):
+        detect_any(Header("x.safetensors", incomplete))
+    with pytest.raises(ValueError, match="a .*clip_text_pooled_proj.1.bias.* of another size"):
+        detect_any(Header("x.safetensors", {**newbie, COMFY_PREFIX + "clip_text_pooled_proj.1.bias": ("BF16", (8,))}))
+    with pytest.raises(ValueError, match="Ming-Image"):
+        detect_any(Header("x.safetensors", {**header, COMFY_PREFIX + "__ming_image__": ("BF16", (0,))}))
+
+
+def test_newbie_pooled_text_matters(family_subject):
+    """Guard for the NewBie spec: its pooled text and its zeros path change the output (the suite's cases then
+    check both against the reference at every layout)."""
+    subject = family_subject("lumina2:newbie")
+    x, t, inputs = subject.spec.cases()["pooled"]
+    without = {key: value for key, value in inputs.items() if key != "clip_text_pooled"}
+    assert relative_error(subject.forward(x, t, **without), subject.outputs["pooled"]) > 100 * FP32_TOL
+    plain = tiny.build_tiny_model(7)  # the same base weights without NewBie's modules
+    assert relative_error(reference_forward(plain, x, t, **without), subject.forward(x, t, **without)) > 100 * FP32_TOL
 
 
 def test_refusals_name_the_input(family_pool, lumina_files):
@@ -110,6 +135,7 @@ def test_refusals_name_the_input(family_pool, lumina_files):
     handle = family_pool.load_model(lumina_files["comfy_prefix"])
     x, t, inputs = make_cases()["t2i"]
     bad = {"ref_latents": {**inputs, "ref_latents": [x]}, "ref_frames": {**inputs, "ref_frames": [x]},
+           "direct_context": {**inputs, "direct_context": inputs["context"]},
            "context": {**inputs, "context": inputs["context"][..., :8]}}
     for needle, changed in bad.items():
         with pytest.raises(Exception, match=needle):
@@ -119,3 +145,19 @@ def test_refusals_name_the_input(family_pool, lumina_files):
     assert_parity(handle(x, t, **inputs), reference_forward(tiny.build_tiny_model(SEED), x, t, **inputs), "float32",
                   "lumina2_after_refusals/t2i")
     handle.unload()
+
+
+def test_newbie_refuses_a_pooled_text_of_another_width(tmp_path):
+    """NewBie's pooled text must be [batch, clip_text_dim]: another width is refused naming clip_text_pooled."""
+    from family_support import LocalContext
+    from sp_runtime.contract import LoadRequest
+    from sp_runtime.groups import SeqParallel
+    from sp_lab.conformance.cases import newbie_cases
+    path = write_tiny_checkpoint("lumina2", str(tmp_path / "newbie.safetensors"), seed=7, variant="newbie")
+    groups = type("Groups", (), {"seq": SeqParallel.single()})()
+    detection = lumina2.detect(read_checkpoint_header(path))
+    worker = lumina2.load(LoadRequest(path, "float32"), detection, torch.device("cpu"), groups, lambda *_: None)
+    x, t, inputs = newbie_cases()["pooled"]
+    with pytest.raises(ValueError, match=r"clip_text_pooled has shape \(2, 24\); NewBie takes \[batch, 40\]"):
+        worker.forward(x, t, {**inputs, "clip_text_pooled": inputs["clip_text_pooled"][:, :24]}, torch.empty_like(x),
+                       LocalContext(groups))

@@ -15,6 +15,7 @@ from sp_lab.conformance.cases import z_image_cases as make_cases
 from sp_lab.references.z_image import reference_forward as z_image_reference
 from sp_runtime.families import flux, flux2, qwen_image, qwen_image21, z_image
 from sp_runtime.checkpoints.header import read_checkpoint_header
+from sp_runtime.detection import detect as detect_any
 from sp_runtime.local_ranks import run_distributed
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, original_state_dict, write_tiny_checkpoint
 
@@ -219,7 +220,62 @@ def test_unsupported_inputs_and_variants_are_clear_errors(zi_files, tmp_path):
     save_file({**state, COMFY_PREFIX + "siglip_embedder.1.weight": torch.zeros(640, 8)}, omni)
     with pytest.raises(ValueError, match="Z-Image Omni"):
         z_image.detect(read_checkpoint_header(omni))
-    no_pads = str(tmp_path / "no_pads.safetensors")
-    save_file({k: v for k, v in state.items() if not k.endswith("pad_token")}, no_pads)
+    one_pad = str(tmp_path / "one_pad.safetensors")
+    save_file({k: v for k, v in state.items() if not k.endswith("x_pad_token")}, one_pad)
     with pytest.raises(ValueError, match="no .*x_pad_token"):
-        z_image.detect(read_checkpoint_header(no_pads))
+        z_image.detect(read_checkpoint_header(one_pad))
+    pixel = str(tmp_path / "pixel.safetensors")
+    save_file({**state, COMFY_PREFIX + "dec_net.cond_embed.weight": torch.zeros(4, 4)}, pixel)
+    with pytest.raises(ValueError, match="pixel-space"):
+        z_image.detect(read_checkpoint_header(pixel))
+
+
+def test_ming_image_detection(tmp_path):
+    """As ComfyUI tells Ming-Image: no pad tokens (Design: masked_pad_multiple 32), or pad tokens with the
+    `__ming_image__` marker or `image_model: ming_image` config metadata (Layer: real pads); plain Z-Image stays."""
+    import json
+    state = {COMFY_PREFIX + k: v for k, v in original_state_dict("z_image", build_tiny_model("z_image")).items()}
+    files = {"design": ({k: v for k, v in state.items() if not k.endswith("pad_token")}, None),
+             "marker": ({**state, COMFY_PREFIX + "__ming_image__": torch.zeros(0)}, None),
+             "metadata": (state, {"config": json.dumps({"transformer": {"image_model": "ming_image"}})}),
+             "z_image": (state, {"config": json.dumps({"transformer": {"image_model": "lumina2"}})})}
+    want = {"design": ("ming_image", 32), "marker": ("ming_image", None), "metadata": ("ming_image", None),
+            "z_image": ("image", "absent")}
+    for name, (tensors, metadata) in files.items():
+        path = str(tmp_path / f"{name}.safetensors")
+        save_file(tensors, path, metadata=metadata)
+        detection = detect_any(read_checkpoint_header(path))
+        assert (detection.family, detection.variant, detection.config.get("masked_pad_multiple", "absent")) == \
+            ("z_image", *want[name]), name
+
+
+def test_ming_image_with_pad_tokens_equals_its_reference(tmp_path):
+    """Ming-Image with learned pads (a marked file): both streams padded as Z-Image, references after the target
+    frames, then the pads; one rank against the reference (the suite checks the unpadded Design at every layout)."""
+    from sp_lab.conformance.cases import ming_image_cases
+    from sp_runtime.contract import LoadRequest
+    from sp_runtime.groups import SeqParallel
+    model = build_tiny_model("z_image", 3)
+    state = {COMFY_PREFIX + k: v for k, v in original_state_dict("z_image", model).items()}
+    path = str(tmp_path / "ming_layer.safetensors")
+    save_file({**state, COMFY_PREFIX + "__ming_image__": torch.zeros(0)}, path)
+    groups = type("Groups", (), {"seq": SeqParallel.single()})()
+    detection = z_image.detect(read_checkpoint_header(path))
+    worker = z_image.load(LoadRequest(path, "float32"), detection, torch.device("cpu"), groups, lambda *_: None)
+    assert worker.info.x_ndim == 5 and worker.info.config["pad_tokens_multiple"] == 32
+    for case in ("edit_refs", "two_frames"):
+        x, t, inputs = ming_image_cases()[case]
+        out = torch.empty_like(x)
+        worker.forward(x, t, inputs, out, LocalContext(groups))
+        assert_parity(out, z_image_reference(model, x, t, **inputs), "float32", f"z_image_ming_pads/{case}")
+    x, t, inputs = ming_image_cases()["edit_refs"]
+    out = torch.empty_like(x)
+    for bad, match in (({"siglip_feats": [x]}, "siglip_feats .*not supported"),
+                       ({"clip_text_pooled": x[:, 0, 0]}, "clip_text_pooled .*not supported"),
+                       ({"direct_context": inputs["direct_context"][..., :8]}, "direct_context has shape"),
+                       ({"ref_frames": [x[:, :, 0, :, :4][:, :8]]}, "ref_frames holds"),
+                       ({"ref_frames": [x[:1, :, 0]]}, "ref_frames holds")):
+        with pytest.raises(ValueError, match=match):
+            worker.forward(x, t, {**inputs, **bad}, out, LocalContext(groups))
+    with pytest.raises(ValueError, match=r"Ming-Image takes \[B, 16, F, H, W\]"):
+        worker.forward(x[:, :, 0], t, inputs, torch.empty_like(x[:, :, 0]), LocalContext(groups))

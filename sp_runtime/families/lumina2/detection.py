@@ -1,5 +1,6 @@
-"""Lumina 2 (NextDiT: Lumina-Image 2.0, NetaYume) detection from a header alone: prefix, key layout (ComfyUI's fused
-qkv or diffusers') and the Lumina2Transformer2DModel config; NewBie and Ming-Image are refused by name."""
+"""Lumina 2 (NextDiT: Lumina-Image 2.0, NetaYume, NewBie) detection from a header alone: prefix, key layout (ComfyUI's
+fused qkv or diffusers') and the Lumina2Transformer2DModel config; NewBie (variant "newbie") adds the width of its
+pooled CLIP text (clip_text_dim), as ComfyUI's detection reads it from clip_text_pooled_proj."""
 from __future__ import annotations
 
 from typing import Optional
@@ -21,10 +22,10 @@ DIFFUSERS_ANCHORS = ("time_caption_embed.caption_embedder.1.weight", "noise_refi
 UNUSED = ("norm_final.weight",)  # in the original release, used by neither ComfyUI nor diffusers
 CONFIG_KEYS = ("in_channels", "hidden_size", "num_layers", "num_refiner_layers", "num_attention_heads",
                "num_kv_heads", "cap_feat_dim", "axes_dim_rope", "axes_lens", "multiple_of", "ffn_dim_multiplier")
-REFUSED = {"clip_text_pooled_proj.0.weight": "NewBie (its Jina CLIP pooled text joins the time embedding through "
-                                              "clip_text_pooled_proj / time_text_embed, which diffusers' "
-                                              "Lumina2Transformer2DModel does not have)",
-           "__ming_image__": "Ming-Image (reference frames on a frame axis of the latent)"}
+NEWBIE_KEY = "clip_text_pooled_proj.0.weight"  # NewBie: its pooled Jina CLIP text joins the time embedding
+NEWBIE_KEYS = ("clip_text_pooled_proj.0.weight", "clip_text_pooled_proj.1.weight", "clip_text_pooled_proj.1.bias",
+               "time_text_embed.1.weight", "time_text_embed.1.bias")
+REFUSED = {"__ming_image__": "Ming-Image's marker on a Lumina 2-sized model (ComfyUI's Ming-Image is Z-Image-sized)"}
 
 
 def detect(header: Header) -> Optional[Detection]:
@@ -39,8 +40,27 @@ def detect(header: Header) -> Optional[Detection]:
     for key, what in REFUSED.items():
         if key in keys:
             raise ValueError(f"{header.path!r} is {what}: not supported (Lumina-Image 2.0 and NetaYume load)")
-    return Detection(family=NAME, variant="image", layout=layout, prefix=prefix,
-                     config=folder or architecture(keys, layout == "original"), files=header.source.files)
+    config = folder or architecture(keys, layout == "original")
+    newbie = NEWBIE_KEY in keys
+    if newbie:
+        config = {**config, "clip_text_dim": newbie_width(header, keys, config)}
+    return Detection(family=NAME, variant="newbie" if newbie else "image", layout=layout, prefix=prefix,
+                     config=config, files=header.source.files)
+
+
+def newbie_width(header: Header, keys: dict, config: dict) -> int:
+    """NewBie's pooled-text width: clip_text_pooled_proj (RMSNorm, Linear width -> width) and time_text_embed (SiLU,
+    Linear time + width -> time); ValueError naming the file when a part is missing or of another size (the biases
+    are read: a quantized file may store its matrices packed)."""
+    width = shape_of(keys, NEWBIE_KEY)[0]
+    biases = {"clip_text_pooled_proj.1.bias": (width,), "time_text_embed.1.bias": (min(config["hidden_size"], 1024),)}
+    missing = [key for key in NEWBIE_KEYS if key not in keys]
+    wrong = [key for key, shape in biases.items() if key in keys and tuple(shape_of(keys, key)) != shape]
+    if missing or wrong:
+        raise ValueError(f"{header.path!r} looks like NewBie (pooled text of width {width}) but has "
+                         f"{'no ' + str(missing) if missing else ''}{' and ' if missing and wrong else ''}"
+                         f"{'a ' + str(wrong) + ' of another size' if wrong else ''}: the file is incomplete")
+    return width
 
 
 def architecture(keys: dict, original: bool) -> dict:

@@ -12,14 +12,20 @@ from ...sp import AttentionSpec, Output, Part, Plan, Stage, Stream
 from ...sp.tokens import TokenGrid, pad_to_patch, patchify
 from ..z_image.plan import caption_block, check_nextdit, image_axes, image_block, join, joint_block, output_tokens
 from .detection import PATCH, ROPE_THETA
+from .newbie import is_newbie, with_pooled_text
 
 UNSUPPORTED_INPUTS = ("ref_latents", "ref_contexts", "siglip_feats", "direct_context", "ref_frames")
 
 
 def check(call) -> None:
     check_nextdit(call, "Lumina 2", UNSUPPORTED_INPUTS, "Z-Image Omni / Ming-Image", "the Gemma text encoder")
-    # attention_mask and num_tokens are read past as ComfyUI's NextDiT does; so is clip_text_pooled, which only
-    # NewBie's clip_text_pooled_proj reads (NewBie files are refused at detection)
+    # attention_mask and num_tokens are read past as ComfyUI's NextDiT does; so is clip_text_pooled, except by NewBie
+    pooled = call.inputs.get("clip_text_pooled")
+    if pooled is not None and is_newbie(call.model):
+        width = call.model.clip_text_pooled_proj[1].in_features
+        if pooled.dim() != 2 or pooled.shape[-1] != width or pooled.shape[0] not in (1, call.x.shape[0]):
+            raise ValueError(f"clip_text_pooled has shape {tuple(pooled.shape)}; NewBie takes [batch, {width}] (the "
+                             f"Jina CLIP text encoder's pooled output)")
 
 
 def layout(call) -> list[Stream]:
@@ -56,9 +62,13 @@ def project_grouped_qkv(attn, hidden: torch.Tensor):
 
 
 def condition(call) -> None:
-    """ComfyUI's t_embedder(1 - sigma) (time_scale 1): sinusoids in float32, cast to the compute dtype, the MLP."""
+    """ComfyUI's t_embedder(1 - sigma) (time_scale 1): sinusoids in float32, cast to the compute dtype, the MLP;
+    NewBie's pooled text joined to it (newbie.py)."""
     embed = call.model.time_caption_embed
     call.adaln = embed.timestep_embedder(embed.time_proj(1 - call.sigma()).to(call.dtype))
+    if is_newbie(call.model):
+        pooled = call.input("clip_text_pooled") if call.inputs.get("clip_text_pooled") is not None else None
+        call.adaln = with_pooled_text(call.model, call.adaln, pooled)
 
 
 GROUPED = AttentionSpec(project=project_grouped_qkv)

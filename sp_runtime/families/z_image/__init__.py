@@ -5,19 +5,37 @@ negated) on diffusers' ZImageTransformer2DModel.
 Plan (plan.py): the caption and the image tokens are two streams, each padded to 32 and split over the ranks on its
 own; `context_refiner` and `noise_refiner` attend within one stream, `layers` over both (each rank's caption shard,
 then its image shard; nothing is masked, so the order changes nothing). Ulysses pads heads to the degree.
+Ming-Image (variant "ming_image", ming.py): 5-D latents, reference frames and direct caption tokens in the same two
+streams, without pad tokens where its file has none; one PlanModel per variant (x is 4-D / 5-D).
 """
+from ...checkpoints.loading import detected_checkpoint
 from ..family import Family, PlanModel
+from . import ming
 from .detection import CLASS_NAME, CONFIG_KEYS, NAME, PAD_MULTIPLE, PATCH, UNUSED, architecture, detect
 from .host import COMFY
 from .keys import original_plan, weight_plan
 from .plan import PLAN
 
-MODEL = PlanModel(NAME, "Z-Image", CLASS_NAME, detect, weight_plan, PLAN, 4, CONFIG_KEYS, ignore=UNUSED,
-                  channels=lambda model: (model.config.in_channels, model.config.in_channels))
-load, load_model = MODEL.load, MODEL.load_model
+MODELS = {variant: PlanModel(NAME, "Z-Image", CLASS_NAME, detect, weight_plan, plan, x_ndim, CONFIG_KEYS,
+                             ignore=UNUSED, channels=lambda model: (model.config.in_channels, model.config.in_channels),
+                             build=ming.build_model, describe=ming.describe)
+          for variant, plan, x_ndim in (("image", PLAN, 4), ("ming_image", ming.MING_PLAN, 5))}
+MODEL = MODELS["image"]
 
-FAMILY = Family(NAME, "Z-Image (base, turbo)", detect, load, COMFY, weight_plan, original_plan, load_model,
-                gguf_architectures=("lumina2",))
 
-__all__ = ["FAMILY", "CONFIG_KEYS", "COMFY", "NAME", "PAD_MULTIPLE", "PATCH", "PLAN", "architecture", "detect", "load",
-           "load_model", "original_plan", "weight_plan"]
+def load_model(path: str, dtype: str = "default", device="cpu", detection=None, options=None, progress=None,
+               header=None):
+    """The variant's PlanModel.load_model (the same diffusers class; Ming-Image without pad tokens drops them)."""
+    header, detection = detected_checkpoint(path, header, detection, detect, NAME, "Z-Image")
+    return MODELS[detection.variant].load_model(path, dtype, device, detection, options, progress, header)
+
+
+def load(request, detection, device, groups, progress):
+    return MODELS[detection.variant].load(request, detection, device, groups, progress)
+
+
+FAMILY = Family(NAME, "Z-Image (base, turbo, Ming-Image)", detect, load, COMFY, weight_plan, original_plan,
+                load_model, gguf_architectures=("lumina2",))
+
+__all__ = ["FAMILY", "CONFIG_KEYS", "COMFY", "MODELS", "NAME", "PAD_MULTIPLE", "PATCH", "PLAN", "architecture",
+           "detect", "load", "load_model", "original_plan", "weight_plan"]

@@ -1,5 +1,7 @@
 """Z-Image detection from a header alone (no weights read, no diffusers): prefix, key layout (ComfyUI's fused qkv or
-diffusers') and the ZImageTransformer2DModel config."""
+diffusers') and the ZImageTransformer2DModel config. Ming-Image (variant "ming_image") as ComfyUI's detection tells it:
+a `__ming_image__` marker, `image_model: ming_image` in the file's config metadata, or no learned pad tokens (Ming-Image
+Design: its caption is zero-padded to 32 and masked, which only moves the image positions: masked_pad_multiple)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -17,8 +19,10 @@ AXES_LENS = (1536, 512, 512)  # rotary table sizes of diffusers' model (ComfyUI 
 ANCHORS = ("cap_embedder.1.weight", "t_embedder.mlp.0.weight", "noise_refiner.0.adaLN_modulation.0.weight",
            "context_refiner.0.attention_norm1.weight", "layers.0.feed_forward.w1.weight")
 PAD_TOKENS = ("x_pad_token", "cap_pad_token")
+MING_MARKER = "__ming_image__"
+PIXEL_DECODER = "dec_net.cond_embed.weight"  # Z-Image's pixel-space variant (a DCT decoder head)
 FUSED_QKV = ".attention.qkv.weight"     # ComfyUI's files: [q; k; v] rows in one tensor
-UNUSED = ("norm_final.weight",)         # in some original files, used by neither ComfyUI nor diffusers
+UNUSED = ("norm_final.weight", "__ming_image__")  # unused by ComfyUI and diffusers; Ming-Image's marker
 CONFIG_KEYS = ("in_channels", "dim", "n_layers", "n_refiner_layers", "n_heads", "n_kv_heads", "cap_feat_dim",
                "rope_theta", "t_scale", "axes_dims", "axes_lens")
 
@@ -35,13 +39,33 @@ def detect(header: Header) -> Optional[Detection]:
     if any(key.startswith("siglip_") for key in keys) or (folder or {}).pop("siglip_feat_dim", None):
         raise ValueError(f"{header.path!r} is Z-Image Omni (SigLIP image features), which is not supported (Z-Image "
                          f"and Z-Image-Turbo load)")
+    if PIXEL_DECODER in keys:
+        raise ValueError(f"{header.path!r} is Z-Image pixel-space (a DCT decoder head, dec_net), which is not "
+                         f"supported (Z-Image, Z-Image-Turbo and Ming-Image load)")
     missing = [name for name in PAD_TOKENS if name not in keys]
-    if missing:
+    ming = MING_MARKER in keys or _ming_metadata(header) or len(missing) == len(PAD_TOKENS)
+    if missing and not (ming and len(missing) == len(PAD_TOKENS)):
         raise ValueError(f"{header.path!r} looks like Z-Image but has no {missing}: Z-Image pads its sequences with "
                          f"these learned tokens; the file is incomplete or another Lumina-type model")
     original = f"layers.0{FUSED_QKV}" in keys
-    return Detection(family=NAME, variant="image", layout="original" if original else "diffusers", prefix=prefix,
-                     config=folder or architecture(keys, original), files=header.source.files)
+    config = folder or architecture(keys, original)
+    if ming:
+        config = {**config, "masked_pad_multiple": PAD_MULTIPLE if missing else None}
+    return Detection(family=NAME, variant="ming_image" if ming else "image",
+                     layout="original" if original else "diffusers", prefix=prefix, config=config,
+                     files=header.source.files)
+
+
+def _ming_metadata(header: Header) -> bool:
+    """`image_model: ming_image` under "transformer" in the file's `config` metadata (ComfyUI's repacked files)."""
+    import json
+    text = (header.metadata or {}).get("config")
+    try:
+        config = json.loads(text) if text else {}
+    except ValueError:
+        return False
+    transformer = config.get("transformer") if isinstance(config, dict) else None
+    return isinstance(transformer, dict) and transformer.get("image_model") == "ming_image"
 
 
 def architecture(keys: dict, original: bool) -> dict:
