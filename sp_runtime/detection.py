@@ -27,9 +27,8 @@ OTHER_KINDS = {
     "HiDream-O1": ("t_embedder1.mlp.0.weight",),
     "Flux.3": ("early_stream_modulations.image.lin.weight",),  # diffusers' CHECKPOINT_KEY_NAMES["flux3"]
     "Bria FIBO 2": ("perceiver.latent_queries",),  # diffusers' name; ComfyUI's model code is in no stored tree
-    # Boogu-Image: OmniGen2's modules plus a dual-stream stage (ComfyUI's model_detection key), so before OmniGen2
+    # Boogu-Image: OmniGen2's modules plus a dual-stream stage (ComfyUI's model_detection key; omnigen2 leaves it)
     "Boogu-Image": ("img_instruct_attn.processor.img_to_q.weight",),
-    "OmniGen2": ("ref_image_patch_embedder.weight",),  # ComfyUI's name; diffusers has no OmniGen2 class to check by
     "Lens": ("img_mlp.w1.weight",),  # ComfyUI's key: gated MLP (Qwen-Image's is img_mlp.net.0.proj)
     # PiD (pixel diffusion decoder of Flux.1 latents) is PixelDiT with a latent projection, so before PixelDiT
     "PiD (PixelDiT latent decoder)": ("lq_proj.latent_proj.0.weight",),

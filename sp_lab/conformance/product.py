@@ -85,6 +85,7 @@ for _family, _seed, _calls, _spec in (
         ("kandinsky5", 15, cases.kandinsky5_cases, dict(load_case="i2v", layouts={"diffusers_folder": dict(
             layout="diffusers_folder")})),
         ("krea2", 17, cases.krea2_cases, {}),
+        ("omnigen2", 18, cases.omnigen2_cases, dict(load_case="odd_latent_refs", layouts={"comfy": {}})),
         ("hunyuan_video", 13, cases.hunyuan_video_cases,
          dict(load_case="105_tokens", layouts={"diffusers": OTHER_LAYOUTS["diffusers"]},
               reference_model=plain_hunyuan_video, layout_cases=("105_tokens", "3_tokens_batch_1", "ref_latent"))),

@@ -17,6 +17,7 @@ from . import chroma, cosmos, flux2, hidream, hunyuan_video, lumina2, ltx2, mini
 from . import ideogram4
 from . import qwen_image_controlnet
 from . import kandinsky5, krea2, ltxv
+from . import omnigen2
 from .weights import COMFY_PREFIX, random_model, randomize_, save_tiny, sized
 
 __all__ = ["COMFY_PREFIX", "FAMILIES", "LAYOUTS", "build_tiny_model", "original_state_dict", "randomize_",
@@ -38,7 +39,7 @@ MODULES = {"wan": wan, "qwen_image21": qwen_image21, "flux2": flux2, "hunyuan_vi
            "hunyuan_video15": _hunyuan("1.5"), "z_image": z_image, "ltx2": ltx2, "sd3": sd3, "chroma": chroma,
            "hidream": hidream, "lumina2": lumina2, "minimax_h3": minimax_h3, "cosmos": cosmos,
            "ideogram4": ideogram4, "qwen_image_controlnet": qwen_image_controlnet,
-           "ltxv": ltxv, "kandinsky5": kandinsky5, "krea2": krea2}
+           "ltxv": ltxv, "kandinsky5": kandinsky5, "krea2": krea2, "omnigen2": omnigen2}
 FAMILIES = ("qwen_image", "flux", *MODULES)
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
 

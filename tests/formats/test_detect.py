@@ -161,8 +161,6 @@ def test_unsupported_family_names_it_and_lists_supported(tmp_path):
     ("flux3-image-klein-int8-convrot", ("early_stream_modulations.image.lin.weight", "ref_time_in.in_layer.weight"),
      "Flux.3"),
     ("fibo2_dev_int8_convrot", ("perceiver.latent_queries", "noise_refiner.0.attention.to_q.weight"), "Bria FIBO 2"),
-    ("omnigen2_fp16", ("ref_image_patch_embedder.weight", "time_caption_embed.timestep_embedder.linear_1.bias",
-                       "noise_refiner.0.attn.to_q.weight"), "OmniGen2"),
     # ComfyUI's model_detection keys of the templates' other new architectures (comfy/ldm/<name>, ComfyUI 0.33)
     ("boogu_image_edit_fp8_scaled", ("double_stream_layers.0.img_instruct_attn.processor.img_to_q.weight",
                                      "ref_image_patch_embedder.weight", "x_embedder.weight",
