@@ -48,11 +48,12 @@ def test_comfyui_knows_the_model_families():
                                                                "z_image", "lumina2", "ltx2", "sd3", "chroma",
                                                                "hidream", "minimax_h3", "cosmos",
                                                                "ideogram4",
-                                                               "ltxv", "kandinsky5", "krea2"}
+                                                               "ltxv", "kandinsky5", "krea2", "omnigen2"}
     assert comfy_host("ideogram4").model_class("image") == "Ideogram4"
     assert comfy_host("sd3").model_class("3.5_medium") == "SD3"
     assert comfy_host("hidream").model_class("") == "HiDream"
     assert comfy_host("lumina2").model_class("") == "Lumina2"
+    assert comfy_host("omnigen2").model_class("") == "Omnigen2"
     assert comfy_host("minimax_h3").model_class("pruned") == "MiniMaxH3"
     assert comfy_host("chroma").model_class("") == "Chroma"
     assert comfy_host("hunyuan_video").model_class("i2v") == "HunyuanVideoI2V"
