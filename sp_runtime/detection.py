@@ -27,8 +27,15 @@ OTHER_KINDS = {
     "HiDream-O1": ("t_embedder1.mlp.0.weight",),
     "Flux.3": ("early_stream_modulations.image.lin.weight",),  # diffusers' CHECKPOINT_KEY_NAMES["flux3"]
     "Bria FIBO 2": ("perceiver.latent_queries",),  # diffusers' name; ComfyUI's model code is in no stored tree
-    "OmniGen2": ("ref_image_patch_embedder.weight",),  # ComfyUI's name; diffusers has no OmniGen2 class to check by
     "Ovis-Image": ("double_blocks.0.img_mlp.gate_proj.weight", "context_embedder_norm.weight"),  # Flux.1 with SwiGLU MLPs
+    # Boogu-Image: OmniGen2's modules plus a dual-stream stage (ComfyUI's model_detection key; omnigen2 leaves it)
+    "Boogu-Image": ("img_instruct_attn.processor.img_to_q.weight",),
+    "Lens": ("img_mlp.w1.weight",),  # ComfyUI's key: gated MLP (Qwen-Image's is img_mlp.net.0.proj)
+    # PiD (pixel diffusion decoder of Flux.1 latents) is PixelDiT with a latent projection, so before PixelDiT
+    "PiD (PixelDiT latent decoder)": ("lq_proj.latent_proj.0.weight",),
+    "PixelDiT": ("core.pixel_embedder.proj.weight",),
+    "SeedVR2": ("vid_in.proj.weight",),  # ComfyUI's NaDiT patch-in layer
+    "CogVideoX (VOID's inpainting passes)": ("patch_embed.text_proj.weight",),  # ComfyUI's and diffusers' name
     "a VAE": ("decoder.conv_in.weight", "decoder.conv_in.conv.weight", "decoder.middle.0.residual.0.gamma"),
     "a text encoder": ("encoder.block.0.layer.0.SelfAttention.q.weight", "text_model.encoder.layers.0.mlp.fc1.weight",
                        "model.layers.0.self_attn.q_proj.weight"),

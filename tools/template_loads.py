@@ -36,7 +36,8 @@ NOT_IMAGE_VIDEO = "not an image / video diffusion model"
 
 # Variants a served family's detector refuses with an error naming them (the family's own detection.py).
 REFUSED_VARIANTS = {"Chroma Radiance": "chroma/detection.py",
-                    "Wan-based variant (modules Wan's detector does not know)": "wan/detect.py"}
+                    "Wan-based variant (modules Wan's detector does not know)": "wan/detect.py",
+                    "Wan 2.1 Causal Forcing (causal_ar metadata)": "wan/detect.py"}
 
 # (file-name pattern, kinds, label): kinds is a FAMILIES name, an OTHER_KINDS / REFUSED_VARIANTS name, NOT_IMAGE_VIDEO,
 # any other text (a model the project does not name), or a tuple of these (the first that applies: a family another
@@ -79,8 +80,8 @@ KINDS = [
     (r"^ideogram4", "ideogram4", "Ideogram 4"),
     (r"^mage_flow", "mage_flow", "MageFlow (edit, turbo)"),
     (r"^krea2", "krea2", "Krea 2"),
-    (r"^boogu", "boogu_image", "Boogu-Image"),
-    (r"^seedvr2", "seedvr2", "SeedVR2"),
+    (r"^boogu", ("boogu_image", "Boogu-Image"), "Boogu-Image"),
+    (r"^seedvr2", ("seedvr2", "SeedVR2"), "SeedVR2"),
     (r"^kandinsky5", "kandinsky5", "Kandinsky 5 Lite"),
     (r"^omnigen2", ("omnigen2", "OmniGen2"), "OmniGen2"),
     (r"^ernie-image", "ernie_image", "ERNIE-Image"),
@@ -88,7 +89,11 @@ KINDS = [
     (r"^ovis_image", ("ovis_image", "Ovis-Image"), "Ovis-Image"),
     (r"^fibo2", ("bria_fibo2", "Bria FIBO 2"), "Bria FIBO 2"),
     (r"^capybara", "hunyuan_video15", "Capybara v0.1 (HunyuanVideo 1.5 fine-tune)"),
-    (r"^void_pass", "void", "VOID"),
+    (r"^void_pass", "CogVideoX (VOID's inpainting passes)", "VOID (CogVideoX-Fun 5B inpainting)"),
+    (r"^causal_forcing", "Wan 2.1 Causal Forcing (causal_ar metadata)", "Wan 2.1 Causal Forcing"),
+    (r"^lens", "Lens", "Lens (base, turbo)"),
+    (r"^pid_", "PiD (PixelDiT latent decoder)", "PiD (Flux.1 latents to pixels)"),
+    (r"^pixeldit", "PixelDiT", "PixelDiT"),
     (r"^chrono_edit", "wan", "ChronoEdit (Wan 2.1 I2V fine-tune)"),
 ]
 

@@ -199,6 +199,17 @@ def ming_image_cases(seed=6):
             "few_tokens": (rand(1, 16, 1, 2, 4), t2[:1], {"context": rand(1, 3, 32)})}
 
 
+def omnigen2_cases(seed=4):
+    """Caption / image streams of 11 / 35 tokens; an odd latent with two reference latents (one odd: 12 + 12
+    reference tokens); 3 / 2 tokens (fewer than ranks); batch 2 and 1."""
+    rand = seeded_randn(seed)
+    t2 = torch.tensor([0.8, 0.25])
+    return {"t2i": (rand(2, 16, 10, 14), t2, {"context": rand(2, 11, 32), "num_tokens": 11}),
+            "odd_latent_refs": (rand(2, 16, 9, 13), t2, {"context": rand(2, 7, 32), "num_tokens": 7,
+                                                         "ref_latents": [rand(2, 16, 6, 8), rand(2, 16, 5, 7)]}),
+            "few_tokens": (rand(1, 16, 2, 4), t2[:1], {"context": rand(1, 3, 32)})}
+
+
 def hunyuan_video_cases(channels: int = 16, version: str = "1.0", seed: int = 4) -> dict:
     """ComfyUI calls (x, timestep, kwargs): 35 tokens (one frame), 105 tokens, 3 tokens (batch 1); text 7 tokens; a
     reference latent (12 tokens ahead of the video); for 1.5 image-to-video SigLIP and ByT5 glyph tokens."""

@@ -221,6 +221,25 @@ def test_diffusers_files_may_carry_the_unused_norm_added_q(files, tmp_path):
     assert "blocks.0.attn2.norm_added_q.weight" not in model.state_dict()
 
 
+def test_causal_forcing_files_are_refused_by_name(files, tmp_path):
+    """The templates' causal_forcing-framewise: Wan 2.1 T2V weights whose ComfyUI metadata says causal_ar (ComfyUI's
+    CausalWanModel, sampled block by block against a KV cache by SamplerARVideo); the same file without it loads."""
+    import json
+    from safetensors.torch import load_file, save_file
+    from sp_runtime.detection import detect
+    from sp_runtime.checkpoints.header import read_checkpoint_header
+    state = load_file(files["original"])
+    for name, causal in (("causal_forcing-framewise", True), ("plain", False)):
+        path = str(tmp_path / f"{name}.safetensors")
+        save_file(state, path, metadata={"ulysses_sp.head_dim": "16",
+                                         "config": json.dumps({"transformer": {"causal_ar": causal}})})
+        if causal:
+            with pytest.raises(ValueError, match="is a Wan 2.1 Causal Forcing model .*causal_ar.* not supported"):
+                detect(read_checkpoint_header(path))
+        else:
+            assert detect(read_checkpoint_header(path)).variant == "t2v"
+
+
 def test_cancel_is_checked_between_blocks_and_bad_inputs_are_named(files):
     worker, context = single_rank_worker(files["original"])
     x, t, inputs = make_cases()["45_tokens"]

@@ -161,8 +161,20 @@ def test_unsupported_family_names_it_and_lists_supported(tmp_path):
     ("flux3-image-klein-int8-convrot", ("early_stream_modulations.image.lin.weight", "ref_time_in.in_layer.weight"),
      "Flux.3"),
     ("fibo2_dev_int8_convrot", ("perceiver.latent_queries", "noise_refiner.0.attention.to_q.weight"), "Bria FIBO 2"),
-    ("omnigen2_fp16", ("ref_image_patch_embedder.weight", "time_caption_embed.timestep_embedder.linear_1.bias",
-                       "noise_refiner.0.attn.to_q.weight"), "OmniGen2")])
+    # ComfyUI's model_detection keys of the templates' other new architectures (comfy/ldm/<name>, ComfyUI 0.33)
+    ("boogu_image_edit_fp8_scaled", ("double_stream_layers.0.img_instruct_attn.processor.img_to_q.weight",
+                                     "ref_image_patch_embedder.weight", "x_embedder.weight",
+                                     "time_caption_embed.timestep_embedder.linear_1.bias"), "Boogu-Image"),
+    ("lens_bf16", ("transformer_blocks.0.attn.norm_added_q.weight", "transformer_blocks.0.img_mlp.w1.weight",
+                   "transformer_blocks.0.attn.img_qkv.weight", "img_in.weight", "txt_norm.0.weight", "txt_in.weight",
+                   "proj_out.weight"), "Lens"),
+    ("pid_flux1_1024_to_4096_4step_bf16", ("lq_proj.latent_proj.0.weight", "lq_proj.gate_modules.0.content_proj.weight",
+                                           "core.pixel_embedder.proj.weight"), "PiD"),
+    ("pixeldit_1300m_1024px_bf16", ("core.pixel_embedder.proj.weight", "core.blocks.0.attn.qkv_x.weight"), "PixelDiT"),
+    ("seedvr2_3b_int8_convrot", ("vid_in.proj.weight", "txt_in.weight", "emb_in.proj_in.weight",
+                                 "blocks.31.mlp.all.proj_in_gate.weight", "vid_out.proj.weight"), "SeedVR2"),
+    ("void_pass1", ("patch_embed.proj.weight", "patch_embed.text_proj.weight", "blocks.0.norm1.linear.weight",
+                    "blocks.0.attn1.q.weight", "time_embedding.linear_1.weight"), "CogVideoX")])
 def test_template_models_without_a_family_are_refused_by_name(name, keys, kind):
     from sp_runtime.checkpoints.header import Header
     header = Header(f"{name}.safetensors", {f"model.diffusion_model.{key}": ("BF16", (9, 3)) for key in keys})

@@ -37,6 +37,8 @@ def detect(header: Header) -> Optional[Detection]:
     if found is None:
         return None
     layout, prefix, keys = found
+    if "ref_image_patch_embedder.weight" in keys:  # OmniGen2 / Boogu-Image: Lumina 2's names plus their own
+        return None
     for key, what in REFUSED.items():
         if key in keys:
             raise ValueError(f"{header.path!r} is {what}: not supported (Lumina-Image 2.0 and NetaYume load)")

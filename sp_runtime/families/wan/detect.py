@@ -56,6 +56,7 @@ def detect(header: Header) -> Optional[Detection]:
         _reject_unknown(header, keys, wan_key_plan(keys))
         keys = {original_key(key): value for key, value in keys.items()}
         config = architecture(keys, "original", _stated_head_dim(header, folder_config))
+        _refuse_causal(header)
         stated = _stated_model_type(header)
         for variant in REGISTRY:
             if variant.marked is not None and (own_layout is variant or stated == variant.model_type):
@@ -113,10 +114,26 @@ def _stated_head_dim(header: Header, folder_config: Optional[dict]) -> Optional[
 
 def _stated_model_type(header: Header) -> Optional[str]:
     """The model_type ComfyUI's model_detection reads from the file's metadata (config.transformer), if any."""
+    return _stated_transformer(header).get("model_type")
+
+
+def _stated_transformer(header: Header) -> dict:
+    """The transformer config ComfyUI's model_detection merges from the file's metadata (config.transformer)."""
     try:
-        return json.loads(header.metadata.get("config", "{}")).get("transformer", {}).get("model_type")
+        stated = json.loads(header.metadata.get("config", "{}")).get("transformer", {})
     except (ValueError, AttributeError):  # metadata of other tools: not ComfyUI's
-        return None
+        return {}
+    return stated if isinstance(stated, dict) else {}
+
+
+def _refuse_causal(header: Header) -> None:
+    """Causal Forcing / Self-Forcing files (the templates' causal_forcing-framewise) are Wan 2.1 T2V weights whose
+    metadata says causal_ar: ComfyUI then builds its CausalWanModel, which SamplerARVideo runs frame block by frame
+    block against a KV cache kept across calls. The pool serves whole-clip bidirectional calls only."""
+    if _stated_transformer(header).get("causal_ar"):
+        raise ValueError(f"{header.path!r} is a Wan 2.1 Causal Forcing model (its metadata says causal_ar): "
+                         f"autoregressive frame-block sampling with a KV cache kept between calls (ComfyUI's "
+                         f"CausalWanModel and SamplerARVideo) is not supported")
 
 
 def _reject_unknown(header: Header, keys: dict, plan: dict) -> None:
