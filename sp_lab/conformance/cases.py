@@ -367,3 +367,20 @@ def longcat_image_cases(seed=19):
                             "ref_latents": [rand(1, 16, 6, 8).repeat(2, 1, 1, 1)]}),
             "2_tokens": (rand(1, 16, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 3584),
                                                                   "rope_options": shifted(3)})}
+
+
+def seedvr2_cases(seed=20):
+    """SeedVR2 (x and the 17-channel condition, patch 1 x 2 x 2): a video of 5 frames x 15 tokens (batch 2 at
+    different times, windows of 2 frames, shifted ones of 1 + 2 + 2), one 22 x 26 frame (2 x 2 windows, shifted
+    3 x 3), the stored prompt when the call has none, 1 token (fewer than the ranks)."""
+    rand = seeded_randn(seed)
+
+    def call(batch, frames, height, width, text, t):
+        inputs = {"condition": rand(batch, 17, frames, height, width)}
+        if text:
+            inputs["context"] = rand(batch, text, 48)
+        return rand(batch, 16, frames, height, width), torch.tensor(t), inputs
+    return {"video_75_tokens": call(2, 5, 6, 10, 7, [700.0, 300.0]),
+            "windows_572_tokens": call(1, 1, 44, 52, 5, [500.0]),
+            "stored_prompt": call(1, 3, 4, 6, 0, [900.0]),
+            "1_token": call(1, 1, 2, 2, 3, [400.0])}

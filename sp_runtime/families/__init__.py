@@ -18,6 +18,7 @@ from .family import Family
 
 FAMILIES = {
     "mage_flow": "sp_runtime.families.mage_flow",  # before qwen_image: the same key names
+    "seedvr2": "sp_runtime.families.seedvr2",
     "qwen_image": "sp_runtime.families.qwen_image",
     "qwen_image_controlnet": "sp_runtime.families.qwen_image_controlnet",
     "qwen_image21": "sp_runtime.families.qwen_image21",

@@ -49,7 +49,8 @@ def test_comfyui_knows_the_model_families():
                                                                "hidream", "minimax_h3", "cosmos", "anima",
                                                                "ideogram4",
                                                                "ltxv", "kandinsky5", "krea2",
-                                                               "mage_flow", "ernie_image", "longcat_image", "omnigen2"}
+                                                               "mage_flow", "ernie_image", "longcat_image", "omnigen2",
+                                                               "seedvr2"}
     assert comfy_host("ideogram4").model_class("image") == "Ideogram4"
     assert comfy_host("sd3").model_class("3.5_medium") == "SD3"
     assert comfy_host("hidream").model_class("") == "HiDream"
