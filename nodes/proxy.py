@@ -13,6 +13,7 @@ import comfy.patcher_extension
 
 from sp_runtime.families import comfy_host, families
 from sp_runtime.checkpoints.dtypes import DTYPES
+from sp_runtime.checkpoints.header import read_file_tensor
 from sp_runtime.contract import Cancelled, HostHooks, patch_size_2
 from sp_runtime.lora.patch_set import PatchSet
 from sp_runtime.sp.rope_options import is_identity
@@ -84,6 +85,7 @@ class SPDiffusionModel(torch.nn.Module):
         self.hooks = host.hooks if host is not None else HostHooks()
         for name, value in (host.attributes if host else patch_size_2)(info).items():
             setattr(self, name, value)
+        self.file_tensors = host.file_tensors if host else ()
         for name, (module, cls, args, kwargs) in (host.helpers if host else {}).items():
             setattr(self, name, getattr(importlib.import_module(module), cls)(*args, **kwargs))
 
@@ -96,10 +98,19 @@ class SPDiffusionModel(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name in self.__dict__.get("file_tensors", ()):
+                return self._file_tensor(name)
             path = WeightPath.find(self.__dict__.get("weight_shapes") or {}, name, self.__dict__.get("dtype"))
             if path is None:
                 raise
             return path
+
+    def _file_tensor(self, name: str) -> torch.Tensor:
+        """A non-weight tensor ComfyUI's nodes read from the model (ComfyHost.file_tensors), read from the file once
+        and kept (a few hundred KB: SeedVR2's stored prompts), in the compute dtype as ComfyUI's model holds it."""
+        tensor = read_file_tensor(self.spec.path, name).to(self.dtype)
+        self.__dict__[name] = tensor
+        return tensor
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self._meta is None:

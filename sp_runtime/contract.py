@@ -155,6 +155,8 @@ class ComfyHost:
     hooks: the family's HostHooks (what the proxy does around each call).
     metadata_variants: variants ComfyUI's detection tells only from the file's metadata (Wan Animate 2): where it
         finds another class of the family (a file whose key layout says the variant), the variant's class is used.
+    file_tensors: small tensors of the file, not weights, that ComfyUI's nodes read from `diffusion_model` (SeedVR2's
+        stored prompt embeddings): the host reads just these from the file when first asked (read_file_tensor).
     """
 
     model_classes: Mapping[str, str]
@@ -163,6 +165,7 @@ class ComfyHost:
     helpers: Mapping[str, tuple] = field(default_factory=dict)
     hooks: HostHooks = HostHooks()
     metadata_variants: tuple[str, ...] = ()
+    file_tensors: tuple[str, ...] = ()
 
     def model_class(self, variant: str) -> Optional[str]:
         return self.model_classes.get(variant or "") or self.model_classes.get("")

@@ -255,3 +255,16 @@ def check_unchanged(path: str, stamp: list) -> None:
     if checkpoint_stamp(path) != [list(entry) for entry in stamp]:
         raise ValueError(f"{path!r} changed on disk after it was chosen for loading (replaced or rewritten): "
                          f"load it again")
+
+
+def read_file_tensor(path: str, name: str):
+    """One tensor of a checkpoint by its name with or without a prefix (`model.diffusion_model.positive_conditioning`
+    for `positive_conditioning`), read through safetensors' mmap alone: the host's way to the few non-weight tensors
+    ComfyUI's nodes read from the model (ComfyHost.file_tensors). KeyError naming the file when it has none."""
+    from safetensors import safe_open
+    for file in resolve_checkpoint(path).files:
+        with safe_open(file, framework="pt") as handle:
+            for key in handle.keys():
+                if key == name or key.endswith("." + name):
+                    return handle.get_tensor(key)
+    raise KeyError(f"{path} holds no tensor {name!r}")

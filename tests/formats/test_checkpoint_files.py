@@ -132,3 +132,19 @@ def test_lora_fifo_is_not_reported_missing(tmp_path):
     with pytest.raises(ValueError, match="FIFO") as error:
         read_lora_file(str(path))
     assert str(path) in str(error.value) and "does not exist" not in str(error.value)
+
+
+def test_read_file_tensor_finds_a_tensor_by_its_name_under_any_prefix(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+    from sp_runtime.checkpoints.header import read_file_tensor
+    stored = torch.arange(6.0).reshape(2, 3)
+    path = str(tmp_path / "model.safetensors")
+    save_file({"model.diffusion_model.positive_conditioning": stored, "model.diffusion_model.x.weight": stored * 2,
+               "other_conditioning": stored * 3}, path)
+    assert torch.equal(read_file_tensor(path, "positive_conditioning"), stored)
+    assert torch.equal(read_file_tensor(path, "other_conditioning"), stored * 3)
+    with pytest.raises(KeyError, match="negative_conditioning"):
+        read_file_tensor(path, "negative_conditioning")
+    with pytest.raises(KeyError):
+        read_file_tensor(path, "conditioning")  # a suffix only after a dot: not "positive_conditioning"

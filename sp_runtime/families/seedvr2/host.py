@@ -5,4 +5,5 @@ from __future__ import annotations
 from ...contract import ComfyHost, HostHooks
 
 COMFY = ComfyHost(model_classes={"": "SeedVR2"}, unet_config=lambda info: {"image_model": "seedvr2"},
-                  attributes=lambda info: {"patch_size": [1, 2, 2]}, hooks=HostHooks(rope_options="ignored"))
+                  attributes=lambda info: {"patch_size": [1, 2, 2]}, hooks=HostHooks(rope_options="ignored"),
+                  file_tensors=("positive_conditioning", "negative_conditioning"))  # SeedVR2Conditioning reads them
