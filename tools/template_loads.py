@@ -80,7 +80,7 @@ KINDS = [
     (r"^ideogram4", "ideogram4", "Ideogram 4"),
     (r"^mage_flow", "mage_flow", "MageFlow (edit, turbo)"),
     (r"^krea2", "krea2", "Krea 2"),
-    (r"^boogu", "boogu_image", "Boogu-Image"),
+    (r"^boogu", "boogu", "Boogu-Image (turbo, edit)"),
     (r"^seedvr2", "seedvr2", "SeedVR2"),
     (r"^kandinsky5", "kandinsky5", "Kandinsky 5 Lite"),
     (r"^omnigen2", ("omnigen2", "OmniGen2"), "OmniGen2"),

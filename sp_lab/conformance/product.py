@@ -87,6 +87,8 @@ for _family, _seed, _calls, _spec in (
         ("krea2", 17, cases.krea2_cases, {}),
         ("mage_flow", 19, cases.mage_flow_cases, dict(load_case="edit_two_refs", layouts={"comfy": {}},
                                                       layout_cases=("odd_latent_masked", "edit_two_refs"))),
+        ("boogu", 21, cases.boogu_cases, dict(load_case="edit_two_refs", layouts={"comfy": {}},
+                                              layout_cases=("odd_latent", "edit_two_refs"))),
         ("hunyuan_video", 13, cases.hunyuan_video_cases,
          dict(load_case="105_tokens", layouts={"diffusers": OTHER_LAYOUTS["diffusers"]},
               reference_model=plain_hunyuan_video, layout_cases=("105_tokens", "3_tokens_batch_1", "ref_latent"))),

@@ -18,6 +18,7 @@ from . import ideogram4
 from . import qwen_image_controlnet
 from . import kandinsky5, krea2, ltxv
 from . import mage_flow
+from . import boogu
 from .weights import COMFY_PREFIX, random_model, randomize_, save_tiny, sized
 
 __all__ = ["COMFY_PREFIX", "FAMILIES", "LAYOUTS", "build_tiny_model", "original_state_dict", "randomize_",
@@ -39,7 +40,8 @@ MODULES = {"wan": wan, "qwen_image21": qwen_image21, "flux2": flux2, "hunyuan_vi
            "hunyuan_video15": _hunyuan("1.5"), "z_image": z_image, "ltx2": ltx2, "sd3": sd3, "chroma": chroma,
            "hidream": hidream, "lumina2": lumina2, "minimax_h3": minimax_h3, "cosmos": cosmos,
            "ideogram4": ideogram4, "qwen_image_controlnet": qwen_image_controlnet,
-           "ltxv": ltxv, "kandinsky5": kandinsky5, "krea2": krea2, "mage_flow": mage_flow}
+           "ltxv": ltxv, "kandinsky5": kandinsky5, "krea2": krea2, "mage_flow": mage_flow,
+           "boogu": boogu}
 FAMILIES = ("qwen_image", "flux", *MODULES)
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
 

@@ -38,6 +38,7 @@ FAMILIES = {
     "krea2": "sp_runtime.families.krea2",
     "cosmos": "sp_runtime.families.cosmos",
     "ideogram4": "sp_runtime.families.ideogram4",
+    "boogu": "sp_runtime.families.boogu",
 }
 
 
