@@ -34,8 +34,12 @@ def detect(header: Header) -> Optional[Detection]:
     prefix = find_prefix(header.tensors, ANCHORS)
     if prefix is None:
         return None
-    return Detection(family=NAME, variant=VARIANT, layout="original", prefix=prefix,
-                     config=architecture(strip_prefix(header.tensors, prefix)), files=header.source.files)
+    try:
+        config = architecture(strip_prefix(header.tensors, prefix))
+    except ValueError as error:
+        raise ValueError(f"{header.path!r}: {error}") from None
+    return Detection(family=NAME, variant=VARIANT, layout="original", prefix=prefix, config=config,
+                     files=header.source.files)
 
 
 def architecture(keys: dict) -> dict:
