@@ -35,6 +35,8 @@ def check(call) -> None:
         raise ValueError(f"Boogu-Image needs context [batch, tokens, {config.cap_feat_dim}] (the Qwen3-VL text "
                          f"encoder output); got {None if context is None else tuple(context.shape)}")
     _check_instruction(inputs.get("attention_mask"), inputs.get("num_tokens"), context.shape[1])
+    tp = getattr(call.ctx.groups, "tp", None)
+    check_tensor_parallel(config.num_attention_heads, config.num_kv_heads, tp.degree if tp is not None else 1)
     refs = as_list(inputs.get("ref_latents"))
     if len(refs) > MAX_REFERENCES:
         raise ValueError(f"ref_latents: {len(refs)} reference latents; Boogu-Image embeds at most {MAX_REFERENCES} "
@@ -51,6 +53,15 @@ def _check_instruction(mask, num_tokens, tokens: int) -> None:
         raise ValueError(f"attention_mask / num_tokens: a padded instruction ({num_tokens} of {tokens} tokens) is "
                          f"not supported: Boogu-Image attends every instruction token (ComfyUI's model places its "
                          f"rotary positions after num_tokens and cannot run a padded one either)")
+
+
+def check_tensor_parallel(heads: int, kv_heads: int, degree: int) -> None:
+    """The joint attention's projections are split in equal feature ranges: whole heads only where the degree
+    divides both head counts (grouped models are refused so at load already; this covers ungrouped ones)."""
+    if degree > 1 and (heads % degree or kv_heads % degree):
+        raise ValueError(f"tensor_parallel_degree={degree} does not divide Boogu-Image's {heads} query and "
+                         f"{kv_heads} key / value heads (its double-stream joint attention is split by whole heads): "
+                         f"use a degree that divides both")
 
 
 def layout(call) -> list[Stream]:
