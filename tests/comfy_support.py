@@ -186,6 +186,7 @@ NEEDS_NEWER_COMFYUI = {
                         "VAEDecodeAudio"), "0.30.0 (MiniMax H3)"),
     "wan22_bernini_r_image_edit": (("BatchImagesNode", "BerniniConditioning", "ComfySwitchNode", "CustomCombo",
                                     "ImageCompare", "ResizeImageMaskNode"), "0.33.0 (Bernini-R; the newest tested)"),
+    "boogu_turbo_t2i": (("ResolutionSelector",), "0.26.0 (Boogu-Image)"),
     "wan21_scail2_character_replacement": (("BatchImagesNode", "ColorTransfer", "ComfyMathExpression",
                                             "ComfySwitchNode", "ResizeImageMaskNode", "SAM3_VideoTrack",
                                             "SCAIL2ColoredMask", "WanSCAILToVideo"),

@@ -384,3 +384,15 @@ def seedvr2_cases(seed=20):
             "windows_572_tokens": call(1, 1, 44, 52, 5, [500.0]),
             "stored_prompt": call(1, 3, 4, 6, 0, [900.0]),
             "1_token": call(1, 1, 2, 2, 3, [400.0])}
+
+
+def boogu_cases(seed=21):
+    """Boogu-Image (instruction / reference / latent streams): an odd latent of 20 tokens with 7 words (batch 2), the
+    edit's two references (one of odd size: 6 + 6 tokens) before a 9-token latent, 2 tokens and 3 words (fewer than
+    ranks); num_tokens every word, as ComfyUI passes it."""
+    rand = seeded_randn(seed)
+    t2 = torch.tensor([0.7, 0.3])
+    return {"odd_latent": (rand(2, 16, 7, 9), t2, {"context": rand(2, 7, 40), "num_tokens": 7}),
+            "edit_two_refs": (rand(2, 16, 6, 6), t2, {"context": rand(2, 5, 40), "num_tokens": 5,
+                                                      "ref_latents": [rand(2, 16, 5, 4), rand(2, 16, 3, 6)]}),
+            "few_tokens": (rand(1, 16, 2, 4), t2[:1], {"context": rand(1, 3, 40), "num_tokens": 3})}

@@ -102,6 +102,8 @@ for _family, _seed, _calls, _spec in (
         ("omnigen2", 18, cases.omnigen2_cases, dict(load_case="odd_latent_refs", layouts={"comfy": {}})),
         ("seedvr2", 20, cases.seedvr2_cases, dict(layouts={"comfy": {}}, tensor_parallel=SEEDVR2_NO_TP,
                                                   layout_cases=("video_75_tokens", "windows_572_tokens", "1_token"))),
+        ("boogu", 21, cases.boogu_cases, dict(load_case="edit_two_refs", layouts={"comfy": {}},
+                                              layout_cases=("odd_latent", "edit_two_refs"))),
         ("hunyuan_video", 13, cases.hunyuan_video_cases,
          dict(load_case="105_tokens", layouts={"diffusers": OTHER_LAYOUTS["diffusers"]},
               reference_model=plain_hunyuan_video, layout_cases=("105_tokens", "3_tokens_batch_1", "ref_latent"))),

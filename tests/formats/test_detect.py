@@ -162,9 +162,6 @@ def test_unsupported_family_names_it_and_lists_supported(tmp_path):
      "Flux.3"),
     ("fibo2_dev_int8_convrot", ("perceiver.latent_queries", "noise_refiner.0.attention.to_q.weight"), "Bria FIBO 2"),
     # ComfyUI's model_detection keys of the templates' other new architectures (comfy/ldm/<name>, ComfyUI 0.33)
-    ("boogu_image_edit_fp8_scaled", ("double_stream_layers.0.img_instruct_attn.processor.img_to_q.weight",
-                                     "ref_image_patch_embedder.weight", "x_embedder.weight",
-                                     "time_caption_embed.timestep_embedder.linear_1.bias"), "Boogu-Image"),
     ("lens_bf16", ("transformer_blocks.0.attn.norm_added_q.weight", "transformer_blocks.0.img_mlp.w1.weight",
                    "transformer_blocks.0.attn.img_qkv.weight", "img_in.weight", "txt_norm.0.weight", "txt_in.weight",
                    "proj_out.weight"), "Lens"),
