@@ -47,6 +47,8 @@ def connect(host: str, port: int, token: bytes, name: str, devices: list[str], t
     answer, _ = recv_frame(sock)
     if not answer.get("ok"):
         sock.close()
+        if answer.get("retry"):
+            raise ConnectionRefusedError(answer.get("refused", "refused for now"))
         raise Refused(answer.get("refused", "refused"))
     sock.settimeout(None)
     return sock
@@ -92,6 +94,8 @@ class Session:
 
     # ---- from the host --------------------------------------------------------------------------------------
     def _from_host(self, header: dict, payload: bytes) -> None:
+        if "probe" in header:  # the doctor's link measurement: the same bytes back
+            send_frame(self.sock, {"probe": header["probe"]}, payload)
         if "start" in header:
             self._start(header["start"])
         if "cancel" in header and self.control is not None:

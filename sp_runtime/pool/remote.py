@@ -130,7 +130,7 @@ class JoinPoint:
             if reason is None:
                 self.machines[name] = Machine(self, name, conn, peer)
         if reason is not None:
-            self._refuse(conn, peer, reason)
+            self._refuse(conn, peer, reason, retry=self._closed)
             return
         send_frame(conn, {"ok": True, "devices": self.expected[name]})
         log.info("machine %s joined from %s", name, peer)
@@ -151,11 +151,12 @@ class JoinPoint:
                     f"--devices covering {wanted}")
         return None
 
-    def _refuse(self, conn: socket.socket, peer: str, reason: str) -> None:
+    def _refuse(self, conn: socket.socket, peer: str, reason: str, retry: bool = False) -> None:
+        """Refuse a connection (logged); retry: the joiner may try again later (the pool is closing)."""
         log.warning("join listener: refused %s: %s", peer, reason)
         self.refusals.append(reason)
         try:
-            send_frame(conn, {"ok": False, "refused": reason})
+            send_frame(conn, {"ok": False, "refused": reason, "retry": retry})
         except OSError:
             pass
         conn.close()
@@ -206,6 +207,21 @@ class Machine:
         self._mirrored = None  # the host input segment the machine mirrors
         self._segments: dict[str, Segment] = {}  # host segments attached here (inputs, outputs, patch sets)
         self._cancel = False
+        self._probe = threading.Event()
+
+    def probe(self, nbytes: int, repeats: int = 3) -> float:
+        """The link to this machine: bytes per second one way, from the best of `repeats` round trips of nbytes
+        each way (the doctor's inter-machine measurement; the machine must be joined and idle)."""
+        payload = bytes(nbytes)
+        best = float("inf")
+        for _ in range(repeats):
+            self._probe.clear()
+            started = time.perf_counter()
+            self._send({"probe": nbytes}, payload)
+            if not self._probe.wait(timeout=120):
+                raise TimeoutError(f"machine {self.name!r} did not answer the link probe within 120 s")
+            best = min(best, time.perf_counter() - started)
+        return 2 * nbytes / best
 
     def start_reading(self) -> None:
         threading.Thread(target=self._read, name=f"usp-machine-{self.name}", daemon=True).start()
@@ -301,6 +317,8 @@ class Machine:
             self.disconnect()
 
     def _receive(self, header: dict, payload: bytes) -> None:
+        if "probe" in header:
+            self._probe.set()
         if "beat" in header:
             self._beat(header["beat"])
         if "output" in header:

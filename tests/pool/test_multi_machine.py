@@ -218,3 +218,15 @@ def test_layout_keeps_ulysses_inside_a_machine(flux):
         WorkerPool(SPConfig(devices, ulysses_degree=4), token_file=flux["token"])
     with pytest.raises(ValueError, match="token_file"):
         WorkerPool(SPConfig(devices, ulysses_degree=2, ring_degree=2))
+
+
+def test_doctor_measures_the_link_and_recommends_a_layout(flux, joiners):
+    port = free_port()
+    joiners(port, devices="cpu")
+    done = subprocess.run([sys.executable, "-m", "sp_runtime", "doctor", "--devices", "cpu:2", "--skip-workers",
+                           "--skip-bandwidth", "--tflops", "1,1", "--model", "wan", "--machines", "node2",
+                           "--listen", f"127.0.0.1:{port}", "--token-file", flux["token"]],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "machine node2" in done.stdout and "GB/s per direction" in done.stdout
+    assert "Ulysses across machines" in done.stdout and "recommended across machines: u2" in done.stdout
