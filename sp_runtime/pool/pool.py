@@ -62,7 +62,7 @@ class WorkerPool:
     share_cpu_weights: CPU workers keep one shared copy of each model's weights (Linux /dev/shm), not one each.
     listen, token_file: for devices on joined machines ("node2:cuda:0"): the address the join listener takes
         (127.0.0.1 unless an interface is named; port 0: any free one, see join_address) and the shared secret's
-        file (required). ulysses_across_machines: allow Ulysses groups that span machines (slow: refused unless
+        file (required); default: ULYSSES_SP_LISTEN, ULYSSES_SP_TOKEN_FILE. ulysses_across_machines: allow Ulysses groups that span machines (slow: refused unless
         set, then warned about). docs/MULTI_MACHINE.md.
     A pool dropped without close() is closed when it is garbage-collected, and at interpreter exit.
     """
@@ -674,12 +674,16 @@ def check_machine_layout(config: SPConfig, ulysses_across_machines: bool) -> Non
 
 
 def join_point(config: SPConfig, listen: Optional[str], token_file: Optional[str]):
-    """The join listener of a pool with devices on other machines (None otherwise)."""
+    """The join listener of a pool with devices on other machines (None otherwise). Unset, listen and token_file
+    come from ULYSSES_SP_LISTEN and ULYSSES_SP_TOKEN_FILE (how ComfyUI's loader nodes get them)."""
     if all(not machine for machine in config.machines):
         return None
+    listen = listen or os.environ.get("ULYSSES_SP_LISTEN")
+    token_file = token_file or os.environ.get("ULYSSES_SP_TOKEN_FILE")
     if not token_file:
         raise ValueError(f"devices {list(config.devices)} include other machines: give token_file (a shared secret, "
-                         f"chmod 600) for them to join with")
+                         f"chmod 600; under ComfyUI the environment variable ULYSSES_SP_TOKEN_FILE) for them to "
+                         f"join with")
     from .remote import JoinPoint
     expected = {machine: [local_device(d) for d in config.devices if machine_of(d) == machine]
                 for machine in config.machines if machine}

@@ -20,7 +20,7 @@ from ..devices import local_device, machine_of
 from .identity import file_identity
 from .relay_store import StoreSession
 from .segments import Segment
-from .wire import WireError, new_challenge, proof_matches, read_token, recv_frame, send_frame
+from .wire import HELLO_LIMIT, WireError, new_challenge, proof_matches, read_token, recv_frame, send_frame
 
 log = logging.getLogger("ulysses_sp.pool")
 HANDSHAKE_S = 10.0
@@ -106,7 +106,7 @@ class JoinPoint:
         try:
             conn.settimeout(HANDSHAKE_S)
             send_frame(conn, {"challenge": challenge})
-            hello, _ = recv_frame(conn)
+            hello, _ = recv_frame(conn, HELLO_LIMIT)
             conn.settimeout(None)
             if hello.get("kind") == "store" and self.store is not None and self.store.accepts(challenge,
                                                                                                hello.get("proof")):

@@ -14,7 +14,8 @@ import stat
 import struct
 
 _LENGTHS = struct.Struct("<IQ")  # header bytes, payload bytes
-MAX_HEADER = 256 << 20  # a load request carries the checkpoint's parsed header: large, but bounded
+MAX_HEADER = 64 << 20  # a load request carries the checkpoint's parsed header (at most 16 MiB of JSON as read)
+HELLO_LIMIT = 64 << 10  # before a connection proved its secret: a hello, nothing large
 MAX_PAYLOAD = 1 << 40
 MIN_TOKEN_BYTES = 16
 
@@ -30,9 +31,11 @@ def send_frame(sock: socket.socket, header: dict, payload: bytes | memoryview = 
         sock.sendall(payload)
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict, bytes]:
+def recv_frame(sock: socket.socket, limit: int = MAX_HEADER) -> tuple[dict, bytes]:
+    """One frame; limit: the most header bytes accepted (a connection that has not proved its secret: HELLO_LIMIT,
+    and no payload)."""
     header_len, payload_len = _LENGTHS.unpack(_recv_exact(sock, _LENGTHS.size))
-    if header_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
+    if header_len > limit or payload_len > (MAX_PAYLOAD if limit == MAX_HEADER else 0):
         raise WireError(f"a frame of {header_len} + {payload_len} bytes is over the limits: not our protocol")
     try:
         header = json.loads(_recv_exact(sock, header_len))

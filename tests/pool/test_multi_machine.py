@@ -32,7 +32,8 @@ from sp_runtime.pool.remote import JoinPoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = ("35_tokens", "odd_latent")  # odd token counts, batch 2
-START_S = 240.0  # generous: the test machine is shared; a quiet one starts in seconds
+START_S = 240.0
+WATCHDOG_S = 15.0  # the hung-remote case waits this long; above what a busy shared machine's pauses reach  # generous: the test machine is shared; a quiet one starts in seconds
 
 
 def _can_mount_private_shm() -> bool:
@@ -168,9 +169,11 @@ def test_killed_remote_then_rejoined_ring_across_machines(flux, joiners):
         assert pool.restarts == 1
 
 
-def test_cfg_across_machines_and_a_model_that_differs_there(flux, joiners, tmp_path):
+def test_cfg_across_machines_a_model_that_differs_there_and_a_hung_remote(flux, joiners, tmp_path):
     """cfg2: one CFG half per machine. A model whose file on the joined machine is not the host's is refused with
-    an error naming the machine and file; the pool then serves the matching one."""
+    an error naming the machine and file; the pool then serves the matching one. A joined machine that stops
+    (SIGSTOP: no heartbeat) fails the call within the watchdog time naming machine and rank; once it runs again it
+    joins again and the pool serves."""
     other = conformance("flux").write(str(tmp_path / "host"))  # same architecture, written again under a new name
     renamed = os.path.join(os.path.dirname(other), "differs.safetensors")
     os.rename(other, renamed)
@@ -178,14 +181,31 @@ def test_cfg_across_machines_and_a_model_that_differs_there(flux, joiners, tmp_p
         with open(renamed, "rb") as source:
             handle.write(source.read() + bytes(8))
     port = free_port()
-    joiners(port)
+    joiner = joiners(port)
     config = SPConfig(parse_devices("cpu,node2:cpu"), cfg_degree=2)
     with WorkerPool(config, listen=f"127.0.0.1:{port}", token_file=flux["token"], threads=1,
-                    start_timeout_s=START_S) as pool:
+                    start_timeout_s=START_S, watchdog_s=WATCHDOG_S) as pool:
         check_parity(pool, flux)
         pool.unload_all()
         with pytest.raises(WorkerError, match=r"machine 'node2'.*differs\.safetensors"):
             pool.load_model(renamed)
+        check_parity(pool, flux)
+        x, t, inputs = flux["cases"][CASES[0]]
+        model = pool.load_model(flux["path"])
+        stopped = joiner.tree()
+        for process in stopped:
+            process.suspend()
+        started = time.monotonic()
+        try:
+            with pytest.raises(WorkerError, match=r"rank 1 on node2:cpu .*no progress") as hung:
+                model(x, t, **inputs)
+            assert hung.value.rank == 1 and time.monotonic() - started < WATCHDOG_S + 15
+        finally:
+            for process in stopped:
+                try:
+                    process.resume()
+                except psutil.NoSuchProcess:
+                    pass
         check_parity(pool, flux)
 
 
