@@ -205,7 +205,8 @@ class Machine:
         self._last_request = None
         self._held: dict[tuple, tuple[int, int]] = {}  # input tensors the machine holds: spec key -> byte range
         self._mirrored = None  # the host input segment the machine mirrors
-        self._segments: dict[str, Segment] = {}  # host segments attached here (inputs, outputs, patch sets)
+        self._inputs_at: Optional[Segment] = None  # the host's input segment (read by the pool's thread)
+        self._outputs_at: Optional[Segment] = None  # the host's output segment (written by the reader thread)
         self._cancel = False
         self._probe = threading.Event()
 
@@ -243,9 +244,11 @@ class Machine:
             except OSError:
                 pass
             self.sock.close()
-        for segment in self._segments.values():
-            segment.release()
-        self._segments.clear()
+        for segment in (self._inputs_at, self._outputs_at):
+            if segment is not None:
+                segment.release()
+        self._inputs_at = self._outputs_at = None
+        self._mirrored = None
         self.point._forget(self)
 
     # ---- requests out ---------------------------------------------------------------------------------------
@@ -269,9 +272,10 @@ class Machine:
 
     def _inputs(self, message: dict, payload: list) -> dict:
         """The input tensors the machine does not hold yet: their byte ranges, their bytes appended to payload."""
-        segment = self._segment(message["input_segment"])
-        if message["input_segment"] != self._mirrored:
+        if message["input_segment"] != self._mirrored:  # the host's arena moved: the machine holds nothing of it
+            self._inputs_at = _reattach(self._inputs_at, message["input_segment"])
             self._mirrored, self._held = message["input_segment"], {}
+        segment = self._inputs_at
         sent = []
         for spec in message["tensors"]:
             key = (spec["offset"], spec["dtype"], tuple(spec["shape"]), spec["version"])
@@ -286,17 +290,13 @@ class Machine:
         return {"segment_size": segment.size, "ranges": sent}
 
     def _patch_bytes(self, patches: dict, payload: list) -> int:
-        segment = self._segment(patches["segment"])
-        size = max((spec["offset"] + _nbytes(spec) for spec in patches["tensors"]), default=0)
-        payload.append(segment.base[:size].numpy().tobytes())
-        segment.release()  # a patch set's segment lives for one request
-        self._segments.pop(patches["segment"], None)
+        segment = Segment.attach(patches["segment"])  # lives for one request
+        try:
+            size = max((spec["offset"] + _nbytes(spec) for spec in patches["tensors"]), default=0)
+            payload.append(segment.base[:size].numpy().tobytes())
+        finally:
+            segment.release()
         return size
-
-    def _segment(self, name: str) -> Segment:
-        if name not in self._segments:
-            self._segments[name] = Segment.attach(name)
-        return self._segments[name]
 
     def _send(self, header: dict, payload: bytes = b"") -> None:
         if not self.connected:
@@ -345,7 +345,9 @@ class Machine:
             self._send({"cancel": self._cancel})
 
     def _write_output(self, output: dict, payload: bytes) -> None:
-        base = self._segment(output["segment"]).base
+        if self._outputs_at is None or self._outputs_at.name != output["segment"]:
+            self._outputs_at = _reattach(self._outputs_at, output["segment"])
+        base = self._outputs_at.base
         at = 0
         for start, length in output["ranges"]:
             base[start:start + length].copy_(_as_bytes(payload[at:at + length]))
@@ -422,6 +424,13 @@ class RemoteConn:
 
     def close(self) -> None:
         self._inbox.close()
+
+
+def _reattach(old: Optional[Segment], name: str) -> Segment:
+    """The host segment `name` attached here, the one attached before let go."""
+    if old is not None:
+        old.release()
+    return Segment.attach(name)
 
 
 def _nbytes(spec: dict) -> int:

@@ -28,7 +28,9 @@ from sp_runtime import SPConfig
 from sp_runtime.devices import parse_devices
 from sp_runtime.pool import WorkerPool
 from sp_runtime.pool.errors import WorkerError
+from sp_runtime.pool.joined import Refused, connect
 from sp_runtime.pool.remote import JoinPoint
+from sp_runtime.pool.wire import read_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = ("35_tokens", "odd_latent")  # odd token counts, batch 2
@@ -210,22 +212,24 @@ def test_cfg_across_machines_a_model_that_differs_there_and_a_hung_remote(flux, 
 
 
 def test_wrong_token_unknown_and_duplicate_joiners_are_refused(flux, joiners, tmp_path):
-    point = JoinPoint("127.0.0.1:0", flux["token"], {"node2": ["cpu"]})
+    """The join command with a wrong token exits (2) saying why, and the host logs it; an unknown machine name, a
+    duplicate of a joined machine and too few devices are refused by the same handshake (here in-process)."""
+    point = JoinPoint("127.0.0.1:0", flux["token"], {"node2": ["cpu", "cpu"]})
+    token = read_token(flux["token"])
     try:
         wrong = joiners(point.port, token=write_token(str(tmp_path / "other_token")))
         assert wrong.process.wait(timeout=120) == 2
         assert "wrong token" in wrong.output() and "wrong token" in point.refusals[-1]
-        unknown = joiners(point.port, name="node3", devices="cpu")
-        assert unknown.process.wait(timeout=120) == 2
-        assert "no devices on machine 'node3'" in unknown.output()
-        first = joiners(point.port, devices="cpu")
-        deadline = time.monotonic() + 120
-        while "node2" not in point.machines and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert "node2" in point.machines and first.process.poll() is None
-        duplicate = joiners(point.port, devices="cpu")
-        assert duplicate.process.wait(timeout=120) == 2
-        assert "already joined" in duplicate.output()
+        with pytest.raises(Refused, match="no devices on machine 'node3'"):
+            connect("127.0.0.1", point.port, token, "node3", ["cpu"])
+        with pytest.raises(Refused, match=r"needs devices \['cpu', 'cpu'\] on machine 'node2'"):
+            connect("127.0.0.1", point.port, token, "node2", ["cpu"])
+        first = connect("127.0.0.1", point.port, token, "node2", ["cpu", "cpu"])
+        try:
+            with pytest.raises(Refused, match="already joined"):
+                connect("127.0.0.1", point.port, token, "node2", ["cpu", "cpu"])
+        finally:
+            first.close()
     finally:
         point.close()
 
