@@ -23,7 +23,12 @@ import psutil
 import pytest
 import torch
 
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from patch_reference import random_patch
 from sp_lab.conformance import conformance
+from sp_runtime.lora.patch_set import PatchSet, TargetPatches
 from sp_runtime import SPConfig
 from sp_runtime.devices import parse_devices
 from sp_runtime.pool import WorkerPool
@@ -169,6 +174,31 @@ def test_killed_remote_then_rejoined_ring_across_machines(flux, joiners):
         joiners(port)  # the machine joins again: the next request restarts the pool with it
         check_parity(pool, flux)
         assert pool.restarts == 1
+        check_patch_set_reaches_both_machines(pool, flux)
+
+
+def check_patch_set_reaches_both_machines(pool: WorkerPool, flux: dict) -> None:
+    """A ComfyUI weight patch set (sent as bytes to the joined machine) changes the output as the same change
+    written into a file does (that file loaded by both machines, each from its own folder)."""
+    key = "double_blocks.0.img_mlp.0.weight"
+    patch = random_patch("diff", (384, 96), 7, strength=1.0)
+    patches = PatchSet({key: TargetPatches((384, 96), (patch,))}, (("diff", 1.0),))
+    with safe_open(flux["path"], "pt") as handle:
+        metadata = handle.metadata()
+        weights = {name: handle.get_tensor(name) for name in handle.keys()}
+    weights["model.diffusion_model." + key] = weights["model.diffusion_model." + key] + patch.tensors["diff"]
+    patched_path = os.path.join(flux["folder"], "patched", "flux_patched.safetensors")
+    os.makedirs(os.path.dirname(patched_path), exist_ok=True)
+    save_file(weights, patched_path, metadata)
+    shutil.copy(patched_path, os.path.join(flux["remote"], "flux_patched.safetensors"))
+    x, t, inputs = flux["cases"][CASES[0]]
+    expected = pool.load_model(patched_path)(x, t, **inputs).clone()
+    model = pool.load_model(flux["path"])
+    pool.set_loras(model, [], patches=patches)
+    got = model(x, t, **inputs)
+    scale = max(1.0, expected.abs().max().item())
+    assert (got - expected).abs().max().item() <= 1e-5 * scale
+    assert (got - flux["outputs"][CASES[0]]).abs().max().item() > 1e-3 * scale  # the patch changed the output
 
 
 def test_cfg_across_machines_a_model_that_differs_there_and_a_hung_remote(flux, joiners, tmp_path):
