@@ -24,6 +24,7 @@ from .wire import HELLO_LIMIT, WireError, new_challenge, proof_matches, read_tok
 
 log = logging.getLogger("ulysses_sp.pool")
 HANDSHAKE_S = 10.0
+SEND_TIMEOUT_S = 30.0
 JOIN_PURPOSE = "join"
 
 
@@ -197,6 +198,7 @@ class Machine:
 
     def __init__(self, point: JoinPoint, name: str, sock: socket.socket, peer: str):
         self.point, self.name, self.sock, self.peer = point, name, sock, peer
+        _limit_send_time(sock, SEND_TIMEOUT_S)  # a machine that stops reading fails the request, never hangs it
         self.connected = True
         self.started = False
         self.workers: dict[int, RemoteWorker] = {}
@@ -233,12 +235,12 @@ class Machine:
         self._send({"start": {"ranks": ranks, "spec": spec}})
         return list(self.workers.values())
 
-    def disconnect(self) -> None:
+    def disconnect(self, reason: str = "left the pool") -> None:
         """Drop the connection: the machine stops its workers and joins again for the pool's next start."""
         if self.connected:
             self.connected = False
             for worker in self.workers.values():
-                worker.exited = worker.exited or f"lost: machine {self.name!r} left the pool"
+                worker.exited = worker.exited or f"lost: machine {self.name!r} {reason}"
             try:
                 self.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -301,8 +303,12 @@ class Machine:
     def _send(self, header: dict, payload: bytes = b"") -> None:
         if not self.connected:
             raise OSError(f"machine {self.name!r} is not connected")
-        with self._send_lock:
-            send_frame(self.sock, header, payload)
+        try:
+            with self._send_lock:
+                send_frame(self.sock, header, payload)
+        except OSError as error:
+            self.disconnect(f"stopped taking requests ({type(error).__name__}: {error})")
+            raise
 
     # ---- replies in -----------------------------------------------------------------------------------------
     def _read(self) -> None:
@@ -424,6 +430,15 @@ class RemoteConn:
 
     def close(self) -> None:
         self._inbox.close()
+
+
+def _limit_send_time(sock: socket.socket, seconds: float) -> None:
+    """An OS send timeout (sends only: the reader thread's receives wait as long as the machine is joined)."""
+    import struct
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), 0))
+    except (OSError, AttributeError, struct.error):
+        pass
 
 
 def _reattach(old: Optional[Segment], name: str) -> Segment:

@@ -153,7 +153,11 @@ def test_killed_remote_then_rejoined_ring_across_machines(flux, joiners):
     config = SPConfig(parse_devices("cpu:2,node2:cpu:2"), ulysses_degree=2, ring_degree=2)
     with WorkerPool(config, listen=f"127.0.0.1:{port}", token_file=flux["token"], threads=1,
                     start_timeout_s=START_S) as pool:
-        assert [rank["machine"] for rank in pool.status()["ranks"]] == ["here", "here", "node2", "node2"]
+        ranks = pool.status()["ranks"]
+        assert [rank["machine"] for rank in ranks] == ["here", "here", "node2", "node2"]
+        if PRIVATE_SHM:  # the joined machine's workers cannot see the host's shared memory
+            seen = set(os.listdir(f"/proc/{ranks[2]['pid']}/root/dev/shm"))
+            assert pool.segment_names() and not seen & set(pool.segment_names())
         failure: list[BaseException] = []
 
         def load() -> None:
