@@ -1,4 +1,4 @@
-"""Command line: `python -m sp_runtime {doctor,client}` (the demo, bench and GPU suite: `python -m sp_lab`)."""
+"""Command line: `python -m sp_runtime {doctor,client,join}` (the demo, bench and GPU suite: `python -m sp_lab`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import sys
 COMMANDS = {
     "doctor": ("sp_runtime.cli.doctor", "check devices and links, and recommend degrees"),
     "client": ("sp_runtime.cli.client", "run a ComfyUI API-format workflow on a running ComfyUI server"),
+    "join": ("sp_runtime.cli.join", "give this machine's devices to a host's pool (docs/MULTI_MACHINE.md)"),
 }
 LAB_COMMANDS = ("demo", "bench", "gpu-suite")  # moved to the lab package beside the product
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .devices import parse_device, parse_devices
+from .devices import local_device, machine_of, parse_device, parse_devices
 
 MAX_CFG_DEGREE = 2  # a CFG batch holds at most two halves: cond and uncond
 
@@ -68,7 +68,7 @@ class SPConfig:
 
     @staticmethod
     def _check_devices(devices: tuple[str, ...]) -> None:
-        kinds = {d.split(":")[0] for d in devices}
+        kinds = {local_device(d).split(":")[0] for d in devices}
         if len(kinds) > 1:
             raise ValueError(f"devices {list(devices)} mix CPU and CUDA: one pool runs on one kind of device")
         cuda = [d for d in devices if d.startswith("cuda")]
@@ -123,7 +123,7 @@ class SPConfig:
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.devices[0].startswith("cuda") else "gloo"
+        return "nccl" if local_device(self.devices[0]).startswith("cuda") else "gloo"
 
     @property
     def layout_name(self) -> str:
@@ -133,6 +133,24 @@ class SPConfig:
         name += f"cfg{self.cfg_degree}" if self.cfg_degree > 1 else ""
         name += f"tp{self.tensor_parallel_degree}" if self.tensor_parallel_degree > 1 else ""
         return name or "1"
+
+    @property
+    def machines(self) -> list[str]:
+        """The machines the ranks run on ("" is this one), each once, in rank order."""
+        return list(dict.fromkeys(machine_of(device) for device in self.devices))
+
+    def machine_of(self, rank: int) -> str:
+        """The machine rank `rank` runs on ("" for the host's own)."""
+        return machine_of(self.devices[rank])
+
+    def ulysses_groups_across_machines(self) -> list[list[int]]:
+        """Ulysses groups (ranks) whose all-to-alls would cross machines (slow links); [] when each group shares a
+        machine."""
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            cfg, ring, _ = self.coords(rank)
+            groups.setdefault((cfg, ring, self.tp_index(rank)), []).append(rank)
+        return [ranks for ranks in groups.values() if len({self.machine_of(rank) for rank in ranks}) > 1]
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(cfg_index, ring_index, ulysses_index) of a global rank (its TP index: tp_index)."""

@@ -1,7 +1,9 @@
 """The one device grammar of ulysses-sp, used by the loader node, the CLI and SPConfig.
 
 A devices text is "auto" (every visible CUDA GPU), GPU indices "0,1,2,3" / "cuda:0,cuda:1", ranges "0-3" (mixable:
-"0-1,4"), or CPU workers: "cpu:N" (also "cpu*N", or "cpu" repeated: "cpu,cpu"); one worker per entry.
+"0-1,4"), or CPU workers: "cpu:N" (also "cpu*N", or "cpu" repeated: "cpu,cpu"); one worker per entry. An entry
+prefixed by a machine name is a device of a joined machine (docs/MULTI_MACHINE.md): "0-3,node2:0-3" (GPUs 0-3 here
+and on node2), "cpu:2,node2:cpu:2"; such a device is written "node2:cuda:0" / "node2:cpu".
 The text is bounded before anything is expanded: at most MAX_DEVICES_TEXT characters, GPU indices up to
 MAX_GPU_INDEX (the highest torch can name), at most MAX_CPU_WORKERS CPU workers; each GPU at most once.
 """
@@ -13,6 +15,8 @@ from typing import Callable, Optional
 _CPU = re.compile(r"^cpu(?:[:*](\d+))?$")
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 _GPU = re.compile(r"^(?:cuda:)?(\d+)$")
+_MACHINE = re.compile(r"^([a-z][a-z0-9_.-]{0,62}):(.+)$")  # "node2:cuda:0": a joined machine's device
+LOCAL_NAMES = ("cpu", "cuda")  # never machine names
 MAX_CPU_WORKERS = 64
 # torch keeps a device index in an int8 (c10::DeviceIndex): cuda:127 is the highest index any process can name
 # (torch.device("cuda:128") wraps to cuda:-128), so no GPU list is longer than 128 entries
@@ -28,9 +32,31 @@ def visible_cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def split_machine(device: str) -> tuple[str, str]:
+    """("node2", "cuda:0") for a joined machine's device "node2:cuda:0"; ("", device) for a device here."""
+    match = _MACHINE.match(str(device).strip().lower())
+    if match and match.group(1) not in LOCAL_NAMES:
+        return match.group(1), match.group(2)
+    return "", str(device)
+
+
+def machine_of(device: str) -> str:
+    """The joined machine a device is on ("" for this machine)."""
+    return split_machine(device)[0]
+
+
+def local_device(device: str) -> str:
+    """The device as its own machine names it: "node2:cuda:0" -> "cuda:0"."""
+    return split_machine(device)[1]
+
+
 def parse_device(device: str) -> str:
-    """Normalise one device entry to 'cpu' or 'cuda:N'; raise ValueError naming the bad entry."""
-    text = str(device).strip().lower()
+    """Normalise one device entry to 'cpu' or 'cuda:N' (with 'machine:' in front for a joined machine's device);
+    raise ValueError naming the bad entry."""
+    machine, text = split_machine(str(device).strip().lower())
+    if machine:
+        return f"{machine}:{parse_device(text)}"
+    text = text.strip().lower()
     gpu = _GPU.match(text)
     if text == "cpu":
         return text
@@ -54,7 +80,35 @@ def parse_devices(text: str, cuda_count: Optional[int] = None, count_gpus: Calla
     if len(spec) > MAX_DEVICES_TEXT:
         raise ValueError(f"devices text has {len(spec)} characters, more than the limit of {MAX_DEVICES_TEXT}: "
                          f"{DEVICE_HELP}")
-    parts = spec.split(",")
+    groups: dict[str, list[str]] = {}  # machine ("" here) -> its entries, in the order machines first appear
+    for part in spec.split(","):
+        machine, text = split_machine(part)
+        groups.setdefault(machine, []).append(text)
+    if len(groups) > 1 or "" not in groups:
+        return _machine_devices(spec, groups, cuda_count, count_gpus, auto_cpu_workers)
+    return _local_devices(spec, groups[""], cuda_count, count_gpus, auto_cpu_workers)
+
+
+def _machine_devices(spec: str, groups: dict[str, list[str]], cuda_count, count_gpus, auto_cpu_workers
+                     ) -> list[str]:
+    """Devices over several machines: each machine's entries parsed like a local list (a joined machine's GPUs
+    are checked there, when it joins), this machine's first, then the others in order of appearance."""
+    devices, kinds = [], set()
+    for machine, parts in sorted(groups.items(), key=lambda item: item[0] != ""):
+        if machine and "auto" in parts:
+            raise ValueError(f"devices={spec!r}: '{machine}:auto' is not possible: name the joined machine's "
+                             f"devices, e.g. '{machine}:0-3' or '{machine}:cpu:2'")
+        found = _local_devices(spec, parts, cuda_count if not machine else MAX_GPU_INDEX + 1, count_gpus,
+                               auto_cpu_workers)
+        kinds.update(device.split(":")[0] for device in found)
+        devices.extend(f"{machine}:{device}" if machine else device for device in found)
+    if len(kinds) > 1:
+        raise ValueError(f"devices={spec!r} mix CPU and CUDA: CPU and GPU workers cannot be mixed in one pool; "
+                         f"{DEVICE_HELP}")
+    return devices
+
+
+def _local_devices(spec: str, parts: list[str], cuda_count, count_gpus, auto_cpu_workers) -> list[str]:
     cpu_parts = [part for part in parts if _CPU.match(part)]
     if cpu_parts and len(cpu_parts) < len(parts):
         raise ValueError(f"devices={spec!r} mix CPU and CUDA: CPU and GPU workers cannot be mixed in one pool; "
@@ -66,7 +120,7 @@ def parse_devices(text: str, cuda_count: Optional[int] = None, count_gpus: Calla
                              f"{MAX_CPU_WORKERS}; e.g. 'cpu:2'")
         return workers
     count = count_gpus() if cuda_count is None else cuda_count
-    if spec == "auto":
+    if parts == ["auto"]:
         return _auto(count, auto_cpu_workers)
     indices = _gpu_indices(spec, parts)
     _check_indices(spec, indices, count)

@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tflops", default=None, help="stated achieved TFLOP/s: MATMUL[,ATTENTION] (default: "
                                                        "measured on the first device)")
     parser.add_argument("--memory-gb", type=float, default=None, help="memory per device (default: the GPUs')")
+    parser.add_argument("--machines", default=None,
+                        help="other machines to measure the link to, comma-separated names (they join with `python -m "
+                             "sp_runtime join`); with --listen and --token-file")
+    parser.add_argument("--listen", default="127.0.0.1:29600",
+                        help="address the machines join (an interface of this machine, HOST:PORT)")
+    parser.add_argument("--token-file", default=None, help="the shared secret the machines join with")
     parser.add_argument("--json", default=None, help="also write the report as JSON to this path ('-': stdout, "
                                                      "and nothing else there)")
 
@@ -83,7 +89,11 @@ def run(args) -> int:
         out.section(f"all-to-all bandwidth over {len(devices)} ranks")
         report["all_to_all"] = _bandwidth(out, devices, sizes, args.repeats)
     out.section(f"predicted step time per layout for {args.model}")
-    report["recommendation"] = _recommendation(out, args, devices, report.get("all_to_all"), stated)
+    planning: dict = {}
+    report["recommendation"] = _recommendation(out, args, devices, report.get("all_to_all"), stated, planning)
+    if args.machines:
+        out.section("machines")
+        report["machines"] = _machines(out, args, devices, planning)
     report["machine_load"] = monitor.finish()
     out.line(report["machine_load"]["note"])
     if args.json == "-":
@@ -250,7 +260,25 @@ def _bandwidth(out: _Printer, devices: list[str], sizes: list[int], repeats: int
     return {"ranks": world, "rows": rows}
 
 
-def _recommendation(out: _Printer, args, devices: list[str], sweep: Optional[dict], stated: dict) -> dict:
+def _machines(out: _Printer, args, devices: list[str], planning: dict) -> dict:
+    """The link to each joined machine and the layout across machines (Ulysses inside each one, Ring / CFG across)."""
+    from .links import compare_layouts, measure_links
+    if not args.token_file:
+        out.line("--machines needs --token-file (the secret the machines join with)")
+        return {"error": "no token file"}
+    names = [name.strip().lower() for name in args.machines.split(",") if name.strip()]
+    links = measure_links(out, args.listen, args.token_file, names)
+    report = {"links_bytes_per_s": links}
+    if links:
+        slowest = min(links.values())
+        report["layouts"] = compare_layouts(out, planning["shape"], planning["tokens"], planning["text"],
+                                            planning["device"], planning["link"], slowest, len(devices),
+                                            1 + len(links))
+    return report
+
+
+def _recommendation(out: _Printer, args, devices: list[str], sweep: Optional[dict], stated: dict,
+                    planning: Optional[dict] = None) -> dict:
     """The speed model's table for the model and resolution: every layout (Ulysses, Ring, hybrid, CFG, TP,
     shard_weights) on up to --plan-devices, from the stated or measured throughput and link, and its recommendation:
     the fastest that fits in memory (fewer devices when within 5%), with the reasons."""
@@ -281,6 +309,8 @@ def _recommendation(out: _Printer, args, devices: list[str], sweep: Optional[dic
     else:
         link, link_note = Link(float("inf"), latency_s=0.0), "link not measured (--link-gbs): exchanges not counted"
     count = args.plan_devices or len(devices)
+    if planning is not None:
+        planning.update(shape=shape, tokens=tokens, text=text, device=device, link=link)
     result = plan(shape, tokens, text, count, device, link)
     size = f"{width}x{height}" + (f", {frames} frames" if preset.is_video else "")
     out.line(f"{args.model} at {size}: {tokens} image + {text} text tokens{', CFG (batch 2)' if shape.cfg else ''}, "

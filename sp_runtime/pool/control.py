@@ -76,6 +76,12 @@ class ControlBlock:
                 return
         threading.Thread(target=beat, name="usp-heartbeat", daemon=True).start()
 
+    def mirror(self, rank: int, heartbeat: int, counter: int) -> None:
+        """A joined machine's rank: its heartbeat and block counter as that machine reported them (the host's
+        reader of that machine is the one writer of these words)."""
+        struct.pack_into("<q", self._buf, self._heartbeat_offset(rank), int(heartbeat))
+        struct.pack_into("<q", self._buf, _COUNTERS + 8 * rank, int(counter))
+
     def _heartbeat_offset(self, rank: int) -> int:
         return _COUNTERS + 8 * (self._world + rank)
 

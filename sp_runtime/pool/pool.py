@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..config import SPConfig
+from ..devices import local_device, machine_of
 from ..contract import Cancelled, LoadRequest, ModelInfo
 from ..checkpoints.loading import ProgressFn
 from ..checkpoints.header import checkpoint_stamp, read_checkpoint_header
@@ -59,14 +60,21 @@ class WorkerPool:
         others wait in, found long before collective_timeout_s.
     collective_timeout_s: the process group's timeout for one collective (a rank wedged inside one).
     share_cpu_weights: CPU workers keep one shared copy of each model's weights (Linux /dev/shm), not one each.
+    listen, token_file: for devices on joined machines ("node2:cuda:0"): the address the join listener takes
+        (127.0.0.1 unless an interface is named; port 0: any free one, see join_address) and the shared secret's
+        file (required); default: ULYSSES_SP_LISTEN, ULYSSES_SP_TOKEN_FILE. ulysses_across_machines: allow Ulysses groups that span machines (slow: refused unless
+        set, then warned about). docs/MULTI_MACHINE.md.
     A pool dropped without close() is closed when it is garbage-collected, and at interpreter exit.
     """
 
     def __init__(self, config: Union[SPConfig, Sequence[str]], *, start_timeout_s: float = 180.0,
                  error_grace_s: float = 3.0, cancel_grace_s: float = 5.0, watchdog_s: float = 20.0,
                  stall_s: float = 60.0, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, env: Optional[dict] = None,
-                 threads: Optional[int] = None, steps: StepHistory = STEPS, share_cpu_weights: bool = True):
+                 threads: Optional[int] = None, steps: StepHistory = STEPS, share_cpu_weights: bool = True,
+                 listen: Optional[str] = None, token_file: Optional[str] = None,
+                 ulysses_across_machines: bool = False):
         self.config = config if isinstance(config, SPConfig) else SPConfig(devices=list(config))
+        check_machine_layout(self.config, ulysses_across_machines)
         self.start_timeout_s = start_timeout_s
         self.collective_timeout_s = collective_timeout_s
         self.share_cpu_weights = share_cpu_weights
@@ -98,6 +106,12 @@ class WorkerPool:
         except BaseException:
             _release_names(self._names)
             raise
+        try:
+            self._join = join_point(self.config, listen, token_file)
+        except BaseException:
+            self._control.release()
+            _release_names(self._names)
+            raise
         self._run = RunFolder(self._token)
         self._inputs = InputArena(self._token, self._run.ensure)  # a file in the run folder if /dev/shm is full
         self._outputs = OutputArena(self._token, self._run.ensure)
@@ -105,7 +119,9 @@ class WorkerPool:
                                   lambda: self._state == "closed")
         # Runs once: from close(), when the pool is garbage-collected, or at interpreter exit.
         self._finalizer = weakref.finalize(self, _release, self._owner_pid, self._workers,
-                                           (self._inputs, self._outputs, self._control), self._run, self._names)
+                                           tuple(part for part in (self._join, self._inputs, self._outputs,
+                                                                   self._control) if part is not None),
+                                           self._run, self._names)
         _live_pools.add(self)
         try:
             self._start()
@@ -127,6 +143,11 @@ class WorkerPool:
     @property
     def worker_pids(self) -> list[int]:
         return [worker.pid for worker in self._workers]
+
+    @property
+    def join_address(self) -> Optional[str]:
+        """HOST:PORT that joined machines connect to (None: every device is on this machine)."""
+        return self._join.address if self._join is not None else None
 
     @property
     def log_dir(self) -> str:
@@ -248,10 +269,12 @@ class WorkerPool:
         for rank, device in enumerate(self.config.devices):
             worker = workers[rank] if rank < len(workers) else None
             alive = worker is not None and worker.alive()
-            memory = rank_memory(device, worker.pid if alive else None, self._ranks[rank]["memory"])
+            here = not machine_of(device)
+            memory = rank_memory(device, worker.pid if alive and here else None, self._ranks[rank]["memory"])
             if alive and weights:  # the rank's own figure (sharded blocks count as its shards), else the model's
                 memory["weights"] = self._ranks[rank]["weights"].get("resident", weights)
-            ranks.append({"rank": rank, "device": device, "pid": worker.pid if worker else None, "alive": alive,
+            ranks.append({"rank": rank, "device": device, "machine": machine_of(device) or "here",
+                          "pid": worker.pid if worker else None, "alive": alive,
                           "exit_cause": None if alive or worker is None else worker.exit_cause(),
                           "coords": {**dict(zip(("cfg", "ring", "ulysses"), self.config.coords(rank))),
                                      "tp": self.config.tp_index(rank)},
@@ -335,10 +358,18 @@ class WorkerPool:
         spec = {"config": self.config.to_dict(), "parent_pid": os.getpid(), "control": self._control.name,
                 "store_path": self._rendezvous.path, "run_dir": run_dir, "timeout_s": self.start_timeout_s,
                 "collective_timeout_s": self.collective_timeout_s, "threads": self._threads}
-        env = worker_env(self._env)
+        env = worker_env({**self._join.local_env(), **(self._env or {})} if self._join else self._env)
         try:
+            if self._join is not None:
+                store = self._join.new_store(self.start_timeout_s)
+                spec["relay_store"] = {"host": self._join.host, "port": self._join.port, "secret": store.secret}
             for rank, device in enumerate(self.config.devices):
-                self._workers.append(launch_worker(rank, device, spec, env, run_dir))
+                if not machine_of(device):
+                    self._workers.append(launch_worker(rank, device, spec, env, run_dir))
+            if self._join is not None:
+                deadline = time.monotonic() + self.start_timeout_s
+                self._workers.extend(self._join.start_workers(self.config, spec, self._control, deadline))
+                self._workers.sort(key=lambda worker: worker.rank)
             self._await_ready()
         except BaseException:
             self._stop_workers(graceful=False)
@@ -625,6 +656,38 @@ class WorkerPool:
 
     def __repr__(self) -> str:
         return f"WorkerPool({list(self.config.devices)}, layout={self.config.layout_name}, state={self._state})"
+
+
+def check_machine_layout(config: SPConfig, ulysses_across_machines: bool) -> None:
+    """Ulysses groups stay inside one machine (their all-to-alls move activations every block); Ring and CFG span
+    machines. A layout that sends Ulysses over the network is refused unless forced, then warned about."""
+    crossing = config.ulysses_groups_across_machines()
+    if not crossing:
+        return
+    text = (f"layout {config.layout_name} puts Ulysses groups {crossing[:4]} across machines: every block's "
+            f"all-to-alls would cross the network (per step about 4 x activations x (U-1)/U per rank; `python -m "
+            f"sp_runtime doctor --link HOST:PORT` estimates the time)")
+    if not ulysses_across_machines:
+        raise ValueError(text + "; keep each Ulysses group on one machine (raise ring_degree or cfg so Ring / CFG "
+                                "span the machines), or pass ulysses_across_machines=True to force it")
+    log.warning(text)
+
+
+def join_point(config: SPConfig, listen: Optional[str], token_file: Optional[str]):
+    """The join listener of a pool with devices on other machines (None otherwise). Unset, listen and token_file
+    come from ULYSSES_SP_LISTEN and ULYSSES_SP_TOKEN_FILE (how ComfyUI's loader nodes get them)."""
+    if all(not machine for machine in config.machines):
+        return None
+    listen = listen or os.environ.get("ULYSSES_SP_LISTEN")
+    token_file = token_file or os.environ.get("ULYSSES_SP_TOKEN_FILE")
+    if not token_file:
+        raise ValueError(f"devices {list(config.devices)} include other machines: give token_file (a shared secret, "
+                         f"chmod 600; under ComfyUI the environment variable ULYSSES_SP_TOKEN_FILE) for them to "
+                         f"join with")
+    from .remote import JoinPoint
+    expected = {machine: [local_device(d) for d in config.devices if machine_of(d) == machine]
+                for machine in config.machines if machine}
+    return JoinPoint(listen or "127.0.0.1:0", token_file, expected)
 
 
 def _load_request(path, dtype, options: dict) -> LoadRequest:

@@ -25,6 +25,7 @@ from ..cfg_parallel import run_forward
 from ..checkpoints.header import check_unchanged
 from ..config import SPConfig
 from ..contract import Cancelled, LoadRequest
+from ..devices import local_device
 from ..groups import build_groups
 from .context import DeviceCache, WorkerCallContext, view_key
 from .control import ControlBlock
@@ -69,7 +70,7 @@ class Worker:
         self.conn = conn
         self.rank = spec["rank"]
         self.config = SPConfig(**spec["config"])
-        self.device = torch.device(self.config.devices[self.rank])
+        self.device = torch.device(local_device(self.config.devices[self.rank]))
         self.groups = None
         self.control = ControlBlock.attach(spec["control"])
         self.segments: dict[str, Segment] = {}
@@ -113,8 +114,7 @@ class Worker:
     def _join_process_group(self) -> None:
         timeout = datetime.timedelta(seconds=self.spec["timeout_s"])
         try:
-            store = dist.FileStore(self.spec["store_path"], self.config.world_size)
-            store.set_timeout(timeout)
+            store = self._store(timeout)
             options = dict(backend=self.config.backend, store=store, rank=self.rank,
                            world_size=self.config.world_size,
                            timeout=datetime.timedelta(seconds=self.spec["collective_timeout_s"]))
@@ -128,6 +128,19 @@ class Worker:
                 "another worker may have failed to start (see its error), or a firewall blocks 127.0.0.1"
             raise StartError(f"{self.config.backend} process group init failed on {self.device} (rank {self.rank} "
                              f"of {self.config.world_size}): {type(error).__name__}: {error}; {hint}") from error
+
+    def _store(self, timeout: datetime.timedelta):
+        """The rendezvous store: a file in the run folder, or the host's store over its join listener (a pool
+        that spans machines)."""
+        relay = self.spec.get("relay_store")
+        if relay:
+            from .relay_store import RelayStore
+            # kept here: the process group holds only the C++ side, and a freed Python store has no methods left
+            self.relay_store = RelayStore(relay["host"], relay["port"], relay["secret"], timeout.total_seconds())
+            return self.relay_store
+        store = dist.FileStore(self.spec["store_path"], self.config.world_size)
+        store.set_timeout(timeout)
+        return store
 
     # ---- serving --------------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -176,13 +189,14 @@ class Worker:
 
     def op_load(self, message: dict) -> dict:
         request = LoadRequest.from_message(message["request"])
-        if request.key not in self.models:
+        key = message.get("as_key") or request.key  # a joined machine keeps its own copy under the host's key
+        if key not in self.models:
             check_unchanged(request.path, request.stamp)
             with self._weights_sharing(message.get("shared_weights")):
-                self.models[request.key] = load_worker_model(request, self.device, self.groups,
-                                                             self._progress_fn(message["id"], "load"))
-            self.requests[request.key] = request
-        return {"info": self.models[request.key].info.to_dict()}
+                self.models[key] = load_worker_model(request, self.device, self.groups,
+                                                     self._progress_fn(message["id"], "load"))
+            self.requests[key] = request
+        return {"info": self.models[key].info.to_dict()}
 
     def _weights_sharing(self, base: Optional[str]):
         """CPU ranks keep the weights they load in shared chunks named from `base` (see shared_weights)."""

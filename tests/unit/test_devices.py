@@ -83,3 +83,19 @@ def test_config_from_inputs_end_to_end():
     config = config_module.config_from_inputs("0-3", 0, 1, True, cuda_count=4)
     assert config.devices == ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
     assert config.layout_name == "u2cfg2" and config.backend == "nccl"
+
+
+def test_devices_of_joined_machines():
+    from sp_runtime.devices import local_device, machine_of, parse_device
+    assert devices.parse_devices("0-1,node2:0-1", cuda_count=2) == ["cuda:0", "cuda:1", "node2:cuda:0", "node2:cuda:1"]
+    assert devices.parse_devices("node2:cpu:2,cpu") == ["cpu", "node2:cpu", "node2:cpu"]  # this machine's ranks first
+    assert devices.parse_devices("0,node2:5", cuda_count=1) == ["cuda:0", "node2:cuda:5"]  # node2's GPUs: checked there
+    assert parse_device("Node2:CUDA:3") == "node2:cuda:3" and parse_device("cuda:3") == "cuda:3"
+    assert machine_of("node2:cuda:3") == "node2" and local_device("node2:cuda:3") == "cuda:3"
+    assert machine_of("cpu") == "" and local_device("cuda:0") == "cuda:0"
+    with pytest.raises(ValueError, match="node2:auto"):
+        devices.parse_devices("0,node2:auto", cuda_count=1)
+    with pytest.raises(ValueError, match="mix CPU and CUDA"):
+        devices.parse_devices("cpu,node2:0", cuda_count=1)
+    with pytest.raises(ValueError, match="more than once"):
+        devices.parse_devices("node2:0,node2:0")
