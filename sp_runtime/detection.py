@@ -28,7 +28,6 @@ OTHER_KINDS = {
     "Flux.3": ("early_stream_modulations.image.lin.weight",),  # diffusers' CHECKPOINT_KEY_NAMES["flux3"]
     "Bria FIBO 2": ("perceiver.latent_queries",),  # diffusers' name; ComfyUI's model code is in no stored tree
     "OmniGen2": ("ref_image_patch_embedder.weight",),  # ComfyUI's name; diffusers has no OmniGen2 class to check by
-    "Ovis-Image": ("double_blocks.0.img_mlp.gate_proj.weight", "context_embedder_norm.weight"),  # Flux.1 with SwiGLU MLPs
     "a VAE": ("decoder.conv_in.weight", "decoder.conv_in.conv.weight", "decoder.middle.0.residual.0.gamma"),
     "a text encoder": ("encoder.block.0.layer.0.SelfAttention.q.weight", "text_model.encoder.layers.0.mlp.fc1.weight",
                        "model.layers.0.self_attn.q_proj.weight"),

@@ -41,6 +41,7 @@ FAMILIES = {
     "ideogram4": "sp_runtime.families.ideogram4",
     "ernie_image": "sp_runtime.families.ernie_image",
     "longcat_image": "sp_runtime.families.longcat_image",
+    "ovis_image": "sp_runtime.families.ovis_image",
 }
 
 
