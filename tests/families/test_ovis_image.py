@@ -1,5 +1,5 @@
 """Ovis-Image beyond the conformance suite (sp_lab.conformance: every file layout, a reference by index, fp32 parity at
-Ulysses 1-4, Ring, hybrid and CFG layouts, TP refused by name, quantized file, LoRA): the released sizes, how its
+Ulysses 1-4, Ring, hybrid, CFG and TP layouts, quantized file, LoRA): the released sizes, how its
 Flux-layout files are told from Flux.1's and LongCat-Image's, both key plans (ComfyUI's up / gate apart, diffusers'
 fused), the split SwiGLU against diffusers' and fp8 storage of the split projections."""
 from __future__ import annotations
@@ -62,6 +62,10 @@ def _split_state(model) -> dict[str, torch.Tensor]:
         if ".net.0.proj." in key and key.startswith("transformer_blocks."):
             up, gate = value.chunk(2)
             state[key.replace(".proj.", ".up_proj.")], state[key.replace(".proj.", ".gate_proj.")] = up, gate
+        elif ".proj_mlp." in key:
+            up, gate = value.chunk(2)
+            state[key.replace(".proj_mlp.", ".proj_mlp.up_proj.")] = up
+            state[key.replace(".proj_mlp.", ".proj_mlp.gate_proj.")] = gate
         else:
             state[key] = value
     return state

@@ -1,6 +1,6 @@
 """Ovis-Image (text to image): ComfyUI's Flux model with SwiGLU MLPs and a text norm (its yak_mlp / txt_norm) on
-diffusers' OvisImageTransformer2DModel, its double blocks' SwiGLU split into up / gate projections (loading.py). The
-plan is Flux.1's with Ovis' text norm, ids and time embedding (plan.py): the image split, the text replicated. The keys
+diffusers' OvisImageTransformer2DModel, its SwiGLU projections split into up / gate (loading.py). The plan is Flux.1's
+with Ovis' text norm, ids, time embedding and single blocks (plan.py): the image split, the text replicated. The keys
 are Flux.1's (keys.py). The reference is sp_lab.references.ovis_image."""
 from ..family import Family, PlanModel
 from ..flux import PATCH
