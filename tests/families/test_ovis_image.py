@@ -107,3 +107,37 @@ def test_fp8_file_casts_the_split_projections(tmp_path):
     x, t, inputs = ovis_image_cases()["batch_1"]
     expected = reference_forward(fp32, x, t, **inputs)
     assert (reference_forward(model, x, t, **inputs) - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+def test_loras_on_the_fused_linear1_and_a_swiglu_half(tmp_path):
+    """A ComfyUI-named LoRA on single_blocks.1.linear1 (q, k, v, up, gate rows) and on double_blocks.0's
+    txt_mlp.gate_proj reaches the loader's parameters row by row; [] gives the weights back."""
+    from safetensors.torch import save_file
+    from sp_runtime.lora.apply import LoraState
+    path = write_tiny_checkpoint("ovis_image", str(tmp_path / "ovis.safetensors"), seed=4, prefix=COMFY_PREFIX)
+    model = ovis_image.load_model(path, "float32")[0]
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    width, rank, alpha, strength = 96, 4, 2.0, 0.7
+    fused = {"single_blocks.1.linear1": 11 * width, "double_blocks.0.txt_mlp.gate_proj": 4 * width}
+    tensors, deltas = {}, {}
+    for stem, rows in fused.items():
+        up, down = torch.randn(rows, rank, generator=g), torch.randn(rank, width, generator=g)
+        tensors.update({f"diffusion_model.{stem}.lora_B.weight": up, f"diffusion_model.{stem}.lora_A.weight": down,
+                        f"diffusion_model.{stem}.alpha": torch.tensor(alpha)})
+        deltas[stem] = strength * alpha / rank * (up @ down)
+    lora = str(tmp_path / "lora.safetensors")
+    save_file(tensors, lora)
+    state = LoraState(model, "ovis_image", path, torch.device("cpu"))
+    assert state.set([[lora, strength]])["parameters"] == 6
+    after = model.state_dict()
+    rows = {"attn.to_q": 0, "attn.to_k": 1, "attn.to_v": 2, "proj_mlp.up_proj": 3, "proj_mlp.gate_proj": 7}
+    for name, start in rows.items():
+        count = width if name.startswith("attn") else 4 * width
+        key = f"single_transformer_blocks.1.{name}.weight"
+        want = before[key] + deltas["single_blocks.1.linear1"][start * width:start * width + count]
+        assert (after[key] - want).abs().max() <= 1e-5, key
+    key = "transformer_blocks.0.ff_context.net.0.gate_proj.weight"
+    assert (after[key] - before[key] - deltas["double_blocks.0.txt_mlp.gate_proj"]).abs().max() <= 1e-5
+    state.set([])
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
