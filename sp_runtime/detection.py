@@ -27,7 +27,6 @@ OTHER_KINDS = {
     "HiDream-O1": ("t_embedder1.mlp.0.weight",),
     "Flux.3": ("early_stream_modulations.image.lin.weight",),  # diffusers' CHECKPOINT_KEY_NAMES["flux3"]
     "Bria FIBO 2": ("perceiver.latent_queries",),  # diffusers' name; ComfyUI's model code is in no stored tree
-    "Ovis-Image": ("double_blocks.0.img_mlp.gate_proj.weight", "context_embedder_norm.weight"),  # Flux.1 with SwiGLU MLPs
     "Lens": ("img_mlp.w1.weight",),  # ComfyUI's key: gated MLP (Qwen-Image's is img_mlp.net.0.proj)
     # PiD (pixel diffusion decoder of Flux.1 latents) is PixelDiT with a latent projection, so before PixelDiT
     "PiD (PixelDiT latent decoder)": ("lq_proj.latent_proj.0.weight",),

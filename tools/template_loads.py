@@ -86,7 +86,7 @@ KINDS = [
     (r"^omnigen2", ("omnigen2", "OmniGen2"), "OmniGen2"),
     (r"^ernie-image", "ernie_image", "ERNIE-Image"),
     (r"^longcat_image", "longcat_image", "LongCat-Image"),
-    (r"^ovis_image", ("ovis_image", "Ovis-Image"), "Ovis-Image"),
+    (r"^ovis_image", "ovis_image", "Ovis-Image"),
     (r"^fibo2", ("bria_fibo2", "Bria FIBO 2"), "Bria FIBO 2"),
     (r"^capybara", "hunyuan_video15", "Capybara v0.1 (HunyuanVideo 1.5 fine-tune)"),
     (r"^void_pass", "CogVideoX (VOID's inpainting passes)", "VOID (CogVideoX-Fun 5B inpainting)"),

@@ -396,3 +396,16 @@ def boogu_cases(seed=21):
             "edit_two_refs": (rand(2, 16, 6, 6), t2, {"context": rand(2, 5, 40), "num_tokens": 5,
                                                       "ref_latents": [rand(2, 16, 5, 4), rand(2, 16, 3, 6)]}),
             "few_tokens": (rand(1, 16, 2, 4), t2[:1], {"context": rand(1, 3, 40), "num_tokens": 3})}
+
+
+def ovis_image_cases(seed=20):
+    """Ovis-Image (ComfyUI's Flux call, text ids (0, i, i)): 35 image tokens of odd height and width (batch 2, a
+    rope_options shift), 24 + 12 tokens with a reference by index, 2 tokens (fewer than the ranks), batch 1."""
+    rand = seeded_randn(seed)
+    return {"odd_latent": (rand(2, 16, 9, 13), torch.tensor([0.7, 0.3]),
+                           {"context": rand(2, 6, 32), "rope_options": {"shift_y": 3.0, "scale_x": 0.5}}),
+            "ref_index": (rand(2, 16, 6, 8), torch.tensor([0.9, 0.4]),
+                          {"context": rand(2, 5, 32), "ref_latents_method": "index",
+                           "ref_latents": [rand(1, 16, 4, 6).repeat(2, 1, 1, 1)]}),
+            "batch_1": (rand(1, 16, 8, 6), torch.tensor([0.5]), {"context": rand(1, 9, 32)}),
+            "2_tokens": (rand(1, 16, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}

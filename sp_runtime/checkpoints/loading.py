@@ -243,8 +243,9 @@ def resolved_dtype_name(requested: str, header: Header, detection) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Model construction and loading
 
-def build_empty_model(model_cls, config: Mapping, dtypes: WeightDtypes):
-    """A diffusers model with parameters on the meta device (buffers real), layerwise casting set up for fp8.
+def build_empty_model(model_cls, config: Mapping, dtypes: WeightDtypes, change: Optional[Callable] = None):
+    """A diffusers model with parameters on the meta device (buffers real), layerwise casting set up for fp8;
+    change(model) edits its modules first (modules a family adds get the same casting).
 
     accelerate's init_empty_weights keeps buffers real: torch.device("meta") would break non-persistent buffers
     (e.g. rotary tables) that no checkpoint carries.
@@ -252,6 +253,8 @@ def build_empty_model(model_cls, config: Mapping, dtypes: WeightDtypes):
     from accelerate import init_empty_weights
     with init_empty_weights():
         model = model_cls.from_config(dict(config))
+        if change is not None:
+            change(model)
     if dtypes.layerwise:
         # On the empty model this only re-tags meta parameters: the hooked layers now expect `storage` tensors.
         model.enable_layerwise_casting(storage_dtype=dtypes.storage, compute_dtype=dtypes.compute)

@@ -44,6 +44,7 @@ FAMILIES = {
     "longcat_image": "sp_runtime.families.longcat_image",
     "omnigen2": "sp_runtime.families.omnigen2",
     "boogu": "sp_runtime.families.boogu",
+    "ovis_image": "sp_runtime.families.ovis_image",
 }
 
 

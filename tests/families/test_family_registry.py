@@ -50,7 +50,7 @@ def test_comfyui_knows_the_model_families():
                                                                "ideogram4",
                                                                "ltxv", "kandinsky5", "krea2",
                                                                "mage_flow", "ernie_image", "longcat_image", "omnigen2",
-                                                               "seedvr2", "boogu"}
+                                                               "seedvr2", "boogu", "ovis_image"}
     assert comfy_host("ideogram4").model_class("image") == "Ideogram4"
     assert comfy_host("sd3").model_class("3.5_medium") == "SD3"
     assert comfy_host("hidream").model_class("") == "HiDream"
@@ -59,6 +59,7 @@ def test_comfyui_knows_the_model_families():
     assert comfy_host("boogu").model_class("image") == "Boogu"
     assert comfy_host("minimax_h3").model_class("pruned") == "MiniMaxH3"
     assert comfy_host("chroma").model_class("") == "Chroma"
+    assert comfy_host("ovis_image").model_class("") == "FluxSchnell"
     assert comfy_host("hunyuan_video").model_class("i2v") == "HunyuanVideoI2V"
     assert comfy_host("hunyuan_video15").model_class("") == "HunyuanVideo15"
     assert comfy_host("flux2").model_class("klein") == "Flux2"

@@ -28,10 +28,11 @@ def check(call) -> None:
         raise ValueError("Flux needs context [batch, text tokens, features] (the T5 output)")
 
 
-def image_and_text(call, patch: int, placements, default_method: str, text_ids, id_dtype) -> list[Stream]:
+def image_and_text(call, patch: int, placements, default_method: str, text_ids, id_dtype,
+                   text_embed="context_embedder") -> list[Stream]:
     """The output latent and its references (split), then the text (replicated); placements(method, x_hw, refs_hw)
     places the references (the call's method, else the load option's, else default_method), text_ids(length,
-    device) gives the text's position ids."""
+    device) gives the text's position ids, text_embed embeds the text (a model attribute or (model, raw) -> states)."""
     refs = as_list(call.inputs.get("ref_latents"))
     method = (call.inputs.get("ref_latents_method") or call.options.get("ref_latents_method")
               or default_method)
@@ -42,7 +43,7 @@ def image_and_text(call, patch: int, placements, default_method: str, text_ids, 
     image = image_parts(latents, [(0, 0, 0), *found], patch, False, id_dtype, axes, "x_embedder",
                         rope_options=call.inputs.get("rope_options"))
     text = call.input("context")
-    return [Stream("image", image), text_stream(text, text_ids(text.shape[1], call.device), "context_embedder")]
+    return [Stream("image", image), text_stream(text, text_ids(text.shape[1], call.device), text_embed)]
 
 
 def layout(call) -> list[Stream]:
