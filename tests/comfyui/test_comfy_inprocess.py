@@ -267,5 +267,5 @@ def test_host_patches_and_stream_switches_are_refused_not_ignored(comfy_env, sp_
     proxy_module = cs.import_node_module("proxy")
     proxy = sp_models["qwen_image"].get_model_object("diffusion_model")
     with pytest.raises(proxy_module.SPPoolError, match=named):
-        proxy._check_options(options, None)
-    proxy._check_options({"run_vx": True, "stg_self_attn_blocks": [], "patches": {}}, None)
+        proxy._check_options(options)
+    proxy._check_options({"run_vx": True, "stg_self_attn_blocks": [], "patches": {}})

@@ -9,6 +9,7 @@ import pytest
 
 import comfy_support as cs
 from sp_runtime.checkpoints.header import read_checkpoint_header
+from sp_runtime.families import FAMILIES, comfy_host
 
 pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 
@@ -72,8 +73,13 @@ def test_model_without_comfy_class_is_a_clear_error(comfy_model, tmp_path):
     import torch
     path = str(tmp_path / "toy.safetensors")
     save_file({"w": torch.zeros(2)}, path, metadata={"ulysses_sp.family": "toy", "ulysses_sp.config": json.dumps({})})
-    with pytest.raises(ValueError, match="no ComfyUI model class.*supported families: chroma, flux, flux2, hunyuan_video, hunyuan_video15, ltx2, qwen_image, qwen_image21, sd3, wan, z_image"):
+    with pytest.raises(ValueError, match="family 'toy'.*no ComfyUI model class.*supported families: ") as error:
         comfy_model.comfy_model_config(read_checkpoint_header(path), Info("toy"))
+    named = str(error.value).split("supported families: ")[1].split(", ")
+    # every registered family with a ComfyUI host, sorted (the list grows with each family added)
+    assert named == sorted(family for family in FAMILIES if comfy_host(family))
+    assert {"chroma", "flux", "flux2", "hunyuan_video", "qwen_image", "sd3", "wan", "z_image"} <= set(named)
+    assert "toy" not in named
 
 
 @pytest.mark.parametrize("family, name, channels", [("flux2", "Flux2", 16), ("qwen_image21", "QwenImage21", 16),

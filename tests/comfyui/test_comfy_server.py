@@ -167,6 +167,8 @@ def test_example_api_workflows_only_lack_their_model_files(server, name):
     newer_nodes, _ = cs.NEEDS_NEWER_COMFYUI.get(cs.example_name(name), ((), ""))
     assert set(missing) <= set(newer_nodes), f"{name}: node classes this ComfyUI lacks: {missing}"
     for node_id, node in workflow.items():
+        if missing:
+            break  # a ComfyUI older than the example needs: the nodes it has may lack newer inputs too
         spec = available.get(node["class_type"])
         if spec and node["class_type"] not in cs.ACCEPTS_ALL_INPUTS:
             known = set(cs.declared_inputs(spec["input"], node["inputs"]))
