@@ -91,6 +91,7 @@ for _family, _seed, _calls, _spec in (
                                                       layout_cases=("odd_latent_masked", "edit_two_refs"))),
         ("ernie_image", 18, cases.ernie_image_cases, {}),
         ("longcat_image", 19, cases.longcat_image_cases, dict(load_case="edit_index")),
+        ("hidream_o1", 20, cases.hidream_o1_cases, dict(layouts={"comfy": {}})),
         ("hunyuan_video", 13, cases.hunyuan_video_cases,
          dict(load_case="105_tokens", layouts={"diffusers": OTHER_LAYOUTS["diffusers"]},
               reference_model=plain_hunyuan_video, layout_cases=("105_tokens", "3_tokens_batch_1", "ref_latent"))),

@@ -1,0 +1,60 @@
+"""HiDream-O1 against ComfyUI's own HiDreamO1Transformer (needs COMFYUI_PATH with comfy/ldm/hidream_o1): the reference
+forward the pool is held to (sp_lab.references.hidream_o1, the conformance suite's) equals ComfyUI's network (its
+two-pass attention, MRoPE, timestep token, KV cache) built at the tiny file's widths with its weights, on the suite's
+cases; ComfyUI's detection names the tiny file hidream_o1. The vision tower (reference images, refused by the plan)
+is built small and left out."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import comfy_support as cs
+from family_support import assert_parity
+from sp_lab.conformance.cases import hidream_o1_cases
+from sp_lab.references.hidream_o1 import reference_forward
+from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
+from sp_runtime.checkpoints.header import read_checkpoint_header
+from sp_runtime.families import hidream_o1
+from test_image_families_comfy import comfy_detection, comfy_outputs, comfy_settings, meta_state
+
+pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
+pytest_plugins = ["family_pools"]  # its summary prints the parity table
+
+SMALL_VISION = dict(hidden_size=16, num_heads=2, intermediate_size=16, depth=1, num_position_embeddings=16)
+
+
+def comfy_network(model_module, config: dict, path: str):
+    """ComfyUI's HiDreamO1Transformer at the file's decoder widths, the file's weights loaded (vision tower aside)."""
+    import comfy.utils
+    text = {"vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"],
+            "intermediate_size": config["intermediate_size"], "num_hidden_layers": config["num_layers"],
+            "num_attention_heads": config["num_attention_heads"],
+            "num_key_value_heads": config["num_key_value_heads"], "head_dim": config["head_dim"],
+            "rope_dims": list(config["mrope_section"])}
+    network = model_module.HiDreamO1Transformer(text_config_overrides=text, vision_config_overrides=SMALL_VISION,
+                                                **comfy_settings())
+    state = comfy.utils.state_dict_prefix_replace(comfy.utils.load_torch_file(path), {COMFY_PREFIX: ""},
+                                                  filter_keys=True)
+    state = {key: value for key, value in state.items() if not key.startswith("visual.")}
+    missing, unexpected = network.load_state_dict(state, strict=False)
+    assert not unexpected and all(key.startswith("visual.") for key in missing), (missing, unexpected)
+    return network.eval()
+
+
+def test_reference_equals_comfys_hidream_o1_transformer(tmp_path):
+    cs.import_comfy()
+    model_module = pytest.importorskip("comfy.ldm.hidream_o1.model", reason="this ComfyUI predates HiDream-O1")
+    path = write_tiny_checkpoint("hidream_o1", str(tmp_path / "hidream_o1.safetensors"), seed=20, prefix=COMFY_PREFIX)
+    header = read_checkpoint_header(path)
+    assert comfy_detection(meta_state(header)) == {"image_model": "hidream_o1"}
+    config = hidream_o1.detect(header).config
+    assert model_module.PATCH_SIZE == config["patch_size"] and model_module.TMS_TOKEN_ID == config["tms_token_id"]
+    network = comfy_network(model_module, config, path)
+    cases = hidream_o1_cases()
+    expected = comfy_outputs(network, cases, lambda net, x, t, inputs: net(x, t, transformer_options={}, **inputs))
+    again = comfy_outputs(network, cases, lambda net, x, t, inputs: net(x, t, transformer_options={}, **inputs))
+    model = hidream_o1.load_model(path)[0]
+    for name, (x, t, inputs) in cases.items():
+        assert torch.allclose(again[name], expected[name], atol=1e-4), f"ComfyUI's KV-cache path differs ({name})"
+        assert_parity(reference_forward(model, x, t, **inputs), expected[name], "float32",
+                      f"comfyui_hidream_o1/{name}")
