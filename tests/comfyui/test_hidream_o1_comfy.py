@@ -5,6 +5,8 @@ cases; ComfyUI's detection names the tiny file hidream_o1. The vision tower (ref
 is built small and left out."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -58,3 +60,58 @@ def test_reference_equals_comfys_hidream_o1_transformer(tmp_path):
         assert torch.allclose(again[name], expected[name], atol=1e-4), f"ComfyUI's KV-cache path differs ({name})"
         assert_parity(reference_forward(model, x, t, **inputs), expected[name], "float32",
                       f"comfyui_hidream_o1/{name}")
+
+
+def prompt(seed: int, words: int):
+    """CONDITIONING as ComfyUI's HiDreamO1TE gives it: the token ids as a float surrogate context and as
+    text_input_ids (chat prefix, the words, chat suffix ending in <|boi|> <|tms_token|>)."""
+    generator = torch.Generator().manual_seed(seed)
+    words = torch.randint(0, 150000, (words,), generator=generator).tolist()
+    ids = torch.tensor([[151644, 872, 198, *words, 151645, 198, 151644, 77091, 198, 151669, 151673]])
+    return [[ids.unsqueeze(-1).float(), {"text_input_ids": ids}]]
+
+
+def test_stock_sampler_on_the_sp_model_equals_comfys_model(tmp_path):
+    """The SP loader's MODEL in ComfyUI's own sampling (ComfyUI's HiDreamO1 class builds the input ids, MRoPE
+    positions and ar_len in extra_conds; cond and uncond batched, then prompts of different lengths), with and without
+    HiDreamO1PatchSeamSmoothing (a DIFFUSION_MODEL wrapper on rolled inputs), equals ComfyUI's own network."""
+    cs.import_comfy()
+    model_module = pytest.importorskip("comfy.ldm.hidream_o1.model", reason="this ComfyUI predates HiDream-O1")
+    import comfy.model_patcher
+    import comfy.supported_models
+    import folder_paths
+    from comfy_extras.nodes_hidream_o1 import HiDreamO1PatchSeamSmoothing
+    folder = tmp_path / "diffusion_models"
+    folder_paths.add_model_folder_path("diffusion_models", str(folder), is_default=True)
+    path = cs.write_tiny("hidream_o1", str(folder), seed=20, prefix=COMFY_PREFIX)
+    config = comfy.supported_models.HiDreamO1({"image_model": "hidream_o1", "disable_unet_model_creation": True})
+    config.set_inference_dtype(torch.float32, None)
+    network = config.get_model({})
+    network.diffusion_model = comfy_network(model_module, hidream_o1.detect(read_checkpoint_header(path)).config,
+                                            path)
+    cpu = torch.device("cpu")
+    theirs = comfy.model_patcher.ModelPatcher(network, load_device=cpu, offload_device=cpu)
+    owner = cs.import_node_module("pool_owner").OWNER
+    try:
+        ours = cs.import_node_module("loader").SPModelLoader.execute(
+            unet_name=os.path.basename(path), weight_dtype="fp32", devices="cpu:2", ulysses_degree=0, ring_degree=1,
+            cfg_parallel=False).result[0]
+        latent = torch.zeros(1, 3, 64, 96)
+        results = []
+        for positive, negative in ((prompt(1, 4), prompt(2, 4)), (prompt(3, 5), prompt(4, 2))):
+            expected = cs.sample(theirs, positive, negative, latent=latent)
+            results.append(cs.sample(ours, positive, negative, latent=latent))
+            cs.assert_close(results[-1], expected)
+        assert (results[1] - results[0]).abs().max() > 1e-3  # the prompt matters
+        smoothing = dict(start_percent=0.0, end_percent=1.0, pattern="single_shift", passes="2", blend="average",
+                         strength=1.0)
+        prompts, latent = (prompt(1, 4), prompt(2, 4)), torch.zeros(1, 3, 128, 160)  # blends 32 px from the edges
+        plain = cs.sample(ours, *prompts, latent=latent)
+        expected = cs.sample(HiDreamO1PatchSeamSmoothing.execute(model=theirs, **smoothing).result[0], *prompts,
+                             latent=latent)
+        actual = cs.sample(HiDreamO1PatchSeamSmoothing.execute(model=ours, **smoothing).result[0], *prompts,
+                           latent=latent)
+        cs.assert_close(actual, expected)
+        assert (actual - plain).abs().max() > 1e-3  # the wrapper ran
+    finally:
+        owner.close_all()
