@@ -115,3 +115,17 @@ def test_stock_sampler_on_the_sp_model_equals_comfys_model(tmp_path):
         assert (actual - plain).abs().max() > 1e-3  # the wrapper ran
     finally:
         owner.close_all()
+
+
+def test_sp_checkpoint_loader_gives_comfys_tokenizer_and_pixel_space_vae(tmp_path):
+    """'Load Checkpoint (Ulysses SP)' on a HiDream-O1 checkpoint (the diffusion model alone, as released): ComfyUI's
+    tokenizer-only text encoder (its ids end in <|tms_token|>) and pixel-space VAE, no diffusion weight read."""
+    cs.import_comfy()
+    pytest.importorskip("comfy.ldm.hidream_o1.model", reason="this ComfyUI predates HiDream-O1")
+    path = cs.write_tiny("hidream_o1", str(tmp_path), seed=20, prefix=COMFY_PREFIX)
+    clip, vae = cs.import_node_module("checkpoint_loader").text_encoder_and_vae(path)
+    (cond, extra), = clip.encode_from_tokens_scheduled(clip.tokenize("a red fox"))
+    ids = extra["text_input_ids"]
+    assert ids[0, -1] == hidream_o1.detect(read_checkpoint_header(path)).config["tms_token_id"] and ids.shape[1] > 8
+    pixels = torch.rand(1, 3, 64, 96) * 2 - 1
+    assert vae.decode(pixels).shape == (1, 64, 96, 3)
