@@ -132,8 +132,8 @@ RULES: dict[str, Rule] = {
     "wrappers.apply_model.torch.compile": Rule(WORKERS, "TorchCompileModel: mapped to the workers' `compile` "
                                                         "option (no host wrapper is added)"),
     "wrappers.outer_sample.infinite_talk_outer_sample": Rule(REFUSED, f"InfiniteTalk {_IN_NETWORK}: {_REMOVE}"),
-    "wrappers.diffusion_model.hidream_o1_patch_seam_smoothing": Rule(REFUSED, f"HiDream-O1 seam smoothing: "
-                                                                              f"{_REMOVE}"),
+    "wrappers.diffusion_model.hidream_o1_patch_seam_smoothing": Rule(HOST, "HiDream-O1 seam smoothing: averages "
+                                                                           "the SP model's outputs on rolled inputs"),
     # ---- callbacks ----
     "callbacks.on_cleanup.None": Rule(HOST, "frees a node's host-side cache after sampling"),
     **{f"callbacks.{kind}.block_sparse_attention": Rule(

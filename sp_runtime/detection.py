@@ -24,7 +24,6 @@ INTERNAL_FAMILIES_ENV = "ULYSSES_SP_INTERNAL_FAMILIES"
 OTHER_KINDS = {
     "HunyuanImage 2.1": ("byt5_in.fc1.weight",),
     "SDXL / SD1.x UNet": ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
-    "HiDream-O1": ("t_embedder1.mlp.0.weight",),
     "Flux.3": ("early_stream_modulations.image.lin.weight",),  # diffusers' CHECKPOINT_KEY_NAMES["flux3"]
     "Bria FIBO 2": ("perceiver.latent_queries",),  # diffusers' name; ComfyUI's model code is in no stored tree
     "Lens": ("img_mlp.w1.weight",),  # ComfyUI's key: gated MLP (Qwen-Image's is img_mlp.net.0.proj)

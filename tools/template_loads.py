@@ -68,7 +68,7 @@ KINDS = [
     (r"^ltx-2", "ltx2", "LTX-2 / 2.3 / 2.5"),
     (r"^ltx-video", "ltxv", "LTX-Video 0.9"),
     (r"^(hidream_i1|hidream_e1)", ("hidream", "HiDream"), "HiDream I1 / E1"),
-    (r"^hidream_o1", "HiDream-O1", "HiDream-O1"),
+    (r"^hidream_o1", "hidream_o1", "HiDream-O1"),
     (r"^(sd_xl|svd)", "SDXL / SD1.x UNet", "SDXL / SVD UNet"),
     (r"^NetaYume", "lumina2", "Lumina 2 (NetaYume)"),
     (r"^NewBie", "lumina2", "NewBie (Lumina 2 with pooled CLIP text)"),

@@ -409,3 +409,36 @@ def ovis_image_cases(seed=20):
                            "ref_latents": [rand(1, 16, 4, 6).repeat(2, 1, 1, 1)]}),
             "batch_1": (rand(1, 16, 8, 6), torch.tensor([0.5]), {"context": rand(1, 9, 32)}),
             "2_tokens": (rand(1, 16, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}
+
+
+HIDREAM_O1_TMS, HIDREAM_O1_PATCH = 151673, 32
+
+
+def hidream_o1_conds(ids: torch.Tensor, rows: int, cols: int) -> dict:
+    """ComfyUI's HiDreamO1 extra_conds for text to image (build_extra_conds): the prompt's ids (ending in
+    <|tms_token|>), MRoPE positions (text token i at (i, i, i), image token (r, c) at 4096 + (0, r, c)) repeated to the
+    batch, ar_len (the text before <|tms_token|>), the image rows' mask and the token types."""
+    batch, text = ids.shape
+    image = torch.stack([torch.zeros(rows * cols, dtype=torch.long), torch.arange(rows).repeat_interleave(cols),
+                         torch.arange(cols).repeat(rows)]) + 4096
+    positions = torch.cat([torch.arange(text).expand(3, -1), image], dim=1)
+    total = text + rows * cols
+    after_text = (torch.arange(total) >= text).expand(batch, -1)
+    return {"input_ids": ids, "position_ids": positions[None].expand(batch, -1, -1).clone(), "ar_len": text - 1,
+            "vinput_mask": after_text.clone(), "token_types": (torch.arange(total) >= text - 1).long().expand(batch, -1)}
+
+
+def hidream_o1_cases(seed=20):
+    """HiDream-O1 (pixels in 32 x 32 patches): 6 text + 35 image tokens (batch 2, prompts differ, CFG halves at
+    different times: sigma x 1000), 9 + 9 tokens (batch 1), <|tms_token|> alone + 2 image tokens (fewer than the ranks,
+    no causal prefix)."""
+    rand, generator = seeded_randn(seed), torch.Generator().manual_seed(seed)
+
+    def prompt(batch: int, text: int) -> torch.Tensor:
+        ids = torch.randint(0, 151000, (batch, text), generator=generator)
+        ids[:, -1] = HIDREAM_O1_TMS
+        return ids
+    p = HIDREAM_O1_PATCH
+    return {"41_tokens": (rand(2, 3, 5 * p, 7 * p), torch.tensor([700.0, 300.0]), hidream_o1_conds(prompt(2, 6), 5, 7)),
+            "batch_1": (rand(1, 3, 3 * p, 3 * p), torch.tensor([500.0]), hidream_o1_conds(prompt(1, 9), 3, 3)),
+            "3_tokens": (rand(1, 3, p, 2 * p), torch.tensor([900.0]), hidream_o1_conds(prompt(1, 1), 1, 2))}

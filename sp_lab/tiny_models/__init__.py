@@ -17,7 +17,7 @@ from . import chroma, cosmos, flux2, hidream, hunyuan_video, lumina2, ltx2, mini
 from . import ideogram4
 from . import qwen_image_controlnet
 from . import kandinsky5, krea2, ltxv
-from . import anima, boogu, ernie_image, longcat_image, mage_flow, omnigen2, ovis_image, seedvr2
+from . import anima, boogu, ernie_image, hidream_o1, longcat_image, mage_flow, omnigen2, ovis_image, seedvr2
 from .weights import COMFY_PREFIX, random_model, randomize_, save_tiny, sized
 
 __all__ = ["COMFY_PREFIX", "FAMILIES", "LAYOUTS", "build_tiny_model", "original_state_dict", "randomize_",
@@ -42,7 +42,7 @@ MODULES = {"wan": wan, "qwen_image21": qwen_image21, "flux2": flux2, "hunyuan_vi
            "ltxv": ltxv, "kandinsky5": kandinsky5, "krea2": krea2, "mage_flow": mage_flow,
            "anima": anima,
            "ernie_image": ernie_image, "longcat_image": longcat_image, "omnigen2": omnigen2, "seedvr2": seedvr2, "boogu": boogu,
-           "ovis_image": ovis_image}
+           "ovis_image": ovis_image, "hidream_o1": hidream_o1}
 FAMILIES = ("qwen_image", "flux", *MODULES)
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
 

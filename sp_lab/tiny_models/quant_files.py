@@ -45,10 +45,12 @@ def write_quantized(family: str, path: str, reference_path: str, fmt: str, seed:
 
 WAN_VARIANT_MODULES = ("casual_audio_encoder.", "audio_injector.", "face_encoder.", "motion_encoder.")
 Z_IMAGE_BLOCKS = ("layers.", "noise_refiner.", "context_refiner.")
+DECODER_LAYERS = ("language_model.layers.",)  # HiDream-O1's blocks
 
 
 def _quantizable(key: str, tensor: torch.Tensor) -> bool:
-    return (("blocks." in key or key.startswith(WAN_VARIANT_MODULES + Z_IMAGE_BLOCKS)) and key.endswith(".weight")
+    return (("blocks." in key or key.startswith(WAN_VARIANT_MODULES + Z_IMAGE_BLOCKS + DECODER_LAYERS))
+            and key.endswith(".weight")
             and tensor.dim() == 2)
 
 

@@ -29,6 +29,7 @@ FAMILIES = {
     "sd3": "sp_runtime.families.sd3",
     "chroma": "sp_runtime.families.chroma",
     "hidream": "sp_runtime.families.hidream",
+    "hidream_o1": "sp_runtime.families.hidream_o1",
     "minimax_h3": "sp_runtime.families.minimax_h3",
     "wan": "sp_runtime.families.wan",
     "hunyuan_video": "sp_runtime.families.hunyuan_video",

@@ -83,7 +83,8 @@ def test_model_without_comfy_class_is_a_clear_error(comfy_model, tmp_path):
 
 
 @pytest.mark.parametrize("family, name, channels", [("flux2", "Flux2", 16), ("qwen_image21", "QwenImage21", 16),
-                                                   ("z_image", "ZImage", 16), ("ltx2", "LTXAV", 1)])
+                                                   ("z_image", "ZImage", 16), ("ltx2", "LTXAV", 1),
+                                                   ("hidream_o1", "HiDreamO1", 3)])
 def test_families_newer_than_this_comfyui_name_the_class_they_need(comfy_model, tmp_path, family, name, channels):
     """Flux.2, Qwen-Image 2.1, Z-Image and LTX-2 need a newer ComfyUI than some users run: a clear error there, the class where
     ComfyUI has it."""

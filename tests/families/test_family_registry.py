@@ -46,7 +46,8 @@ def test_comfyui_knows_the_model_families():
     assert {name for name in FAMILIES if comfy_host(name)} == {"qwen_image", "qwen_image21", "flux", "flux2",
                                                                "wan", "hunyuan_video", "hunyuan_video15",
                                                                "z_image", "lumina2", "ltx2", "sd3", "chroma",
-                                                               "hidream", "minimax_h3", "cosmos", "anima",
+                                                               "hidream", "hidream_o1", "minimax_h3", "cosmos",
+                                                               "anima",
                                                                "ideogram4",
                                                                "ltxv", "kandinsky5", "krea2",
                                                                "mage_flow", "ernie_image", "longcat_image", "omnigen2",
@@ -54,6 +55,7 @@ def test_comfyui_knows_the_model_families():
     assert comfy_host("ideogram4").model_class("image") == "Ideogram4"
     assert comfy_host("sd3").model_class("3.5_medium") == "SD3"
     assert comfy_host("hidream").model_class("") == "HiDream"
+    assert comfy_host("hidream_o1").model_class("t2i") == "HiDreamO1"
     assert comfy_host("lumina2").model_class("") == "Lumina2"
     assert comfy_host("omnigen2").model_class("") == "Omnigen2"
     assert comfy_host("boogu").model_class("image") == "Boogu"

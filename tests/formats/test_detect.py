@@ -147,13 +147,13 @@ def test_missing_path_and_folder_without_config(tmp_path):
 
 
 def test_unsupported_family_names_it_and_lists_supported(tmp_path):
-    path = tmp_path / "hidream_o1.safetensors"
-    save_file({"model.diffusion_model.t_embedder1.mlp.0.weight": torch.zeros(6, 2),
-               "model.diffusion_model.x_embedder.proj1.weight": torch.zeros(2, 2)}, str(path))
+    path = tmp_path / "hunyuanimage2.1.safetensors"
+    save_file({"model.diffusion_model.byt5_in.fc1.weight": torch.zeros(6, 2),
+               "model.diffusion_model.img_in.proj.weight": torch.zeros(2, 2)}, str(path))
     with pytest.raises(ValueError) as error:
         detect(str(path))
     message = str(error.value)
-    assert "looks like HiDream-O1" in message and "Qwen-Image" in message and "Flux.1" in message
+    assert "looks like HunyuanImage 2.1" in message and "Qwen-Image" in message and "Flux.1" in message
 
 
 @pytest.mark.parametrize("name, keys, kind", [

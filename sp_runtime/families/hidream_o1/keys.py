@@ -1,0 +1,24 @@
+"""HiDream-O1's key plan: ComfyUI's names -> our HiDreamO1Transformer's (model.py): the decoder's
+`language_model.{embed_tokens,layers,norm}` at the top level (`layers` is the executor's block list); the vision tower
+`visual.*` (reference images only, refused) is read past and dropped; everything else keeps its name."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from ...checkpoints.loading import KeyPlan, original_layout_plan
+
+DECODER = "language_model."
+DROPPED = "visual."  # the Qwen3-VL vision tower (and its deepstack mergers, which ComfyUI drops too)
+
+
+def original_plan(keys: Iterable[str], config=None) -> KeyPlan:
+    plan = {}
+    for key in keys:
+        if key.startswith(DROPPED):
+            plan[key] = []
+        else:
+            plan[key] = [(key[len(DECODER):] if key.startswith(DECODER) else key, None)]
+    return plan
+
+
+weight_plan = original_layout_plan(original_plan)
