@@ -98,6 +98,7 @@ for _family, _seed, _calls, _spec in (
         ("ernie_image", 18, cases.ernie_image_cases, {}),
         ("longcat_image", 19, cases.longcat_image_cases, dict(load_case="edit_index")),
         ("omnigen2", 18, cases.omnigen2_cases, dict(load_case="odd_latent_refs", layouts={"comfy": {}})),
+        ("joyimage", 20, cases.joyimage_cases, dict(load_case="edit_two_refs")),
         ("hunyuan_video", 13, cases.hunyuan_video_cases,
          dict(load_case="105_tokens", layouts={"diffusers": OTHER_LAYOUTS["diffusers"]},
               reference_model=plain_hunyuan_video, layout_cases=("105_tokens", "3_tokens_batch_1", "ref_latent"))),

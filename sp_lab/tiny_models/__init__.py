@@ -18,6 +18,7 @@ from . import ideogram4
 from . import qwen_image_controlnet
 from . import kandinsky5, krea2, ltxv
 from . import anima, ernie_image, longcat_image, mage_flow, omnigen2
+from . import joyimage
 from .weights import COMFY_PREFIX, random_model, randomize_, save_tiny, sized
 
 __all__ = ["COMFY_PREFIX", "FAMILIES", "LAYOUTS", "build_tiny_model", "original_state_dict", "randomize_",
@@ -41,7 +42,8 @@ MODULES = {"wan": wan, "qwen_image21": qwen_image21, "flux2": flux2, "hunyuan_vi
            "ideogram4": ideogram4, "qwen_image_controlnet": qwen_image_controlnet,
            "ltxv": ltxv, "kandinsky5": kandinsky5, "krea2": krea2, "mage_flow": mage_flow,
            "anima": anima,
-           "ernie_image": ernie_image, "longcat_image": longcat_image, "omnigen2": omnigen2}
+           "ernie_image": ernie_image, "longcat_image": longcat_image, "omnigen2": omnigen2,
+           "joyimage": joyimage}
 FAMILIES = ("qwen_image", "flux", *MODULES)
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
 

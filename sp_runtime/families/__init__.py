@@ -42,6 +42,7 @@ FAMILIES = {
     "ernie_image": "sp_runtime.families.ernie_image",
     "longcat_image": "sp_runtime.families.longcat_image",
     "omnigen2": "sp_runtime.families.omnigen2",
+    "joyimage": "sp_runtime.families.joyimage",
 }
 
 
