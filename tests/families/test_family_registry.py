@@ -49,12 +49,14 @@ def test_comfyui_knows_the_model_families():
                                                                "hidream", "minimax_h3", "cosmos", "anima",
                                                                "ideogram4",
                                                                "ltxv", "kandinsky5", "krea2",
-                                                               "mage_flow", "ernie_image", "longcat_image", "omnigen2"}
+                                                               "mage_flow", "ernie_image", "longcat_image", "omnigen2",
+                                                               "joyimage"}
     assert comfy_host("ideogram4").model_class("image") == "Ideogram4"
     assert comfy_host("sd3").model_class("3.5_medium") == "SD3"
     assert comfy_host("hidream").model_class("") == "HiDream"
     assert comfy_host("lumina2").model_class("") == "Lumina2"
     assert comfy_host("omnigen2").model_class("") == "Omnigen2"
+    assert comfy_host("joyimage").model_class("") == "JoyImage"
     assert comfy_host("minimax_h3").model_class("pruned") == "MiniMaxH3"
     assert comfy_host("chroma").model_class("") == "Chroma"
     assert comfy_host("hunyuan_video").model_class("i2v") == "HunyuanVideoI2V"
