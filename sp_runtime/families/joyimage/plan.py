@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...sp import AttentionSpec, Plan, Stage, Stream, text_stream, video_part
+from ...sp.tensor_parallel import COLUMN, ROW, Split, TensorParallelPlan
 from ...sp.tokens import as_list
 from ...sp.video_tokens import conv_patch_embed
 
@@ -106,7 +107,10 @@ def head(call) -> torch.Tensor:
 ATTENTION = AttentionSpec(project=project_image, finish=lambda attn, out, extra: attn.img_attn_proj(out),
                           project_text=project_text, text_first=False,
                           finish_text=lambda attn, out: attn.txt_attn_proj(out))
+# the fused q / k / v Linears column-split in whole heads (3 parts), the output projections row-split; FeedForward generic
+TENSOR_PARALLEL = TensorParallelPlan(extra=(Split("img_attn_qkv", COLUMN, 3), Split("txt_attn_qkv", COLUMN, 3),
+                                            Split("img_attn_proj", ROW), Split("txt_attn_proj", ROW)))
 PLAN = Plan(check=check, layout=layout, condition=condition, head=head, rope=rope,
             stages=(Stage("double_blocks", run_block, attention=ATTENTION),),
             comfy_blocks={"double_block": "double_blocks"},
-            tensor_parallel="its fused q / k / v Linears are not split yet")
+            tensor_parallel=TENSOR_PARALLEL)
