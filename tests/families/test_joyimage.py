@@ -112,3 +112,16 @@ def test_comfyui_model_equals_the_reference(comfyui, tmp_path):
         with torch.no_grad():
             expected = model(x, t, inputs["context"], ref_latents=inputs.get("ref_latents"), transformer_options={})
         assert_parity(reference_forward(loaded, x, t, **inputs), expected, "float32", f"comfyui/{name}")
+
+
+def test_comfyui_detection_of_the_released_header_equals_ours(comfyui):
+    """ComfyUI's own detect_unet_config on the released header (meta tensors) gives our sizes."""
+    import comfy.model_detection
+    from comfy_support import import_node_module
+    header = released_header()
+    theirs = comfy.model_detection.detect_unet_config(import_node_module("comfy_model").meta_state_dict(header),
+                                                      COMFY_PREFIX)
+    ours = joyimage.detect(header).config
+    assert theirs == {"image_model": "joyimage", "text_dim": ours["text_dim"],
+                      **{key: ours[key] for key in ("in_channels", "hidden_size", "patch_size", "num_layers",
+                                                    "num_attention_heads")}}

@@ -107,7 +107,7 @@ def head(call) -> torch.Tensor:
 ATTENTION = AttentionSpec(project=project_image, finish=lambda attn, out, extra: attn.img_attn_proj(out),
                           project_text=project_text, text_first=False,
                           finish_text=lambda attn, out: attn.txt_attn_proj(out))
-# the fused q / k / v Linears column-split in whole heads (3 parts), the output projections row-split; FeedForward generic
+# fused q / k / v column-split in whole heads (3 parts), output projections row-split; FeedForward: generic
 TENSOR_PARALLEL = TensorParallelPlan(extra=(Split("img_attn_qkv", COLUMN, 3), Split("txt_attn_qkv", COLUMN, 3),
                                             Split("img_attn_proj", ROW), Split("txt_attn_proj", ROW)))
 PLAN = Plan(check=check, layout=layout, condition=condition, head=head, rope=rope,
