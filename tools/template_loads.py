@@ -86,6 +86,7 @@ KINDS = [
     (r"^omnigen2", ("omnigen2", "OmniGen2"), "OmniGen2"),
     (r"^ernie-image", "ernie_image", "ERNIE-Image"),
     (r"^longcat_image", "longcat_image", "LongCat-Image"),
+    (r"^joyai_image", "joyimage", "JoyAI-Image-Edit"),
     (r"^ovis_image", "ovis_image", "Ovis-Image"),
     (r"^fibo2", ("bria_fibo2", "Bria FIBO 2"), "Bria FIBO 2"),
     (r"^capybara", "hunyuan_video15", "Capybara v0.1 (HunyuanVideo 1.5 fine-tune)"),

@@ -442,3 +442,14 @@ def hidream_o1_cases(seed=20):
     return {"41_tokens": (rand(2, 3, 5 * p, 7 * p), torch.tensor([700.0, 300.0]), hidream_o1_conds(prompt(2, 6), 5, 7)),
             "batch_1": (rand(1, 3, 3 * p, 3 * p), torch.tensor([500.0]), hidream_o1_conds(prompt(1, 9), 3, 3)),
             "3_tokens": (rand(1, 3, p, 2 * p), torch.tensor([900.0]), hidream_o1_conds(prompt(1, 1), 1, 2))}
+
+
+def joyimage_cases(seed=20):
+    """JoyAI-Image-Edit (Wan 2.1 latents [B, 16, 1, H, W], patch (1, 2, 2)): 35 image + 7 text tokens (batch 2, CFG
+    halves at different times: sigma x 1000); the edit's two references after an odd latent (35 + 12 + 12 tokens, one
+    reference of odd size); 2 tokens (fewer than the ranks)."""
+    rand = seeded_randn(seed)
+    return {"35_tokens": (rand(2, 16, 1, 10, 14), torch.tensor([700.0, 300.0]), {"context": rand(2, 7, 32)}),
+            "edit_two_refs": (rand(2, 16, 1, 9, 13), torch.tensor([600.0, 600.0]),
+                              {"context": rand(2, 5, 32), "ref_latents": [rand(2, 16, 1, 6, 8), rand(2, 16, 1, 5, 7)]}),
+            "2_tokens": (rand(1, 16, 1, 2, 4), torch.tensor([500.0]), {"context": rand(1, 3, 32)})}

@@ -17,7 +17,8 @@ from . import chroma, cosmos, flux2, hidream, hunyuan_video, lumina2, ltx2, mini
 from . import ideogram4
 from . import qwen_image_controlnet
 from . import kandinsky5, krea2, ltxv
-from . import anima, boogu, ernie_image, hidream_o1, longcat_image, mage_flow, omnigen2, ovis_image, seedvr2
+from . import anima, boogu, ernie_image, hidream_o1, joyimage, longcat_image, mage_flow, omnigen2, ovis_image
+from . import seedvr2
 from .weights import COMFY_PREFIX, random_model, randomize_, save_tiny, sized
 
 __all__ = ["COMFY_PREFIX", "FAMILIES", "LAYOUTS", "build_tiny_model", "original_state_dict", "randomize_",
@@ -37,12 +38,11 @@ def _hunyuan(version: str) -> SimpleNamespace:
 # as built is not all); Qwen-Image and Flux.1 are written here
 MODULES = {"wan": wan, "qwen_image21": qwen_image21, "flux2": flux2, "hunyuan_video": _hunyuan("1.0"),
            "hunyuan_video15": _hunyuan("1.5"), "z_image": z_image, "ltx2": ltx2, "sd3": sd3, "chroma": chroma,
-           "hidream": hidream, "lumina2": lumina2, "minimax_h3": minimax_h3, "cosmos": cosmos,
-           "ideogram4": ideogram4, "qwen_image_controlnet": qwen_image_controlnet,
-           "ltxv": ltxv, "kandinsky5": kandinsky5, "krea2": krea2, "mage_flow": mage_flow,
-           "anima": anima,
-           "ernie_image": ernie_image, "longcat_image": longcat_image, "omnigen2": omnigen2, "seedvr2": seedvr2, "boogu": boogu,
-           "ovis_image": ovis_image, "hidream_o1": hidream_o1}
+           "hidream": hidream, "lumina2": lumina2, "minimax_h3": minimax_h3, "cosmos": cosmos, "ideogram4": ideogram4,
+           "qwen_image_controlnet": qwen_image_controlnet, "ltxv": ltxv, "kandinsky5": kandinsky5, "krea2": krea2,
+           "mage_flow": mage_flow, "anima": anima, "ernie_image": ernie_image, "longcat_image": longcat_image,
+           "omnigen2": omnigen2, "seedvr2": seedvr2, "boogu": boogu, "ovis_image": ovis_image,
+           "hidream_o1": hidream_o1, "joyimage": joyimage}
 FAMILIES = ("qwen_image", "flux", *MODULES)
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
 

@@ -46,6 +46,7 @@ FAMILIES = {
     "omnigen2": "sp_runtime.families.omnigen2",
     "boogu": "sp_runtime.families.boogu",
     "ovis_image": "sp_runtime.families.ovis_image",
+    "joyimage": "sp_runtime.families.joyimage",
 }
 
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from ..attention import SeqShards, sp_attention
-from .plan import AttentionSpec, project_out
+from .plan import AttentionSpec
 from .tokens import rotate
 
 _CURRENT: ContextVar[Optional["Geometry"]] = ContextVar("sp_attention_geometry", default=None)
@@ -83,7 +83,7 @@ class SPAttnProcessor:
                 text_out = self.spec.finish_text(attn, text_out)
             elif to_add_out is not None and not getattr(attn, "context_pre_only", False):
                 text_out = to_add_out(text_out)
-            return project_out(attn, out.flatten(2, 3).to(dtype).contiguous(), None), text_out
+            return self.spec.finish(attn, out.flatten(2, 3).to(dtype).contiguous(), extra), text_out
         if self.spec.text_prefix:  # single-stream joint attention: [text, own tokens]
             length = geometry.text_len
             out, text_out = geometry.attend([t[:, length:] for t in qkv], [t[:, :length] for t in qkv])

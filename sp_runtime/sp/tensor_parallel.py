@@ -149,7 +149,8 @@ def _head_widths(modules: dict, attentions: list[str], found: dict, where: str, 
                              f"{heads}")
         inner = getattr(attn, "inner_dim", None)
         query = modules.get(inside + "to_q")
-        widths[path] = width = (inner if isinstance(inner, int) else query.out_features) // heads
+        full = inner if isinstance(inner, int) else query.out_features if query is not None else attn.head_dim * heads
+        widths[path] = width = full // heads
         grouped = [modules[inside + name] for name in ("to_k", "to_v") if inside + name in found]
         if query is not None and any(proj.out_features != query.out_features for proj in grouped) and (
                 heads % degree or any(proj.out_features // width % degree for proj in grouped)):
@@ -371,8 +372,9 @@ def _is_split_attention(path: str, module, found: dict) -> bool:
     if _heads_attribute(module) is None or not hasattr(module, "set_processor"):
         return False
     inside = f"{path}." if path else ""
-    return any(name.startswith(inside) and name[len(inside):] in ("to_q", "to_qkv", "to_qkv_mlp_proj")
-               for name in found)
+    return any(name.startswith(inside) and (name[len(inside):] in ("to_q", "to_qkv", "to_qkv_mlp_proj")
+                                            or (found[name].kind == COLUMN and found[name].parts == 3))
+               for name in found)  # a query projection, or a fused q / k / v of the family's own name
 
 
 def _split_heads(attn, where: str, rank: int, degree: int) -> None:

@@ -51,7 +51,7 @@ def test_comfyui_knows_the_model_families():
                                                                "ideogram4",
                                                                "ltxv", "kandinsky5", "krea2",
                                                                "mage_flow", "ernie_image", "longcat_image", "omnigen2",
-                                                               "seedvr2", "boogu", "ovis_image"}
+                                                               "seedvr2", "boogu", "ovis_image", "joyimage"}
     assert comfy_host("ideogram4").model_class("image") == "Ideogram4"
     assert comfy_host("sd3").model_class("3.5_medium") == "SD3"
     assert comfy_host("hidream").model_class("") == "HiDream"
@@ -59,6 +59,7 @@ def test_comfyui_knows_the_model_families():
     assert comfy_host("lumina2").model_class("") == "Lumina2"
     assert comfy_host("omnigen2").model_class("") == "Omnigen2"
     assert comfy_host("boogu").model_class("image") == "Boogu"
+    assert comfy_host("joyimage").model_class("") == "JoyImage"
     assert comfy_host("minimax_h3").model_class("pruned") == "MiniMaxH3"
     assert comfy_host("chroma").model_class("") == "Chroma"
     assert comfy_host("ovis_image").model_class("") == "FluxSchnell"
