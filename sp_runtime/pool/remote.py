@@ -204,6 +204,7 @@ class Machine:
         self.workers: dict[int, RemoteWorker] = {}
         self.control = None
         self._send_lock = threading.Lock()
+        self._segments_lock = threading.Lock()  # the reader thread writes outputs while the pool's thread may disconnect
         self._last_request = None
         self._held: dict[tuple, tuple[int, int]] = {}  # input tensors the machine holds: spec key -> byte range
         self._mirrored = None  # the host input segment the machine mirrors
@@ -246,10 +247,11 @@ class Machine:
             except OSError:
                 pass
             self.sock.close()
-        for segment in (self._inputs_at, self._outputs_at):
-            if segment is not None:
-                segment.release()
-        self._inputs_at = self._outputs_at = None
+        with self._segments_lock:
+            for segment in (self._inputs_at, self._outputs_at):
+                if segment is not None:
+                    segment.release()
+            self._inputs_at = self._outputs_at = None
         self._mirrored = None
         self.point._forget(self)
 
@@ -275,7 +277,8 @@ class Machine:
     def _inputs(self, message: dict, payload: list) -> dict:
         """The input tensors the machine does not hold yet: their byte ranges, their bytes appended to payload."""
         if message["input_segment"] != self._mirrored:  # the host's arena moved: the machine holds nothing of it
-            self._inputs_at = _reattach(self._inputs_at, message["input_segment"])
+            with self._segments_lock:
+                self._inputs_at = _reattach(self._inputs_at, message["input_segment"])
             self._mirrored, self._held = message["input_segment"], {}
         segment = self._inputs_at
         sent = []
@@ -351,13 +354,16 @@ class Machine:
             self._send({"cancel": self._cancel})
 
     def _write_output(self, output: dict, payload: bytes) -> None:
-        if self._outputs_at is None or self._outputs_at.name != output["segment"]:
-            self._outputs_at = _reattach(self._outputs_at, output["segment"])
-        base = self._outputs_at.base
-        at = 0
-        for start, length in output["ranges"]:
-            base[start:start + length].copy_(_as_bytes(payload[at:at + length]))
-            at += length
+        with self._segments_lock:
+            if not self.connected:
+                return  # disconnected meanwhile: the call has failed, nobody reads this output
+            if self._outputs_at is None or self._outputs_at.name != output["segment"]:
+                self._outputs_at = _reattach(self._outputs_at, output["segment"])
+            base = self._outputs_at.base
+            at = 0
+            for start, length in output["ranges"]:
+                base[start:start + length].copy_(_as_bytes(payload[at:at + length]))
+                at += length
 
 
 class RemoteWorker:
