@@ -100,3 +100,11 @@ def single_rank_worker(path: str, options=None):
     groups = ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
     worker = load_worker_model(LoadRequest(path, options=options or {}), torch.device("cpu"), groups, lambda *_: None)
     return worker, LocalContext(groups)
+
+
+def single_rank_output(worker, x: torch.Tensor, t: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """The output of one call of a single_rank_worker (x's shape)."""
+    model, context = worker
+    out = torch.empty(x.shape)
+    model.forward(x, t, inputs, out, context)
+    return out

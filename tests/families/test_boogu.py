@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_support import single_rank_worker
+from family_support import single_rank_output, single_rank_worker
 from sp_lab.conformance.cases import boogu_cases
 from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_runtime.checkpoints.header import Header
@@ -61,28 +61,21 @@ def worker(tmp_path_factory):
     return single_rank_worker(path)
 
 
-def run(worker, x, t, inputs) -> torch.Tensor:
-    model, context = worker
-    out = torch.empty(x.shape)
-    model.forward(x, t, inputs, out, context)
-    return out
-
-
 def test_references_count_in_order_and_serve_every_item(worker):
     """The edit's references change the output, their order too (index embeddings and rotary shifts); a batch-1
     reference serves both items as the same reference repeated; an all-ones mask (ComfyUI drops it) changes
     nothing."""
     x, t, inputs = boogu_cases()["edit_two_refs"]
-    edited = run(worker, x, t, inputs)
+    edited = single_rank_output(worker, x, t, inputs)
     first, second = inputs["ref_latents"]
-    assert (run(worker, x, t, {**inputs, "ref_latents": None}) - edited).abs().max() > 1e-3
-    assert (run(worker, x, t, {**inputs, "ref_latents": [second, first]}) - edited).abs().max() > 1e-3
-    single = run(worker, x, t, {**inputs, "ref_latents": [first[:1], second[:1]]})
-    repeated = run(worker, x, t, {**inputs, "ref_latents": [first[:1].repeat(2, 1, 1, 1),
+    assert (single_rank_output(worker, x, t, {**inputs, "ref_latents": None}) - edited).abs().max() > 1e-3
+    assert (single_rank_output(worker, x, t, {**inputs, "ref_latents": [second, first]}) - edited).abs().max() > 1e-3
+    single = single_rank_output(worker, x, t, {**inputs, "ref_latents": [first[:1], second[:1]]})
+    repeated = single_rank_output(worker, x, t, {**inputs, "ref_latents": [first[:1].repeat(2, 1, 1, 1),
                                                             second[:1].repeat(2, 1, 1, 1)]})
     assert torch.allclose(single, repeated, atol=1e-6)
     ones = torch.ones(2, inputs["context"].shape[1], dtype=torch.long)
-    assert torch.allclose(run(worker, x, t, {**inputs, "attention_mask": ones}), edited, atol=1e-6)
+    assert torch.allclose(single_rank_output(worker, x, t, {**inputs, "attention_mask": ones}), edited, atol=1e-6)
 
 
 def test_refusals_by_name(worker):
@@ -90,17 +83,17 @@ def test_refusals_by_name(worker):
     mask = torch.ones(1, 3, dtype=torch.long)
     mask[0, 2] = 0
     with pytest.raises(ValueError, match="attention_mask / num_tokens: a padded instruction"):
-        run(worker, x, t, {**inputs, "attention_mask": mask, "num_tokens": 2})
+        single_rank_output(worker, x, t, {**inputs, "attention_mask": mask, "num_tokens": 2})
     with pytest.raises(ValueError, match=r"padded instruction \(2 of 3 tokens\)"):
-        run(worker, x, t, {**inputs, "num_tokens": 2})
+        single_rank_output(worker, x, t, {**inputs, "num_tokens": 2})
     with pytest.raises(ValueError, match="ref_latents: 6 reference latents"):
-        run(worker, x, t, {**inputs, "ref_latents": [torch.zeros(1, 16, 2, 2)] * 6})
+        single_rank_output(worker, x, t, {**inputs, "ref_latents": [torch.zeros(1, 16, 2, 2)] * 6})
     with pytest.raises(ValueError, match=r"ref_latents\[0\] has shape \(1, 4, 2, 2\)"):
-        run(worker, x, t, {**inputs, "ref_latents": [torch.zeros(1, 4, 2, 2)]})
+        single_rank_output(worker, x, t, {**inputs, "ref_latents": [torch.zeros(1, 4, 2, 2)]})
     with pytest.raises(ValueError, match=r"x has shape \(1, 16, 1, 2, 4\)"):
-        run(worker, x[:, :, None], t, inputs)
+        single_rank_output(worker, x[:, :, None], t, inputs)
     with pytest.raises(ValueError, match="needs context"):
-        run(worker, x, t, {})
+        single_rank_output(worker, x, t, {})
 
 
 def test_tensor_parallel_degrees_must_divide_both_head_counts():

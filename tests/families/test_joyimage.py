@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_support import assert_parity, single_rank_worker
+from family_support import assert_parity, single_rank_output, single_rank_worker
 from sp_lab.conformance.cases import joyimage_cases
 from sp_lab.references.joyimage import reference_forward
 from sp_lab.tiny_models import COMFY_PREFIX, randomize_, tiny_config, write_tiny_checkpoint
@@ -56,32 +56,25 @@ def worker(tmp_path_factory):
     return single_rank_worker(path)
 
 
-def run(worker, x, t, inputs) -> torch.Tensor:
-    model, context = worker
-    out = torch.empty(x.shape)
-    model.forward(x, t, inputs, out, context)
-    return out
-
-
 def test_references_change_the_output_in_their_order(worker):
     """The edit's references steer the output, each at its own frame band (so the suite's edit case can fail)."""
     x, t, inputs = joyimage_cases()["edit_two_refs"]
-    edited = run(worker, x, t, inputs)
-    assert (run(worker, x, t, {"context": inputs["context"]}) - edited).abs().max() > 1e-3
+    edited = single_rank_output(worker, x, t, inputs)
+    assert (single_rank_output(worker, x, t, {"context": inputs["context"]}) - edited).abs().max() > 1e-3
     swapped = {**inputs, "ref_latents": inputs["ref_latents"][::-1]}
-    assert (run(worker, x, t, swapped) - edited).abs().max() > 1e-3
+    assert (single_rank_output(worker, x, t, swapped) - edited).abs().max() > 1e-3
 
 
 def test_refusals_by_name(worker):
     x, t, inputs = joyimage_cases()["2_tokens"]
     with pytest.raises(ValueError, match="control is not supported by the sequence-parallel JoyAI-Image-Edit"):
-        run(worker, x, t, {**inputs, "control": {"input": [x]}})
+        single_rank_output(worker, x, t, {**inputs, "control": {"input": [x]}})
     with pytest.raises(ValueError, match=r"ref_latents\[0\] has shape \[1, 4, 1, 2, 2\]"):
-        run(worker, x, t, {**inputs, "ref_latents": [torch.zeros(1, 4, 1, 2, 2)]})
+        single_rank_output(worker, x, t, {**inputs, "ref_latents": [torch.zeros(1, 4, 1, 2, 2)]})
     with pytest.raises(ValueError, match=r"x has shape \[1, 16, 2, 4\]"):
-        run(worker, x[:, :, 0], t, inputs)
+        single_rank_output(worker, x[:, :, 0], t, inputs)
     with pytest.raises(ValueError, match=r"needs context \[B, L, 32\]"):
-        run(worker, x, t, {"context": torch.zeros(1, 3, 8)})
+        single_rank_output(worker, x, t, {"context": torch.zeros(1, 3, 8)})
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_support import single_rank_worker
+from family_support import single_rank_output, single_rank_worker
 from sp_lab.conformance.cases import mage_flow_cases
 from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_runtime.checkpoints.header import Header
@@ -44,30 +44,23 @@ def worker(tmp_path_factory):
     return single_rank_worker(path)
 
 
-def run(worker, x, t, inputs) -> torch.Tensor:
-    model, context = worker
-    out = torch.empty(x.shape)
-    model.forward(x, t, inputs, out, context)
-    return out
-
-
 def test_references_by_index_whatever_the_method(worker):
     """ComfyUI's Mage-Flow ignores ref_latents_method (references always at index 1 .. N): the output is the same
     under every method, and differs without the references (so the suite's edit case can fail)."""
     x, t, inputs = mage_flow_cases()["edit_two_refs"]
-    by_index = run(worker, x, t, inputs)
+    by_index = single_rank_output(worker, x, t, inputs)
     for method in ("offset", "index_timestep_zero", "negative_index"):
-        assert torch.equal(run(worker, x, t, {**inputs, "ref_latents_method": method}), by_index)
-    assert (run(worker, x, t, {"context": inputs["context"]}) - by_index).abs().max() > 1e-3
+        assert torch.equal(single_rank_output(worker, x, t, {**inputs, "ref_latents_method": method}), by_index)
+    assert (single_rank_output(worker, x, t, {"context": inputs["context"]}) - by_index).abs().max() > 1e-3
 
 
 def test_refusals_by_name(worker):
     x, t, inputs = mage_flow_cases()["3_tokens"]
     with pytest.raises(ValueError, match="control is not supported by the sequence-parallel Mage-Flow"):
-        run(worker, x, t, {**inputs, "control": {"input": [x]}})
+        single_rank_output(worker, x, t, {**inputs, "control": {"input": [x]}})
     with pytest.raises(ValueError, match=r"ref_latents\[0\] has shape \(1, 16, 2, 2\)"):
-        run(worker, x, t, {**inputs, "ref_latents": [torch.zeros(1, 16, 2, 2)]})
+        single_rank_output(worker, x, t, {**inputs, "ref_latents": [torch.zeros(1, 16, 2, 2)]})
     with pytest.raises(ValueError, match=r"x has shape \(1, 128, 1, 1, 3\)"):
-        run(worker, x[:, :, None], t, inputs)
+        single_rank_output(worker, x[:, :, None], t, inputs)
     with pytest.raises(ValueError, match="needs context"):
-        run(worker, x, t, {})
+        single_rank_output(worker, x, t, {})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_support import single_rank_worker
+from family_support import single_rank_output, single_rank_worker
 from sp_lab.conformance.cases import seedvr2_cases
 from sp_lab.references.seedvr2 import reference_forward
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, write_tiny_checkpoint
@@ -55,29 +55,22 @@ def workers(tmp_path_factory):
             for variant in ("3b", "7b")}
 
 
-def run(worker, x, t, inputs) -> torch.Tensor:
-    model, context = worker
-    out = torch.empty(x.shape)
-    model.forward(x, t, inputs, out, context)
-    return out
-
-
 def test_7b_matches_the_reference(workers):
     reference = build_tiny_model("seedvr2", 4, variant="7b")
     for name in ("video_75_tokens", "windows_572_tokens"):
         x, t, inputs = seedvr2_cases()[name]
         expected = reference_forward(reference, x, t, **inputs)
-        assert (run(workers["7b"], x, t, inputs) - expected).abs().max() <= 1e-5 * expected.abs().max()
+        assert (single_rank_output(workers["7b"], x, t, inputs) - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_refusals_by_name(workers):
     x, t, inputs = seedvr2_cases()["video_75_tokens"]
     worker = workers["3b"]
     with pytest.raises(ValueError, match="needs condition"):
-        run(worker, x, t, {"context": inputs["context"]})
+        single_rank_output(worker, x, t, {"context": inputs["context"]})
     with pytest.raises(ValueError, match="even latent height and width"):
-        run(worker, x[..., :5], t, {**inputs, "condition": inputs["condition"][..., :5]})
+        single_rank_output(worker, x[..., :5], t, {**inputs, "condition": inputs["condition"][..., :5]})
     with pytest.raises(ValueError, match=r"condition has shape \(2, 16, 5, 6, 10\)"):
-        run(worker, x, t, {**inputs, "condition": inputs["condition"][:, :16]})
+        single_rank_output(worker, x, t, {**inputs, "condition": inputs["condition"][:, :16]})
     with pytest.raises(ValueError, match=r"x has shape \(2, 17, 5, 6, 10\)"):
-        run(worker, torch.cat([x, x[:, :1]], 1), t, inputs)
+        single_rank_output(worker, torch.cat([x, x[:, :1]], 1), t, inputs)
