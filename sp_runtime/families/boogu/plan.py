@@ -15,8 +15,9 @@ from ...attention import SeqShards
 from ...sp import AttentionSpec, Output, Part, Plan, Stage, Stream
 from ...sp.processor import Geometry
 from ...sp.tensor_parallel import COLUMN, GATHER, ROW, Split, TensorParallelPlan
-from ...sp.tokens import TokenGrid, as_list, pad_to_patch, patchify
-from ..lumina2.plan import project_grouped_qkv
+from ...sp.tokens import TokenGrid, as_list
+from ..lumina2.plan import embed_caption, project_grouped_qkv
+from ..omnigen2.plan import embed_reference, grid_ids, patches
 from ..z_image.plan import caption_block, image_block, joint_block, output_tokens
 from .detection import PATCH, ROPE_THETA
 
@@ -72,35 +73,14 @@ def layout(call) -> list[Stream]:
     for index, ref in enumerate(as_list(call.inputs.get("ref_latents"))):
         ref = call.ctx.to_device(f"ref_latents.{index}", ref, call.dtype)
         grid = TokenGrid.of(ref.shape[-2], ref.shape[-1], PATCH)
-        refs.append(Part(_patches(ref), _ids(grid, shift), partial(_embed_reference, index=index)))
+        refs.append(Part(patches(ref), grid_ids(grid, shift), partial(embed_reference, index=index)))
         shift += max(grid.rows, grid.cols)
     if not refs:  # an empty stream: the reference refiner is skipped, the joint attention sees no reference
         refs = [Part(x.new_zeros(1, 0, x.shape[1] * PATCH * PATCH), torch.zeros(0, 3),
-                     partial(_embed_reference, index=0))]
+                     partial(embed_reference, index=0))]
     grid = TokenGrid.of(x.shape[-2], x.shape[-1], PATCH)
-    return [Stream("caption", [Part(context, caption_ids, _embed_caption)]), Stream("ref", refs),
-            Stream("image", [Part(_patches(x), _ids(grid, shift), "x_embedder", Output(grid))])]
-
-
-def _patches(latent: torch.Tensor) -> torch.Tensor:
-    """Patches in ComfyUI's (row, col, channel) feature order, the latent padded circularly."""
-    tokens = patchify(pad_to_patch(latent, PATCH), PATCH).unflatten(-1, (latent.shape[1], PATCH, PATCH))
-    return tokens.permute(0, 1, 3, 4, 2).flatten(2)
-
-
-def _ids(grid: TokenGrid, shift: int) -> torch.Tensor:
-    ids = torch.full((grid.count, 3), float(shift))
-    ids[:, 1] = torch.arange(grid.rows, dtype=torch.float32).repeat_interleave(grid.cols)
-    ids[:, 2] = torch.arange(grid.cols, dtype=torch.float32).repeat(grid.rows)
-    return ids
-
-
-def _embed_caption(model, raw: torch.Tensor) -> torch.Tensor:
-    return model.time_caption_embed.caption_embedder(raw)
-
-
-def _embed_reference(model, raw: torch.Tensor, index: int) -> torch.Tensor:
-    return model.ref_image_patch_embedder(raw) + model.image_index_embedding[index].to(raw.dtype)
+    return [Stream("caption", [Part(context, caption_ids, embed_caption)]), Stream("ref", refs),
+            Stream("image", [Part(patches(x), grid_ids(grid, shift), "x_embedder", Output(grid))])]
 
 
 def condition(call) -> None:

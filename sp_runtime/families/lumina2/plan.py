@@ -43,10 +43,10 @@ def layout(call) -> list[Stream]:
     image_ids[:, 1] = rows.repeat_interleave(grid.cols)
     image_ids[:, 2] = cols.repeat(grid.rows)
     image = Part(tokens.permute(0, 1, 3, 4, 2).flatten(2), image_ids, "x_embedder", Output(grid))
-    return [Stream("caption", [Part(context, caption_ids, _embed_caption)]), Stream("image", [image])]
+    return [Stream("caption", [Part(context, caption_ids, embed_caption)]), Stream("image", [image])]
 
 
-def _embed_caption(model, raw: torch.Tensor) -> torch.Tensor:
+def embed_caption(model, raw: torch.Tensor) -> torch.Tensor:
     return model.time_caption_embed.caption_embedder(raw)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ...sp import Part, Plan, Output, Stage, Stream
 from ...sp.tokens import TokenGrid, as_list, pad_to_patch, patchify
-from ..lumina2.plan import GROUPED, condition
+from ..lumina2.plan import GROUPED, condition, embed_caption
 from ..z_image.plan import caption_block, check_nextdit, image_block, joint_block, output_tokens
 from .detection import PATCH, REFERENCE_SLOTS, ROPE_THETA
 
@@ -45,35 +45,32 @@ def layout(call) -> list[Stream]:
     for index, ref in enumerate(as_list(call.inputs.get("ref_latents"))):
         grid = TokenGrid.of(ref.shape[-2], ref.shape[-1], PATCH)
         latent = call.ctx.to_device(f"ref_latents.{index}", ref, call.dtype)
-        references.append(Part(_patches(latent), _ids(grid, shift), partial(_embed_reference, index=index)))
+        references.append(Part(patches(latent), grid_ids(grid, shift), partial(embed_reference, index=index)))
         shift += max(grid.rows, grid.cols)
     if not references:  # an empty stream: the reference refiner then runs no block
         references.append(Part(torch.zeros(1, 0, PATCH * PATCH * x.shape[1], dtype=x.dtype), torch.zeros(0, 3),
                                "ref_image_patch_embedder"))
     grid = TokenGrid.of(x.shape[-2], x.shape[-1], PATCH)
-    image = Part(_patches(x), _ids(grid, shift), "x_embedder", Output(grid))
-    return [Stream("caption", [Part(context, caption_ids, _embed_caption)]), Stream("reference", references),
+    image = Part(patches(x), grid_ids(grid, shift), "x_embedder", Output(grid))
+    return [Stream("caption", [Part(context, caption_ids, embed_caption)]), Stream("reference", references),
             Stream("image", [image])]
 
 
-def _patches(latent: torch.Tensor) -> torch.Tensor:
+def patches(latent: torch.Tensor) -> torch.Tensor:
     """[B, C, H, W] -> [B, tokens, (row, col, channel) features], padded to the patch as ComfyUI pads."""
     tokens = patchify(pad_to_patch(latent, PATCH), PATCH).unflatten(-1, (latent.shape[1], PATCH, PATCH))
     return tokens.permute(0, 1, 3, 4, 2).flatten(2)
 
 
-def _ids(grid: TokenGrid, shift: float) -> torch.Tensor:
-    ids = torch.full((grid.count, 3), shift)
+def grid_ids(grid: TokenGrid, shift: float) -> torch.Tensor:
+    ids = torch.full((grid.count, 3), float(shift))
     ids[:, 1] = torch.arange(grid.rows, dtype=torch.float32).repeat_interleave(grid.cols)
     ids[:, 2] = torch.arange(grid.cols, dtype=torch.float32).repeat(grid.rows)
     return ids
 
 
-def _embed_caption(model, raw: torch.Tensor) -> torch.Tensor:
-    return model.time_caption_embed.caption_embedder(raw)
 
-
-def _embed_reference(model, raw: torch.Tensor, index: int) -> torch.Tensor:
+def embed_reference(model, raw: torch.Tensor, index: int) -> torch.Tensor:
     return model.ref_image_patch_embedder(raw) + model.image_index_embedding[index].to(raw.dtype)
 
 
