@@ -192,11 +192,22 @@ class Worker:
         key = message.get("as_key") or request.key  # a joined machine keeps its own copy under the host's key
         if key not in self.models:
             check_unchanged(request.path, request.stamp)
+            if not self.models:
+                self._freeze_long_lived()
             with self._weights_sharing(message.get("shared_weights")):
                 self.models[key] = load_worker_model(request, self.device, self.groups,
                                                      self._progress_fn(message["id"], "load"))
             self.requests[key] = request
         return {"info": self.models[key].info.to_dict()}
+
+    @staticmethod
+    def _freeze_long_lived() -> None:
+        """Takes what outlives every model (torch's, diffusers' and our modules: ~400k objects) out of the cyclic
+        collector's reach, so an unload's gc.collect() scans only what was made since: milliseconds instead of
+        ~0.3 s of CPU per rank. Done while no model is loaded and after a collection, so nothing frozen is a
+        model's or garbage: an unloaded model's reference cycles are still found."""
+        gc.collect()
+        gc.freeze()
 
     def _weights_sharing(self, base: Optional[str]):
         """CPU ranks keep the weights they load in shared chunks named from `base` (see shared_weights)."""
