@@ -161,7 +161,8 @@ def assert_close(actual, expected, rel=1e-5):
 EXAMPLES = os.path.join(ROOT, "example_workflows")
 # V3 nodes declared with accept_all_inputs (their other widgets are the frontend's; /object_info does not say so)
 ACCEPTS_ALL_INPUTS = ("CustomCombo",)
-# examples whose stock nodes need a newer ComfyUI than the tested 0.3.64: name -> (those node classes, the version)
+# examples whose stock nodes need a newer ComfyUI than the tested 0.3.64: name -> (those node classes, the version);
+# a listed class may be older but lack an input the example sends or an option it picks (CLIPLoader's type)
 NEEDS_NEWER_COMFYUI = {
     "flux2_dev_t2i": (("EmptyFlux2LatentImage", "Flux2Scheduler"), "0.3.72 (Flux.2)"),
     "ltx2_t2v": (("LTXAVTextEncoderLoader", "LTXVAudioVAELoader", "LTXVAudioVAEDecode", "LTXVConcatAVLatent",
@@ -194,6 +195,24 @@ NEEDS_NEWER_COMFYUI = {
                                             "ComfySwitchNode", "ResizeImageMaskNode", "SAM3_VideoTrack",
                                             "SCAIL2ColoredMask", "WanSCAILToVideo"),
                                            "0.33.0 (SCAIL-2; the newest tested)"),
+    "mage_flow_t2i": (("ResolutionSelector", "SaveImageAdvanced", "TextEncodeMageFlowEdit"), "0.29.0 (Mage-Flow)"),
+    "anima_t2i": (("ComfySwitchNode", "ResolutionSelector"), "0.16.0 (Anima 0.11.0, ResolutionSelector)"),
+    "ernie_image_t2i": (("ComfySwitchNode", "EmptyFlux2LatentImage", "TextGenerate"), "0.19.0 (ERNIE-Image)"),
+    "longcat_image_t2i": (("ResolutionSelector",), "0.16.0 (LongCat-Image)"),
+    "seedvr2_upscale_image": (("ImageCompare", "ResizeImageMaskNode", "SeedVR2Conditioning", "SeedVR2PostProcessing",
+                               "SeedVR2Preprocess"), "0.25.0 (SeedVR2)"),
+    "ovis_image_t2i": (("CLIPLoader",), "0.4.0 (Ovis-Image: CLIPLoader type ovis)"),
+    "joyai_image_edit": (("ImageCompare", "SaveImageAdvanced", "TextEncodeJoyImageEdit"), "0.29.0 (JoyAI-Image-Edit)"),
+    "wan22_dancer_i2v": (("ComfyMathExpression", "ComfySwitchNode", "CustomCombo", "LatentCutToBatch",
+                          "ResizeImageMaskNode", "WanDancerEncodeAudio", "WanDancerPadKeyframesList", "WanDancerVideo"),
+                         "0.21.0 (Wan 2.2 Dancer)"),
+    "krea2_turbo_t2i": (("ComfySwitchNode", "ResolutionSelector", "TextGenerate"), "0.26.0 (Krea 2)"),
+    "capybara_t2i": (("EmptyHunyuanVideo15Latent",), "0.3.71 (HunyuanVideo 1.5)"),
+    "newbie_t2i": (("DualCLIPLoader",), "0.6.0 (NewBie: DualCLIPLoader type newbie)"),
+    "ming_image_t2i": (("ComfySwitchNode", "ModelAttentionBackend", "ResolutionSelector", "SaveImageAdvanced",
+                        "TextGenerate"), "newer than 0.33.0 (Ming-Image: TextGenerate's system_prompt)"),
+    "qwen_image21_t2i": (("ComfySwitchNode", "QwenImage21Cache", "ResolutionSelector", "SaveImageAdvanced",
+                          "TextEncodeQwenImage21", "TextGenerate"), "newer than 0.33.0 (Qwen-Image 2.1)"),
 }
 
 
