@@ -54,14 +54,23 @@ def sp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, se
             key, value = torch.cat([key, extra.key], dim=1), torch.cat([value, extra.value], dim=1)
         out = whole_attention(mask, *(t.transpose(1, 2) for t in (query, key, value)), scale)
         return out.transpose(1, 2), None
-    return _distributed_attention(query, key, value, seq, shards, text, text_mask, text_first, scale, mask, extra,
-                                  keep)
+    return _distributed(query, key, value, seq, shards, text, text_mask, text_first, scale, mask, extra, keep)
 
 
-@torch.compiler.disable  # compiled blocks (sp_runtime.compile) leave the exchanges to eager mode
+def leave_exchanges_to_eager() -> None:
+    """Compiled blocks (sp_runtime.compile) call this first: the distributed path then runs in eager mode (a
+    graph break per attention). Not a decorator: torch.compiler.disable imports torch._dynamo, ~2 s of CPU that
+    every rank would pay at import whether it compiles or not."""
+    global _distributed
+    _distributed = torch.compiler.disable(_distributed_attention)
+
+
 def _distributed_attention(query, key, value, seq, shards, text, text_mask, text_first, scale, mask, extra, keep):
     if seq.ring_degree > 1:
         core = ring_attention if seq.ulysses_degree == 1 else hybrid_attention
         return core(query, key, value, seq, shards, text, text_mask, text_first, scale, mask, extra)
     return ulysses_attention(query, key, value, seq.ulysses_group, seq.ulysses_rank, shards, text, text_mask,
                              text_first, scale, mask, extra, keep)
+
+
+_distributed = _distributed_attention  # leave_exchanges_to_eager() swaps in the compiler-disabled one
