@@ -177,3 +177,31 @@ def test_tp_loading_reads_only_the_rank_slices(tmp_path):
     assert read <= deferred_bytes - split_bytes / 2 + 1, (read, deferred_bytes, split_bytes)
     for name, value in model.state_dict().items():
         assert torch.equal(value, slices[name].take(whole[name]) if name in slices else whole[name]), name
+
+
+@on_tp4
+def test_grouped_query_attention_at_tp4(tp_pool, family_subject):
+    """Key / value heads the degree does not divide are kept whole (KEY_VALUE) and each rank's query heads read
+    theirs: Krea 2's 5 query heads over 1 (2 / 1 / 1 / 1), HiDream-O1's 6 over 2 (2 / 2 / 1 / 1: a group of 3 cut
+    across ranks; at TP 2 the suite checks its key / value heads split)."""
+    layout, pool = tp_pool
+    for name in ("krea2", "hidream_o1"):
+        subject = family_subject(name)
+        handle = pool.load_model(subject.path, **subject.spec.load_options)
+        for case, (x, t, inputs) in subject.spec.cases().items():
+            assert_parity(handle(x, t, **inputs), subject.outputs[case], "float32", f"{name}_{layout}/{case}")
+        handle.unload()
+
+
+@pytest.mark.parametrize("tp_pool", ["u2tp2", "r2tp2"], indirect=True)
+def test_seedvr2_windows_with_tp_and_sequence_parallel(tp_pool, family_subject):
+    """SeedVR2's custom windowed block (keys / values all-gathered over the sequence ranks) with its heads split by
+    TP 2 (3 heads: 2 / 1) under Ulysses 2 and Ring 2."""
+    layout, pool = tp_pool
+    subject = family_subject("seedvr2")
+    handle = pool.load_model(subject.path, **subject.spec.load_options)
+    cases = subject.spec.cases()
+    for case in subject.spec.layout_cases:
+        x, t, inputs = cases[case]
+        assert_parity(handle(x, t, **inputs), subject.outputs[case], "float32", f"seedvr2_{layout}/{case}")
+    handle.unload()
