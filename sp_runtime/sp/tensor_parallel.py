@@ -411,6 +411,6 @@ def _split_heads(attn, where: str, rank: int, degree: int) -> None:
     heads = getattr(attn, attribute)
     lo, hi = SeqShards.balanced(heads, degree).range(rank)
     setattr(attn, attribute, hi - lo)
-    attn.tp_heads = (lo, hi, heads)  # this rank's query heads of the whole model's (grouped_key_values)
+    attn.tp_heads = (lo, hi, heads)  # this rank's query heads of the whole model's (grouped_key_values, LTX rotary)
     if isinstance(getattr(attn, "inner_dim", None), int):  # a fused projection's q / k / v widths (Flux.2)
         attn.inner_dim = attn.inner_dim // heads * (hi - lo)
