@@ -6,8 +6,8 @@ Video self-attention goes through sp_attention over the video shards; text cross
 audio-to-video attention (video queries, audio keys) are local; video-to-audio attention (audio queries over the
 split video keys) merges the ranks' partial results by log-sum-exp (attention_over_key_shards), so the audio stays
 the same on every rank. At TP every attention holds its heads (the rotary tables cut to them: head_rope) and
-the q / k norms across heads sum their mean square over the TP group (plan.TENSOR_PARALLEL). Unlike diffusers' block, the video-to-audio attention reads the video normalised after the
-audio-to-video residual (ComfyUI's order).
+the q / k norms across heads sum their mean square over the TP group (plan.TENSOR_PARALLEL). Unlike diffusers'
+block, the video-to-audio attention reads the video normalised after the audio-to-video residual (ComfyUI's order).
 """
 from __future__ import annotations
 
