@@ -10,8 +10,6 @@ from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, tiny_config, writ
 from sp_lab.tiny_models.ltxv import release_metadata as ltxv_metadata
 from sp_lab.tiny_models.quant_files import write_quantized
 
-from sp_runtime.families.seedvr2.plan import NO_TP as SEEDVR2_NO_TP
-
 from . import Conformance, cases, register_conformance
 
 # the other layouts each family reads, as write_tiny_checkpoint arguments (the main file: ComfyUI's, with prefix)
@@ -100,7 +98,7 @@ for _family, _seed, _calls, _spec in (
         ("ernie_image", 18, cases.ernie_image_cases, {}),
         ("longcat_image", 19, cases.longcat_image_cases, dict(load_case="edit_index")),
         ("omnigen2", 18, cases.omnigen2_cases, dict(load_case="odd_latent_refs", layouts={"comfy": {}})),
-        ("seedvr2", 20, cases.seedvr2_cases, dict(layouts={"comfy": {}}, tensor_parallel=SEEDVR2_NO_TP,
+        ("seedvr2", 20, cases.seedvr2_cases, dict(layouts={"comfy": {}},
                                                   layout_cases=("video_75_tokens", "windows_572_tokens", "1_token"))),
         ("boogu", 21, cases.boogu_cases, dict(load_case="edit_two_refs", layouts={"comfy": {}},
                                               layout_cases=("odd_latent", "edit_two_refs"))),

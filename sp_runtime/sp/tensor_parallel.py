@@ -30,8 +30,10 @@ import torch.nn.functional as F
 from ..attention import SeqShards
 from ..formats import QuantLinear
 
-COLUMN, ROW, GATHER, NORM = "column", "row", "gather", "norm"
+COLUMN, ROW, GATHER, NORM, KEY_VALUE = "column", "row", "gather", "norm", "key_value"
 PACKED = "packed"
+QUERIES = ("to_q", "to_query", "q_proj")  # diffusers' names (Kandinsky 5's), transformers' (HiDream-O1's)
+KEYS_VALUES = ("to_k", "to_v", "to_key", "to_value", "k_proj", "v_proj")
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,10 @@ class Split:
     shared out over the T ranks (balanced, in whole heads inside an attention module) and a rank takes its piece of
     each. A column split under a gated activation (diffusers' GEGLU,
     SwiGLU: [hidden, gate]) takes 2 parts by itself. parts=PACKED: the sizes diffusers stores on a fused Linear
-    (`_tp_packed_col_blocks` / `_tp_packed_row_blocks`, e.g. Flux.2's to_qkv_mlp_proj: q, k, v, gate, value)."""
+    (`_tp_packed_col_blocks` / `_tp_packed_row_blocks`, e.g. Flux.2's to_qkv_mlp_proj: q, k, v, gate, value).
+    KEY_VALUE: the key / value projection of a grouped-query attention: split in whole key / value heads where the
+    degree divides both head counts, else kept whole on every rank (replicated, as vLLM does); the family's
+    projection takes each query head's key / value head with grouped_key_values."""
 
     name: str
     kind: str
@@ -69,6 +74,7 @@ class TensorParallelPlan:
 
     splits: tuple[Split, ...] = ATTENTION_SPLITS + FEED_FORWARD_SPLITS + MODULATION_SPLITS
     extra: tuple[Split, ...] = ()
+    attentions: tuple[str, ...] = ()  # a custom block's attention modules (no processor): their `heads` split too
 
     def all_splits(self) -> tuple[Split, ...]:
         return self.extra + self.splits  # a family's own entry wins over a generic one for the same module
@@ -105,8 +111,9 @@ def parallelize(model: torch.nn.Module, block_lists: Sequence[str], plan: Tensor
             prefix = f"{list_name}.{index}"
             modules = dict(block.named_modules())
             found = _matches(modules, plan.all_splits())
-            attentions = [path for path, module in modules.items() if _is_split_attention(path, module, found)]
-            widths = _head_widths(modules, attentions, found, prefix, degree)
+            attentions = [path for path, module in modules.items()
+                          if _is_split_attention(path, module, found, plan.attentions)]
+            widths = _head_widths(modules, attentions, found, prefix, degree)  # drops key / values kept whole
             sizes = {path: _part_sizes(modules[path], split, path, modules, f"{prefix}.{path}", degree)
                      for path, split in found.items()}  # all widths before any module is cut
             for path, split in found.items():
@@ -117,7 +124,8 @@ def parallelize(model: torch.nn.Module, block_lists: Sequence[str], plan: Tensor
                 units = [1 if split.kind == GATHER else _unit(name, widths) for name in names]
                 ranges = _ranges(sizes[path], units, rank, degree, where)
                 cut = _split_norm if split.kind == NORM else _split_linear
-                for name, piece in cut(modules[path], split.kind, ranges, group, degree, where).items():
+                kind = COLUMN if split.kind == KEY_VALUE else split.kind
+                for name, piece in cut(modules[path], kind, ranges, group, degree, where).items():
                     slices[f"{prefix}.{path}.{name}"] = piece
             for path in attentions:
                 _split_heads(modules[path], f"{prefix}.{path}" if path else prefix, rank, degree)
@@ -148,16 +156,34 @@ def _head_widths(modules: dict, attentions: list[str], found: dict, where: str, 
                              f"{where}{'.' + path if path else ''} over {degree} ranks: use a degree of at most "
                              f"{heads}")
         inner = getattr(attn, "inner_dim", None)
-        query = modules.get(inside + "to_q")
+        query = next((modules[inside + name] for name in QUERIES if inside + name in modules), None)
         full = inner if isinstance(inner, int) else query.out_features if query is not None else attn.head_dim * heads
         widths[path] = width = full // heads
-        grouped = [modules[inside + name] for name in ("to_k", "to_v") if inside + name in found]
-        if query is not None and any(proj.out_features != query.out_features for proj in grouped) and (
-                heads % degree or any(proj.out_features // width % degree for proj in grouped)):
-            raise ValueError(f"tensor_parallel_degree={degree} does not divide the query and key / value heads "
-                             f"of {where}.{path} (grouped-query attention: a rank's query heads must share its "
-                             f"key / value heads): use a degree that divides both")
+        grouped = {inside + name: modules[inside + name] for name in KEYS_VALUES if inside + name in found}
+        if query is not None and any(proj.out_features != query.out_features for proj in grouped.values()) and (
+                heads % degree or any(proj.out_features // width % degree for proj in grouped.values())):
+            if all(found[name].kind == KEY_VALUE for name in grouped):
+                for name in grouped:  # kept whole: each rank's query heads read their own key / value heads
+                    del found[name]
+                continue
+            kv_heads = max(proj.out_features for proj in grouped.values()) // width
+            raise ValueError(f"tensor_parallel_degree={degree} does not divide the {heads} query and {kv_heads} "
+                             f"key / value heads of {where}.{path} (grouped-query attention: a rank's query heads "
+                             f"must share its key / value heads): use a degree that divides both")
     return widths
+
+
+def grouped_key_values(attn, tensors: Sequence[torch.Tensor], heads: int, kv_heads: int) -> list[torch.Tensor]:
+    """Key / value [B, S, h_kv, D] of a grouped-query attention (KEY_VALUE splits) for the query heads this rank holds
+    (`heads` of them: all without TP): [B, S, heads, D], query head i of the whole model reading key / value head
+    i // (its heads / kv_heads), as grouped attention does. kv_heads: the whole model's; the rank's query heads
+    (attn.tp_heads, set by the split) and whether its key / value heads were split or kept whole (then it holds all
+    kv_heads) say which of them it reads."""
+    lo, hi, whole = getattr(attn, "tp_heads", (0, heads, heads))
+    group = whole // kv_heads
+    first = lo // group if tensors[0].shape[2] < kv_heads else 0  # split: this rank's key / value heads
+    index = torch.arange(lo, hi, device=tensors[0].device) // group - first
+    return [tensor.index_select(2, index) for tensor in tensors]
 
 
 def _unit(path: str, widths: dict[str, int]) -> int:
@@ -368,11 +394,12 @@ def _heads_attribute(module) -> Optional[str]:
     return next((name for name in ("heads", "num_heads") if isinstance(getattr(module, name, None), int)), None)
 
 
-def _is_split_attention(path: str, module, found: dict) -> bool:
-    if _heads_attribute(module) is None or not hasattr(module, "set_processor"):
+def _is_split_attention(path: str, module, found: dict, declared: Sequence[str] = ()) -> bool:
+    named = any(path == name or path.endswith("." + name) for name in declared)
+    if _heads_attribute(module) is None or not (named or hasattr(module, "set_processor")):
         return False
     inside = f"{path}." if path else ""
-    return any(name.startswith(inside) and (name[len(inside):] in ("to_q", "to_qkv", "to_qkv_mlp_proj")
+    return any(name.startswith(inside) and (name[len(inside):] in (*QUERIES, "to_qkv", "to_qkv_mlp_proj")
                                             or (found[name].kind == COLUMN and found[name].parts == 3))
                for name in found)  # a query projection, or a fused q / k / v of the family's own name
 
@@ -384,5 +411,6 @@ def _split_heads(attn, where: str, rank: int, degree: int) -> None:
     heads = getattr(attn, attribute)
     lo, hi = SeqShards.balanced(heads, degree).range(rank)
     setattr(attn, attribute, hi - lo)
+    attn.tp_heads = (lo, hi, heads)  # this rank's query heads of the whole model's (grouped_key_values, LTX rotary)
     if isinstance(getattr(attn, "inner_dim", None), int):  # a fused projection's q / k / v widths (Flux.2)
         attn.inner_dim = attn.inner_dim // heads * (hi - lo)

@@ -103,6 +103,7 @@ def plan_refusal(name: str) -> str:
 # tensor-parallel layouts beyond TP 2 run on these families (TP 4: ones with 4 heads or more)
 TP_SUBSET = {"tp4": ("qwen_image", "z_image"), "u2tp2": ("flux", "qwen_image", "wan"), "r2tp2": ("flux", "wan"),
              "cfg2tp2": ("flux", "qwen_image")}
+TP_SHARE = {"hidream_o1": 0.995}  # what a TP 2 rank holds at most: its tiny file is 97% unsplit vocabulary table
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -125,7 +126,7 @@ def test_fp32_parity_tensor_parallel(tp_pool, family_subject, name):
         if case in (subject.spec.layout_cases or (case,)):
             assert_parity(handle(x, t, **inputs), subject.outputs[case], "float32", f"{name}_{layout}/{case}")
     whole = sum(tensor.numel() * tensor.element_size() for tensor in load_file(subject.path).values())
-    assert handle.info.weight_bytes < whole * 0.97, (handle.info.weight_bytes, whole)
+    assert handle.info.weight_bytes < whole * TP_SHARE.get(name, 0.97), (handle.info.weight_bytes, whole)
     handle.unload()
 
 

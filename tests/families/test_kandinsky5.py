@@ -16,6 +16,8 @@ from sp_runtime.checkpoints.header import Header
 from sp_runtime.detection import detect as detect_any
 from sp_runtime.families import kandinsky5
 
+pytest_plugins = ["family_pools"]  # tp_pool: the tensor-parallel layouts
+
 
 def image_cases(seed=16):
     rand = seeded_randn(seed)
@@ -61,3 +63,17 @@ def test_released_headers_and_refused_widths():
         ("image", (32, 48, 48), (1.0, 1.0, 1.0))
     with pytest.raises(ValueError, match="taking 20 latent channels"):
         detect_any(released_header(1792, 80))
+
+
+@pytest.mark.parametrize("tp_pool", ["tp4", "u2tp2", "r2tp2", "cfg2tp2"], indirect=True)
+def test_tensor_parallel_with_the_other_axes(tp_pool, family_subject):
+    """Beyond the suite's TP 2: TP 4 (5 heads shared out 2 / 1 / 1 / 1) and TP 2 with Ulysses 2, Ring 2 or CFG 2,
+    the video model's odd latent and image to video."""
+    layout, pool = tp_pool
+    subject = family_subject("kandinsky5")
+    handle = pool.load_model(subject.path, **subject.spec.load_options)
+    cases = subject.spec.cases()
+    for case in ("odd_video", "i2v"):
+        x, t, inputs = cases[case]
+        assert_parity(handle(x, t, **inputs), subject.outputs[case], "float32", f"kandinsky5_{layout}/{case}")
+    handle.unload()

@@ -103,6 +103,16 @@ def test_fp32_parity_ulysses(family_pool, release_files, references):
         handle.unload()
 
 
+@pytest.mark.parametrize("tp_pool", ["tp2"], indirect=True)
+def test_fp32_parity_tensor_parallel(tp_pool, release_files, references):
+    """Their per-head gate logits split with the heads (LTX-2 covers the other TP layouts)."""
+    layout, pool = tp_pool
+    for release in RELEASES:
+        handle = pool.load_model(release_files[release])
+        check(handle, release, ("two_audio_tokens",), references, layout)
+        handle.unload()
+
+
 def check_comfy_attributes(handle):
     """What ComfyUI's LTXAV class and LTX nodes read on diffusion_model: no caption projection in 2.3 / 2.5, the
     prompt widths they split the text encoder output by; a prompt of another width is a clear error."""

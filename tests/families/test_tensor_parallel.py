@@ -65,9 +65,9 @@ def test_what_tp_cannot_split_is_refused_by_name(tp_pool, tmp_path):
             pool.load_model(quantized)
     with pytest.raises(Exception, match="tensor_parallel_degree=4 with shard_weights"):
         pool.load_model(few_heads, shard_weights=True)
-    with pytest.raises(Exception, match="tensor_parallel_degree=4 is not supported for 'ltx2' models \\(its "
-                                        "audio-video block rotates q / k across all heads"):
-        pool.load_model(write_tiny_checkpoint("ltx2", str(tmp_path / "ltx2.safetensors"), seed=1))
+    with pytest.raises(Exception, match="tensor_parallel_degree=4 does not divide the 6 query and 2 key / value "
+                                        "heads of .*attn \\(grouped-query attention"):  # Lumina 2's (no KEY_VALUE)
+        pool.load_model(write_tiny_checkpoint("lumina2", str(tmp_path / "lumina2.safetensors"), seed=1))
 
 
 @on_tp2
@@ -177,3 +177,31 @@ def test_tp_loading_reads_only_the_rank_slices(tmp_path):
     assert read <= deferred_bytes - split_bytes / 2 + 1, (read, deferred_bytes, split_bytes)
     for name, value in model.state_dict().items():
         assert torch.equal(value, slices[name].take(whole[name]) if name in slices else whole[name]), name
+
+
+@on_tp4
+def test_grouped_query_attention_at_tp4(tp_pool, family_subject):
+    """Key / value heads the degree does not divide are kept whole (KEY_VALUE) and each rank's query heads read
+    theirs: Krea 2's 5 query heads over 1 (2 / 1 / 1 / 1), HiDream-O1's 6 over 2 (2 / 2 / 1 / 1: a group of 3 cut
+    across ranks; at TP 2 the suite checks its key / value heads split)."""
+    layout, pool = tp_pool
+    for name in ("krea2", "hidream_o1"):
+        subject = family_subject(name)
+        handle = pool.load_model(subject.path, **subject.spec.load_options)
+        for case, (x, t, inputs) in subject.spec.cases().items():
+            assert_parity(handle(x, t, **inputs), subject.outputs[case], "float32", f"{name}_{layout}/{case}")
+        handle.unload()
+
+
+@pytest.mark.parametrize("tp_pool", ["u2tp2", "r2tp2"], indirect=True)
+def test_seedvr2_windows_with_tp_and_sequence_parallel(tp_pool, family_subject):
+    """SeedVR2's custom windowed block (keys / values all-gathered over the sequence ranks) with its heads split by
+    TP 2 (3 heads: 2 / 1) under Ulysses 2 and Ring 2."""
+    layout, pool = tp_pool
+    subject = family_subject("seedvr2")
+    handle = pool.load_model(subject.path, **subject.spec.load_options)
+    cases = subject.spec.cases()
+    for case in subject.spec.layout_cases:
+        x, t, inputs = cases[case]
+        assert_parity(handle(x, t, **inputs), subject.outputs[case], "float32", f"seedvr2_{layout}/{case}")
+    handle.unload()

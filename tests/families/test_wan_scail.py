@@ -79,6 +79,13 @@ def test_fp32_parity_ring_hybrid_and_cfg(layout_pool, scail_files, references):
     _check(pool, scail_files, references, layout, variants=("scail2",))
 
 
+@pytest.mark.parametrize("tp_pool", ["tp2"], indirect=True)
+def test_fp32_parity_tensor_parallel(tp_pool, scail_files, references):
+    """Its convs are outside the blocks: TP 2 splits the base Wan's blocks (6 heads: 3 / 3)."""
+    layout, pool = tp_pool
+    _check(pool, scail_files, references, layout)
+
+
 def test_the_conditions_change_the_output(references):
     """Guard: without the pose, the masks or replacement mode's placement the reference differs."""
     model = build_tiny_model("wan", SEEDS["scail2"], variant="scail2")

@@ -21,10 +21,16 @@ import torch
 
 from ...attention import Segment, SegmentMask
 from ...sp import AttentionSpec, Output, Part, Plan, Stage, Stream
+from ...sp.tensor_parallel import COLUMN, KEY_VALUE, ROW, Split, TensorParallelPlan, grouped_key_values
 from ...sp.tokens import PairFrequencies, TokenGrid, patchify, split_half_order
 
 REFERENCE_INPUTS = ("ref_patches", "ref_pixel_values", "ref_image_grid_thw")
-TP_REFUSAL = "grouped key / value heads (32 query heads over 8) are not split across TP ranks yet"
+# the decoder layers: query heads split, key / value heads split where the degree divides both counts (32 over 8),
+# else kept whole (sp.tensor_parallel.KEY_VALUE); the gated MLP Megatron's way
+TENSOR_PARALLEL = TensorParallelPlan(extra=(Split("q_proj", COLUMN), Split("k_proj", KEY_VALUE),
+                                            Split("v_proj", KEY_VALUE), Split("o_proj", ROW),
+                                            Split("gate_proj", COLUMN), Split("up_proj", COLUMN),
+                                            Split("down_proj", ROW)))
 
 
 def check(call) -> None:
@@ -105,10 +111,9 @@ def project(attn, hidden: torch.Tensor):
     """q, k, v [B, S, H, D]: q / k normed, key / value heads repeated to the query heads (head h reads group
     h // (H / H_kv), as grouped attention does), q / k channels in rotary-pair order."""
     query = attn.q_norm(attn.q_proj(hidden).unflatten(-1, (attn.heads, -1)))
-    key = attn.k_norm(attn.k_proj(hidden).unflatten(-1, (attn.kv_heads, -1)))
-    value = attn.v_proj(hidden).unflatten(-1, (attn.kv_heads, -1))
-    group = attn.heads // attn.kv_heads
-    key, value = key.repeat_interleave(group, dim=2), value.repeat_interleave(group, dim=2)
+    key = attn.k_norm(attn.k_proj(hidden).unflatten(-1, (-1, attn.head_dim)))
+    value = attn.v_proj(hidden).unflatten(-1, (-1, attn.head_dim))
+    key, value = grouped_key_values(attn, [key, value], attn.heads, attn.kv_heads)
     order = _pair_order(query.shape[-1]).to(query.device)
     return [query[..., order].to(value.dtype), key[..., order].to(value.dtype), value], None
 
@@ -140,4 +145,4 @@ def head(call) -> torch.Tensor:
 PLAN = Plan(check=check, layout=layout, rope=rope, condition=condition,
             stages=(Stage("layers", run_block, attends="sequence", text=None,
                           attention=AttentionSpec(project=project, finish=finish)),),
-            head=head, output="sequence", tensor_parallel=TP_REFUSAL)
+            head=head, output="sequence", tensor_parallel=TENSOR_PARALLEL)

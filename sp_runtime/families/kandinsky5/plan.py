@@ -16,6 +16,7 @@ import torch
 
 from ...attention import local_attention
 from ...sp import AttentionSpec, Output, Part, Plan, Stage, Stream
+from ...sp.tensor_parallel import COLUMN, GATHER, ROW, Split, TensorParallelPlan
 from ...sp.tokens import TokenGrid
 from ...sp.video_tokens import VideoGrid, pad_to_patch_3d
 from .detection import PATCH
@@ -156,8 +157,15 @@ def output_tokens(call, tokens: torch.Tensor) -> torch.Tensor:
     return tokens.unflatten(-1, (-1, PATCH[0] * PATCH[1] * PATCH[2])).transpose(-1, -2).flatten(-2)
 
 
+# the visual blocks' own names (the text blocks run whole on every rank): self- and cross-attention split by heads
+# (their per-head q / k norms stay whole), the GELU feed-forward Megatron's way, the 9-way modulation gathered
+TENSOR_PARALLEL = TensorParallelPlan(extra=(
+    *(Split(name, COLUMN) for name in ("to_query", "to_key", "to_value", "feed_forward.in_layer")),
+    *(Split(name, ROW) for name in ("self_attention.out_layer", "cross_attention.out_layer", "feed_forward.out_layer")),
+    Split("visual_modulation.out_layer", GATHER)))
+
 PLAN = Plan(check=check, layout=layout, condition=condition, head=head, rope=rope, output="video",
             output_tokens=output_tokens, comfy_blocks={"double_block": "visual_transformer_blocks"},
             stages=(Stage("visual_transformer_blocks", run_block, attends="video", text=None,
                           attention=AttentionSpec(project=project, finish=finish)),),
-            tensor_parallel="its blocks' Linears have no TP plan yet (the generic one finds none of them)")
+            tensor_parallel=TENSOR_PARALLEL)

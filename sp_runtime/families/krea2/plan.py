@@ -6,7 +6,8 @@ wrap-around to 2 x 2 patches; timesteps the sigma (embedded x 1000); context the
 PLAN: the image patch tokens split (positions (0, row, column)); the text fused (text_fusion, txt_in) on every rank
 and joined as the leading tokens of every single-stream block (text_prefix: each rank runs the block on [text, its
 image tokens], the attention over all of them); grouped key / value heads repeated for their query heads, the
-attention output gated by sigmoid(to_gate) per token. Reference latents (the style-reference workflow: ComfyUI uses
+attention output gated by sigmoid(to_gate) per token (at TP: each rank's query heads and their gate, the key / value
+heads split or kept whole: sp.tensor_parallel.KEY_VALUE). Reference latents (the style-reference workflow: ComfyUI uses
 them only with a ref_latents_method) join the split stream at (i, row, column), reference i counted from 1; with
 "index_timestep_zero" their tokens are modulated by the time embedding of 0 (a per-token modulation).
 """
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ...sp import AttentionSpec, Plan, Stage, Stream, image_parts, text_stream
+from ...sp.tensor_parallel import COLUMN, KEY_VALUE, ROW, Split, TensorParallelPlan, grouped_key_values
 from ...sp.tokens import as_list
 from .detection import PATCH
 
@@ -89,10 +91,9 @@ def run_block(block, call) -> None:
 def project_gated(attn, hidden: torch.Tensor):
     """q, k, v [B, S, heads, D] (key / value heads repeated for their groups) and the output gate's logits."""
     query = attn.norm_q(attn.to_q(hidden).unflatten(-1, (attn.num_heads, attn.head_dim)))
-    key, value = (proj(hidden).unflatten(-1, (attn.num_kv_heads, attn.head_dim)) for proj in (attn.to_k, attn.to_v))
-    key = attn.norm_k(key)
-    repeats = attn.num_heads // attn.num_kv_heads
-    return [query, key.repeat_interleave(repeats, dim=2), value.repeat_interleave(repeats, dim=2)], attn.to_gate(hidden)
+    key, value = (proj(hidden).unflatten(-1, (-1, attn.head_dim)) for proj in (attn.to_k, attn.to_v))
+    key, value = grouped_key_values(attn, [attn.norm_k(key), value], attn.num_heads, attn.num_kv_heads)
+    return [query, key, value], attn.to_gate(hidden)
 
 
 def finish_gated(attn, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -103,8 +104,14 @@ def head(call) -> torch.Tensor:
     return call.model.final_layer(call.image[:, call.text_len:], call.temb)
 
 
+# the single-stream blocks (the text fusion runs whole on every rank): query heads split, their gate with them, key /
+# value heads split where the degree divides both counts, else kept whole; the SwiGLU Megatron's way
+TENSOR_PARALLEL = TensorParallelPlan(extra=(Split("attn.to_gate", COLUMN), Split("attn.to_k", KEY_VALUE),
+                                            Split("attn.to_v", KEY_VALUE), Split("ff.gate", COLUMN),
+                                            Split("ff.up", COLUMN), Split("ff.down", ROW)))
+
 PLAN = Plan(check=check, layout=layout, condition=condition, head=head, rope=rope, output="image",
             comfy_blocks={"single_block": "transformer_blocks"},
             stages=(Stage("transformer_blocks", run_block, before=join_text,
                           attention=AttentionSpec(project_gated, finish_gated, text_prefix=True)),),
-            tensor_parallel="its gated grouped-query attention is not split yet")
+            tensor_parallel=TENSOR_PARALLEL)

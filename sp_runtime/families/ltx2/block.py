@@ -5,8 +5,9 @@ and all audio tokens, with diffusers' modules.
 Video self-attention goes through sp_attention over the video shards; text cross-attention, audio self-attention and
 audio-to-video attention (video queries, audio keys) are local; video-to-audio attention (audio queries over the
 split video keys) merges the ranks' partial results by log-sum-exp (attention_over_key_shards), so the audio stays
-the same on every rank. Unlike diffusers' block, the video-to-audio attention reads the video normalised after the
-audio-to-video residual (ComfyUI's order).
+the same on every rank. At TP every attention holds its heads (the rotary tables cut to them: head_rope) and
+the q / k norms across heads sum their mean square over the TP group (plan.TENSOR_PARALLEL). Unlike diffusers'
+block, the video-to-audio attention reads the video normalised after the audio-to-video residual (ComfyUI's order).
 """
 from __future__ import annotations
 
@@ -59,12 +60,25 @@ def _rotate(attn, tensor: torch.Tensor, rope) -> torch.Tensor:
     return rotate(tensor, rope)
 
 
+def head_rope(attn, rope):
+    """A rotary (cos, sin) of all heads cut to this TP rank's heads (attn.tp_heads; whole without TP): the split
+    layout's [B, H, n, r] along its heads, the interleaved [B, n, width] along its columns."""
+    if rope is None or not hasattr(attn, "tp_heads"):
+        return rope
+    lo, hi, heads = attn.tp_heads
+    if rope[0].dim() == 4:
+        return tuple(table[:, lo:hi] for table in rope)
+    width = rope[0].shape[-1] // heads
+    return tuple(table[..., lo * width:hi * width] for table in rope)
+
+
 def _heads(attn, query_in, key_in, query_rope, key_rope) -> tuple[torch.Tensor, ...]:
     """q, k, v [B, n, H, D] of an LTX2Attention (q/k RMS-normed across heads, then rotated)."""
     query = attn.norm_q(attn.to_q(query_in))
     key = attn.norm_k(attn.to_k(key_in))
     value = attn.to_v(key_in)
     if query_rope is not None:
+        query_rope, key_rope = head_rope(attn, query_rope), head_rope(attn, key_rope)
         query, key = _rotate(attn, query, query_rope), _rotate(attn, key, key_rope)
     return tuple(tensor.unflatten(2, (attn.heads, -1)) for tensor in (query, key, value))
 
@@ -107,7 +121,7 @@ def audio_video_block(block, v: torch.Tensor, a: torch.Tensor, video: Conditioni
     v = v + _out(block.attn1, attended, v, normed) * v_gate
 
     normed = block.audio_norm1(a) * (1 + a_scale) + a_shift
-    a = a + block.audio_attn1(normed, query_rotary_emb=audio.rope) * a_gate
+    a = a + block.audio_attn1(normed, query_rotary_emb=head_rope(block.audio_attn1, audio.rope)) * a_gate
     v = v + _text_attention(block, "", v, video, v_mods[6:])
     a = a + _text_attention(block, "audio_", a, audio, a_mods[6:])
 
@@ -121,7 +135,8 @@ def audio_video_block(block, v: torch.Tensor, a: torch.Tensor, video: Conditioni
 
     a2v = block.audio_to_video_attn(block.audio_to_video_norm(v) * (1 + v_a2v_scale) + v_a2v_shift,
                                     encoder_hidden_states=a_normed * (1 + a_a2v_scale) + a_a2v_shift,
-                                    query_rotary_emb=video.cross_rope, key_rotary_emb=audio.cross_rope)
+                                    query_rotary_emb=head_rope(block.audio_to_video_attn, video.cross_rope),
+                                    key_rotary_emb=head_rope(block.audio_to_video_attn, audio.cross_rope))
     v = v + a2v * a2v_gate
     v2a_query = a_normed * (1 + a_v2a_scale) + a_v2a_shift
     query, key, value = _heads(block.video_to_audio_attn, v2a_query,

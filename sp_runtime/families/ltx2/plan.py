@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from ...sp import Output, Part, Plan, Stage, Stream
+from ...sp.tensor_parallel import COLUMN, NORM, Split, TensorParallelPlan
 from ...sp.video_tokens import VideoGrid
 from .block import audio_video_block, conditioning, output_head
 from .guides import guide_mask
@@ -148,10 +149,14 @@ def head(call) -> tuple[torch.Tensor, torch.Tensor]:
             output_head(call.model, call.audio, call.audio_cond, "audio_"))
 
 
+# the generic plan (every attention's q / k / v and output, both FeedForwards) and, in each attention, the q / k
+# norms across heads (NORM: their mean square summed over the TP group) and LTX-2.3's per-head gate logits
+TENSOR_PARALLEL = TensorParallelPlan(extra=(Split("norm_q", NORM), Split("norm_k", NORM),
+                                            Split("to_gate_logits", COLUMN)))
+
 PLAN = Plan(check=check, layout=layout, condition=condition, head=head, output=("video", "audio"),
             stages=(Stage("transformer_blocks", run_block, attends="video", text=None, attention=None),),
-            tensor_parallel="its audio-video block rotates q / k across all heads with whole-width rotary tables, and "
-                            "its cross-modal attention has query and key heads of different widths: not split yet")
+            tensor_parallel=TENSOR_PARALLEL)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ its own tokens; each block's self-attention through the executor, its cross-atte
 text (Stage.local). LTX rotates q / k over the whole width (across heads, before they are split) at ComfyUI's pixel
 positions (latent corner x VAE factors (8, 32, 32), the first frame's causal fix where the file asks for it, time
 x 1 / frame_rate, LTXVAddGuide's guides at keyframe_idxs): the projection rotates each rank's tokens with its own
-rows of that table (ROTARY, set per call), so the executor's per-head tables are not used.
+rows of that table (ROTARY, set per call), so the executor's per-head tables are not used; at TP, its heads' columns
+of it, the q / k norms' mean square summed over the TP group (TENSOR_PARALLEL).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from ...sp import AttentionSpec, Plan, Stage, Stream, video_part
 from ...sp.cross import Context
+from ...sp.tensor_parallel import NORM, Split, TensorParallelPlan
 from ...sp.video_tokens import VideoGrid
 from ..ltx2.host import VAE_SCALE_FACTORS
 
@@ -105,10 +107,17 @@ def rotated(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def project_rotated(attn, hidden: torch.Tensor):
     """q, k (normed across heads, then rotated over the whole width) and v, as [B, n, H, D]."""
-    cos, sin = ROTARY.get()
+    cos, sin = head_columns(attn, *ROTARY.get())
     query = rotated(attn.norm_q(attn.to_q(hidden)), cos, sin)
     key = rotated(attn.norm_k(attn.to_k(hidden)), cos, sin)
     return [tensor.unflatten(-1, (attn.heads, -1)) for tensor in (query, key, attn.to_v(hidden))], None
+
+
+def head_columns(attn, *tables: torch.Tensor) -> list[torch.Tensor]:
+    """Whole-width tables [.., width] cut to the columns of this TP rank's heads (attn.tp_heads; all without TP)."""
+    lo, hi, heads = getattr(attn, "tp_heads", (0, attn.heads, attn.heads))
+    width = tables[0].shape[-1] // heads
+    return [table[..., lo * width:hi * width] for table in tables]
 
 
 def run_block(block, call) -> None:
@@ -124,8 +133,13 @@ def head(call) -> torch.Tensor:
     return model.proj_out(model.norm_out(call.video) * (1 + scale) + shift)
 
 
+# the generic plan (attention, FeedForward) and the q / k norms across heads: split with q / k, their mean square
+# summed over the TP group (as Wan's); each rank rotates its heads with its columns of the table (head_columns)
+TENSOR_PARALLEL = TensorParallelPlan(extra=tuple(Split(f"{attn}.{name}", NORM) for attn in ("attn1", "attn2")
+                                                 for name in ("norm_q", "norm_k")))
+
 PLAN = Plan(check=check, layout=layout, condition=condition, head=head, output="video",
             stages=(Stage("transformer_blocks", run_block, attends="video", text=None, local=("attn2",),
                           attention=AttentionSpec(project=project_rotated)),),
             comfy_blocks={"double_block": "transformer_blocks"},
-            tensor_parallel="its q / k are normed and rotated across all heads with whole-width tables: not split yet")
+            tensor_parallel=TENSOR_PARALLEL)

@@ -11,7 +11,8 @@ the ranks' token ranges and the shifted windows differ from the plain ones, so n
 block parities; and the text's output is a mean of one softmax per window, which no mask over one joint softmax
 (sp_attention's SequenceMask under Ulysses / Ring) expresses. With every rank holding all keys / values, each rank
 attends its own video queries window by window and computes the (short) text's outputs whole, exactly as one
-device does; queries, MLPs and modulation stay split. TP is refused (the block is custom and declares no TP plan).
+device does; queries, MLPs and modulation stay split. At TP each rank holds its heads of the fused q / k / v (and
+attends them window by window as above), the MLPs split Megatron's way (TENSOR_PARALLEL).
 """
 from __future__ import annotations
 
@@ -20,11 +21,17 @@ import torch
 from ...attention import gather_rows
 from ...attention.backends import attend
 from ...sp import Plan, Stage, Stream, text_stream, video_part
+from ...sp.tensor_parallel import COLUMN, ROW, Split, TensorParallelPlan
 from ...sp.tokens import rotate
 from .detection import LATENT_CHANNELS, PATCH, WINDOWS
 from .windows import tables, text_angles, video_angles, windows_of
 
-NO_TP = "SeedVR2's windowed attention is a custom block with text averaged over windows; it declares no TP plan"
+# each block's streams (`vid` / `txt`, or one shared `all`): the fused q / k / v in whole heads of each of its three
+# parts, the attention output and the MLPs (SwiGLU or GELU) Megatron's way; the per-head q / k norms stay whole
+TENSOR_PARALLEL = TensorParallelPlan(attentions=("attn",), extra=tuple(
+    Split(f"{layer}.{stream}", kind, parts) for stream in ("vid", "txt", "all")
+    for layer, kind, parts in (("proj_qkv", COLUMN, 3), ("attn.proj_out", ROW, 1))) + (
+    Split("proj_in_gate", COLUMN), Split("proj_in", COLUMN), Split("proj_out", ROW)))
 
 
 def check(call) -> None:
@@ -145,4 +152,4 @@ def head(call) -> torch.Tensor:
 
 PLAN = Plan(check, layout, condition, [Stage("blocks", run_block, attends="video", text="text", attention=None,
                                              before=before_blocks)],
-            head, output="video", tensor_parallel=NO_TP)
+            head, output="video", tensor_parallel=TENSOR_PARALLEL)

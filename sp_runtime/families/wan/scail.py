@@ -121,4 +121,4 @@ SCAIL = register(Variant(
                         "mask_in_channels": getattr(getattr(model, MASK, None), "in_channels", None)},
     comfy={"scail": "WAN21_SCAIL", "scail2": "WAN21_SCAIL2"},
     inputs={name: ("pose_latents", "ref_mask_latents", "sam_latents", "ref_mask_flag") for name in ("scail", "scail2")},
-    rope_options=False, check=check, layout=layout))
+    rope_options=False, check=check, layout=layout, tensor_parallel=True))
