@@ -93,4 +93,17 @@ MUTATIONS = [
          replacement="        rank = self.world - 1 - rank\n"
                      "        return rank * self.shard_bytes, (rank + 1) * self.shard_bytes\n",
          tests=["tests/pool/test_shard_weights.py::test_sharded_equals_whole_at_ulysses_2_and_4[qwen_image-u2]"]),
+    dict(id="radiance-conv-on-shard", bug="Chroma Radiance's final 3x3 convolution runs on each rank's own patches "
+                                          "(the others' zero) instead of the gathered image",
+         file="sp_runtime/families/chroma/radiance_plan.py",
+         original="    features = gather_tokens(features, shard, call.seq)  # [B, N, P*P*width]\n",
+         replacement="    features = F.pad(features, (0, 0, shard.lo, shard.stream.total - shard.hi))\n",
+         tests=["tests/families/test_family_conformance.py", "-k", "degree2-chroma:radiance"]),
+    dict(id="radiance-shards-untrimmed", bug="Chroma Radiance's gathered patches keep the padding of uneven shards "
+                                             "(every rank's shard taken at the largest size)",
+         file="sp_runtime/families/chroma/radiance_plan.py",
+         original="    pieces = [gathered[rank * shards.chunk:rank * shards.chunk + size] "
+                  "for rank, size in enumerate(shards.sizes)]\n",
+         replacement="    pieces = [gathered[:shards.total]]\n",
+         tests=["tests/families/test_family_conformance.py", "-k", "degree4-chroma:radiance"]),
 ]

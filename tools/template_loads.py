@@ -35,8 +35,7 @@ NOT_DIFFUSION_LOADERS = ("lora", "vae", "clip", "textencoder", "audioencoder", "
 NOT_IMAGE_VIDEO = "not an image / video diffusion model"
 
 # Variants a served family's detector refuses with an error naming them (the family's own detection.py).
-REFUSED_VARIANTS = {"Chroma Radiance": "chroma/detection.py",
-                    "Wan-based variant (modules Wan's detector does not know)": "wan/detect.py",
+REFUSED_VARIANTS = {"Wan-based variant (modules Wan's detector does not know)": "wan/detect.py",
                     "Wan 2.1 Causal Forcing (causal_ar metadata)": "wan/detect.py"}
 
 # (file-name pattern, kinds, label): kinds is a FAMILIES name, an OTHER_KINDS / REFUSED_VARIANTS name, NOT_IMAGE_VIDEO,
@@ -55,7 +54,7 @@ KINDS = [
     (r"^z_image", "z_image", "Z-Image"),
     (r"^sd3", "sd3", "SD3 / SD3.5"),
     (r"^Chroma1-HD", "chroma", "Chroma"),
-    (r"^chroma-radiance", "Chroma Radiance", "Chroma Radiance"),
+    (r"^chroma-radiance", "chroma", "Chroma Radiance"),
     (r"^wan2\.1_14B_SCAIL", ("wan:scail", "Wan-based variant (modules Wan's detector does not know)"),
      "Wan 2.1 SCAIL-2"),
     (r"^wan2\.2_bernini", ("wan:in_context", "Wan-based variant (modules Wan's detector does not know)"),

@@ -33,6 +33,20 @@ def chroma_cases(seed=3):
             "2_tokens": (rand(1, 16, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}
 
 
+def chroma_radiance_cases(seed=3):
+    """Chroma Radiance's pixels (3 channels, 4x4 patches): 35 patches of an odd image (the last patch row and column
+    padded: the convolution reads the wrap-around), 30 patches (4 ranks: 8, 8, 7, 7) in batch 2 with a text padding mask
+and a guidance, 2 patches (fewer than the ranks)."""
+    rand = seeded_randn(seed)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 5:] = 0
+    return {"35_patches": (rand(2, 3, 19, 27), torch.tensor([0.7, 0.3]), {"context": rand(2, 7, 32)}),
+            "30_masked_guided": (rand(2, 3, 20, 24), torch.tensor([0.4, 0.9]),
+                                 {"context": rand(2, 9, 32), "attention_mask": mask,
+                                  "guidance": torch.tensor([2.5, 2.5])}),
+            "2_patches": (rand(1, 3, 4, 8), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}
+
+
 def z_image_cases(seed=8):
     """ComfyUI calls (x, timestep, kwargs): (caption, image) tokens before padding: (9, 15), (40, 35), (32, 32),
     (33, 9)."""

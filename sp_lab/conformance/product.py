@@ -66,6 +66,7 @@ def plain_hunyuan_video(model):
 for _family, _seed, _calls, _spec in (
         ("sd3", 4, cases.sd3_cases, dict(load_case="odd_latent")),
         ("chroma", 6, cases.chroma_cases, dict(load_case="35_tokens")),
+        ("chroma:radiance", 6, cases.chroma_radiance_cases, dict(load_case="35_patches", layouts={"comfy": {}})),
         ("z_image", 5, cases.z_image_cases, dict(load_case="odd_latent_masked",
                                                  layout_cases=("odd_latent_masked", "batch_1"))),
         ("flux2", 11, cases.flux2_cases, dict(load_case="two_refs_index", layouts=FLUX2_LAYOUTS,

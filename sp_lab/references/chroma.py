@@ -35,19 +35,32 @@ def reference_forward(model, x: torch.Tensor, timestep: torch.Tensor, context: t
                                             context.expand(batch, -1, -1)[i:i + 1, keep[i]],
                                             None if guidance is None else guidance.reshape(-1).expand(batch)[i:i + 1])
                           for i in range(batch)])
+    radiance = getattr(model, "radiance", None)
+    if radiance is not None:  # Chroma Radiance: the trunk below, then its NeRF head
+        from .chroma_radiance import radiance_forward
+        return radiance_forward(model, x, timestep, context, guidance, radiance)
     weight = model.proj_out.weight
     compute, device = weight.dtype, weight.device
     tokens, grid = reference_pack(x.to(device, compute), PATCH)
     ids = grid_ids(grid, 0, 0, 0, False, x.dtype, device)
+    out = stock_forward(model, tokens, ids, torch.zeros(context.shape[1], 3, device=device), context, timestep,
+                        guidance)
+    return reference_unpack(out, grid).to(x.dtype).cpu()
+
+
+def stock_forward(model, tokens: torch.Tensor, ids: torch.Tensor, text_ids: torch.Tensor, context: torch.Tensor,
+                  timestep: torch.Tensor, guidance: Optional[torch.Tensor]) -> torch.Tensor:
+    """diffusers' forward of the model on packed tokens [B, N, F] (ComfyUI's guidance fed to its embedder)."""
+    batch, device, compute = tokens.shape[0], tokens.device, tokens.dtype
     embed = model.time_text_embed
     stock = embed.guidance_proj
     if guidance is not None:
         embed.guidance_proj = _Guidance(stock, guidance.reshape(-1).expand(batch).float())
     try:
         with torch.no_grad():
-            out = model(hidden_states=tokens, encoder_hidden_states=context.expand(batch, -1, -1).to(device, compute),
-                        timestep=timestep.reshape(-1).expand(batch).to(device), img_ids=ids,
-                        txt_ids=torch.zeros(context.shape[1], 3, device=device), return_dict=False)[0]
+            return model(hidden_states=tokens,
+                         encoder_hidden_states=context.expand(batch, -1, -1).to(device, compute),
+                         timestep=timestep.reshape(-1).expand(batch).to(device), img_ids=ids, txt_ids=text_ids,
+                         return_dict=False)[0]
     finally:
         embed.guidance_proj = stock
-    return reference_unpack(out, grid).to(x.dtype).cpu()
