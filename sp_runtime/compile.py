@@ -20,8 +20,6 @@ def compile_blocks(model: torch.nn.Module, **compile_options) -> int:
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no transformer blocks ({', '.join(BLOCK_LISTS)}) to compile; "
                          f"load it without compile=True")
-    from .attention import leave_exchanges_to_eager
-    leave_exchanges_to_eager()
     for block in blocks:
         block.compile(**compile_options)
     return len(blocks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .attention import leave_exchanges_to_eager
 from .attention.backends import resolve
 from .attention.options import RUNTIME_OPTION_KEYS, AttentionOptions, using
 from .compile import compile_blocks
@@ -21,6 +22,8 @@ class OptionedModel:
         compile_flag = options.get("compile", False)
         if not isinstance(compile_flag, bool):
             raise ValueError(f"load option compile must be true or false, got {compile_flag!r}")
+        if compile_flag:
+            leave_exchanges_to_eager()  # the exchanges stay outside the compiled graphs
         self.compiled_blocks = compile_blocks(inner.model) if compile_flag else 0
 
     def forward(self, x, timestep, inputs: dict[str, Any], out, ctx) -> None:

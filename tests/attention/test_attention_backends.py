@@ -105,11 +105,14 @@ def test_a_selected_backend_that_is_not_installed_is_a_clear_error(no_optional_k
 
 
 def test_exchanges_leave_compiled_graphs_without_importing_dynamo_at_start():
-    """Importing the attention costs no torch._dynamo (~2 s of CPU per rank); compile_blocks swaps in the
-    compiler-disabled distributed path first, so compiled blocks still break their graphs at the exchanges."""
+    """Importing the attention costs no torch._dynamo (~2 s of CPU per rank); a model loaded with compile=True
+    swaps in the compiler-disabled distributed path first, so its compiled blocks break their graphs at the
+    exchanges."""
     import subprocess
-    probe = ("import sys, torch, sp_runtime.attention as a, sp_runtime.compile as c; "
-             "print('torch._dynamo' in sys.modules); m = torch.nn.Module(); m.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)]); c.compile_blocks(m); "
+    probe = ("import sys, types, torch, sp_runtime.attention as a, sp_runtime.model_options as o; "
+             "print('torch._dynamo' in sys.modules); m = torch.nn.Module(); "
+             "m.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)]); "
+             "o.OptionedModel(types.SimpleNamespace(model=m), {'compile': True}); "
              "print(getattr(a._distributed, '_torchdynamo_disable', False))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "True"], out
