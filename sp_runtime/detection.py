@@ -26,7 +26,6 @@ OTHER_KINDS = {
     "SDXL / SD1.x UNet": ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
     "Flux.3": ("early_stream_modulations.image.lin.weight",),  # diffusers' CHECKPOINT_KEY_NAMES["flux3"]
     "Bria FIBO 2": ("perceiver.latent_queries",),  # diffusers' name; ComfyUI's model code is in no stored tree
-    "Lens": ("img_mlp.w1.weight",),  # ComfyUI's key: gated MLP (Qwen-Image's is img_mlp.net.0.proj)
     # PiD (pixel diffusion decoder of Flux.1 latents) is PixelDiT with a latent projection, so before PixelDiT
     "PiD (PixelDiT latent decoder)": ("lq_proj.latent_proj.0.weight",),
     "PixelDiT": ("core.pixel_embedder.proj.weight",),

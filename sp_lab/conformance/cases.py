@@ -425,6 +425,19 @@ def ovis_image_cases(seed=20):
             "2_tokens": (rand(1, 16, 2, 4), torch.tensor([0.5]), {"context": rand(1, 3, 32)})}
 
 
+def lens_cases(seed=22):
+    """Lens (one token per pixel of a 32-channel latent, 4 text layers of 16 side by side): 9 x 13 tokens with a
+    shorter second prompt (masked), 8 x 6 at batch 1, 2 tokens (fewer than the ranks)."""
+    rand = seeded_randn(seed)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    return {"odd_latent_masked": (rand(2, 32, 9, 13), torch.tensor([0.7, 0.3]),
+                                  {"context": rand(2, 9, 64), "attention_mask": mask}),
+            "odd_latent": (rand(2, 32, 7, 5), torch.tensor([0.9, 0.4]), {"context": rand(2, 5, 64)}),
+            "batch_1": (rand(1, 32, 8, 6), torch.tensor([0.5]), {"context": rand(1, 7, 64)}),
+            "2_tokens": (rand(1, 32, 1, 2), torch.tensor([0.5]), {"context": rand(1, 3, 64)})}
+
+
 HIDREAM_O1_TMS, HIDREAM_O1_PATCH = 151673, 32
 
 

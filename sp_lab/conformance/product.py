@@ -7,6 +7,7 @@ import os
 
 from sp_lab.references import reference_forward
 from sp_lab.tiny_models import COMFY_PREFIX, build_tiny_model, tiny_config, write_tiny_checkpoint
+from sp_lab.tiny_models import lens as lens_tiny
 from sp_lab.tiny_models.ltxv import release_metadata as ltxv_metadata
 from sp_lab.tiny_models.quant_files import write_quantized
 
@@ -106,6 +107,8 @@ for _family, _seed, _calls, _spec in (
         ("ovis_image", 20, cases.ovis_image_cases, dict(load_case="odd_latent")),
         ("hidream_o1", 20, cases.hidream_o1_cases, dict(layouts={"comfy": {}})),
         ("joyimage", 20, cases.joyimage_cases, dict(load_case="edit_two_refs")),
+        ("lens", 22, cases.lens_cases, dict(load_case="odd_latent_masked", layouts={"comfy": {}},
+                                            reference_model=lens_tiny.from_loaded)),
         ("hunyuan_video", 13, cases.hunyuan_video_cases,
          dict(load_case="105_tokens", layouts={"diffusers": OTHER_LAYOUTS["diffusers"]},
               reference_model=plain_hunyuan_video, layout_cases=("105_tokens", "3_tokens_batch_1", "ref_latent"))),

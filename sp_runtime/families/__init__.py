@@ -17,6 +17,7 @@ from ..contract import ComfyHost
 from .family import Family
 
 FAMILIES = {
+    "lens": "sp_runtime.families.lens",  # before qwen_image: its single-text-layer files have Qwen-Image's anchors
     "mage_flow": "sp_runtime.families.mage_flow",  # before qwen_image: the same key names
     "seedvr2": "sp_runtime.families.seedvr2",
     "qwen_image": "sp_runtime.families.qwen_image",

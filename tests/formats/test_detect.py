@@ -162,9 +162,6 @@ def test_unsupported_family_names_it_and_lists_supported(tmp_path):
      "Flux.3"),
     ("fibo2_dev_int8_convrot", ("perceiver.latent_queries", "noise_refiner.0.attention.to_q.weight"), "Bria FIBO 2"),
     # ComfyUI's model_detection keys of the templates' other new architectures (comfy/ldm/<name>, ComfyUI 0.33)
-    ("lens_bf16", ("transformer_blocks.0.attn.norm_added_q.weight", "transformer_blocks.0.img_mlp.w1.weight",
-                   "transformer_blocks.0.attn.img_qkv.weight", "img_in.weight", "txt_norm.0.weight", "txt_in.weight",
-                   "proj_out.weight"), "Lens"),
     ("pid_flux1_1024_to_4096_4step_bf16", ("lq_proj.latent_proj.0.weight", "lq_proj.gate_modules.0.content_proj.weight",
                                            "core.pixel_embedder.proj.weight"), "PiD"),
     ("pixeldit_1300m_1024px_bf16", ("core.pixel_embedder.proj.weight", "core.blocks.0.attn.qkv_x.weight"), "PixelDiT"),
