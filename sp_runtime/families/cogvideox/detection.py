@@ -1,8 +1,10 @@
-"""CogVideoX detection from a header alone (no weights read, no diffusers): ComfyUI's key layout (`blocks.N.q`,
-`time_embedding_linear_1`) or diffusers' (`transformer_blocks.N.attn1.to_q`, `time_embedding.linear_1`), and the
-CogVideoXTransformer3DModel config of a 1.5-layout file (Linear patch embedding over 2 x 2 x 2 patches, 3-D rotary:
-CogVideoX 1.5, CogVideoX-Fun V1.5, VOID's inpainting passes). CogVideoX 1.0 files (a Conv2d patch embedding: the
-2B / 5B releases, Fun V1.1) and learned positional embeddings are refused by name."""
+"""CogVideoX detection from a header alone (no weights read, no diffusers), as ComfyUI's model_detection reads it
+("cogvideox": `blocks.0.norm1.linear.weight`; a 2-D `patch_embed.proj` is the 1.5 layout, 2 x 2 x 2 patches; ofs
+from `ofs_embedding_linear_1`; `patch_embed.pos_embedding`: learned positions instead of rotary), in ComfyUI's key
+layout (`blocks.N.q`, flat `time_embedding_linear_1`) or diffusers' (`transformer_blocks.N.attn1.to_q`). ComfyUI
+fixes heads of 64; the header's norm_q gives the same for released files (and the tiny models' own). Served: the
+1.5 layout with rotary (CogVideoX 1.5, CogVideoX-Fun V1.5, VOID's inpainting passes); CogVideoX 1.0 files (a Conv2d
+patch embedding: the 2B / 5B releases, Fun V1.1) and learned positional embeddings are refused by name."""
 from __future__ import annotations
 
 from typing import Optional
