@@ -56,3 +56,16 @@ def test_ofs_embedding(tmp_path):
     assert_parity(out, reference_forward(model, x, t, **inputs), "float32", "cogvideox/ofs")
     other = reference_forward(model, x, t, **{**inputs, "ofs": torch.tensor([7.0])})
     assert (out - other).abs().max() > 1e-3  # ofs changes the output: the check can fail
+
+
+def test_comfy_host_sees_what_model_base_reads():
+    """ComfyUI's class per variant; model_base.CogVideoX reads diffusion_model.in_channels (the condition's size) and
+    ofs_proj_dim (set: it sends ofs)."""
+    from sp_runtime.contract import ModelInfo
+    config = cogvideox.detect(void_header()).config
+    info = ModelInfo("cogvideox", "inpaint", 48, 16, 5, config=config)
+    assert [cogvideox.COMFY.model_class(v) for v in ("inpaint", "i2v", "t2v")] == [
+        "CogVideoX_Inpaint", "CogVideoX_I2V", "CogVideoX_T2V"]
+    assert cogvideox.COMFY.attributes(info) == {"in_channels": 48, "ofs_proj_dim": None, "patch_size": 2,
+                                                "patch_size_t": 2}
+    assert cogvideox.COMFY.unet_config(info)["num_attention_heads"] == 48  # ComfyUI's 5B latent scale (0.7)
