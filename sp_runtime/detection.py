@@ -29,7 +29,6 @@ OTHER_KINDS = {
     # PiD (pixel diffusion decoder of Flux.1 latents) is PixelDiT with a latent projection, so before PixelDiT
     "PiD (PixelDiT latent decoder)": ("lq_proj.latent_proj.0.weight",),
     "PixelDiT": ("core.pixel_embedder.proj.weight",),
-    "CogVideoX (VOID's inpainting passes)": ("patch_embed.text_proj.weight",),  # ComfyUI's and diffusers' name
     "a VAE": ("decoder.conv_in.weight", "decoder.conv_in.conv.weight", "decoder.middle.0.residual.0.gamma"),
     "a text encoder": ("encoder.block.0.layer.0.SelfAttention.q.weight", "text_model.encoder.layers.0.mlp.fc1.weight",
                        "model.layers.0.self_attn.q_proj.weight"),

@@ -89,7 +89,7 @@ KINDS = [
     (r"^ovis_image", "ovis_image", "Ovis-Image"),
     (r"^fibo2", ("bria_fibo2", "Bria FIBO 2"), "Bria FIBO 2"),
     (r"^capybara", "hunyuan_video15", "Capybara v0.1 (HunyuanVideo 1.5 fine-tune)"),
-    (r"^void_pass", "CogVideoX (VOID's inpainting passes)", "VOID (CogVideoX-Fun 5B inpainting)"),
+    (r"^void_pass", "cogvideox", "VOID (CogVideoX-Fun 5B inpainting)"),
     (r"^causal_forcing", "Wan 2.1 Causal Forcing (causal_ar metadata)", "Wan 2.1 Causal Forcing"),
     (r"^lens", "lens", "Lens (base, turbo)"),
     (r"^pid_", "PiD (PixelDiT latent decoder)", "PiD (Flux.1 latents to pixels)"),

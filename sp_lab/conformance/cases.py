@@ -480,3 +480,13 @@ def joyimage_cases(seed=20):
             "edit_two_refs": (rand(2, 16, 1, 9, 13), torch.tensor([600.0, 600.0]),
                               {"context": rand(2, 5, 32), "ref_latents": [rand(2, 16, 1, 6, 8), rand(2, 16, 1, 5, 7)]}),
             "2_tokens": (rand(1, 16, 1, 2, 4), torch.tensor([500.0]), {"context": rand(1, 3, 32)})}
+
+
+def cogvideox_cases(seed=22):
+    """CogVideoX 1.5 (48 channels: VOID's latent + mask + masked video; 2 x 2 x 2 patches): an odd video of 60 tokens
+    (5 frames, 7 x 9, padded by wrap-around; batch 2, CFG halves at different times), 6 tokens of a whole-patch video,
+    2 tokens (fewer than the ranks)."""
+    rand = seeded_randn(seed)
+    return {"odd_video": (rand(2, 48, 5, 7, 9), torch.tensor([700.0, 300.0]), {"context": rand(2, 9, 32)}),
+            "6_tokens": (rand(1, 48, 2, 4, 6), torch.tensor([500.0]), {"context": rand(1, 5, 32)}),
+            "2_tokens": (rand(1, 48, 2, 2, 4), torch.tensor([900.0]), {"context": rand(1, 3, 32)})}

@@ -109,6 +109,7 @@ for _family, _seed, _calls, _spec in (
         ("joyimage", 20, cases.joyimage_cases, dict(load_case="edit_two_refs")),
         ("lens", 22, cases.lens_cases, dict(load_case="odd_latent_masked", layouts={"comfy": {}},
                                             reference_model=lens_tiny.from_loaded)),
+        ("cogvideox", 22, cases.cogvideox_cases, dict(load_case="odd_video")),
         ("hunyuan_video", 13, cases.hunyuan_video_cases,
          dict(load_case="105_tokens", layouts={"diffusers": OTHER_LAYOUTS["diffusers"]},
               reference_model=plain_hunyuan_video, layout_cases=("105_tokens", "3_tokens_batch_1", "ref_latent"))),

@@ -20,6 +20,7 @@ from . import kandinsky5, krea2, ltxv
 from . import anima, boogu, ernie_image, hidream_o1, joyimage, longcat_image, mage_flow, omnigen2, ovis_image
 from . import seedvr2
 from . import lens
+from . import cogvideox
 from .weights import COMFY_PREFIX, random_model, randomize_, save_tiny, sized
 
 __all__ = ["COMFY_PREFIX", "FAMILIES", "LAYOUTS", "build_tiny_model", "original_state_dict", "randomize_",
@@ -44,7 +45,7 @@ MODULES = {"wan": wan, "qwen_image21": qwen_image21, "flux2": flux2, "hunyuan_vi
            "mage_flow": mage_flow, "anima": anima, "ernie_image": ernie_image, "longcat_image": longcat_image,
            "omnigen2": omnigen2, "seedvr2": seedvr2, "boogu": boogu, "ovis_image": ovis_image,
            "hidream_o1": hidream_o1, "joyimage": joyimage,
-           "lens": lens}
+           "lens": lens, "cogvideox": cogvideox}
 FAMILIES = ("qwen_image", "flux", *MODULES)
 LAYOUTS = ("original", "diffusers", "diffusers_folder")
 

@@ -48,6 +48,7 @@ FAMILIES = {
     "boogu": "sp_runtime.families.boogu",
     "ovis_image": "sp_runtime.families.ovis_image",
     "joyimage": "sp_runtime.families.joyimage",
+    "cogvideox": "sp_runtime.families.cogvideox",
 }
 
 

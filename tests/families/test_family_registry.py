@@ -51,7 +51,8 @@ def test_comfyui_knows_the_model_families():
                                                                "ideogram4",
                                                                "ltxv", "kandinsky5", "krea2",
                                                                "mage_flow", "ernie_image", "longcat_image", "omnigen2",
-                                                               "seedvr2", "boogu", "ovis_image", "joyimage", "lens"}
+                                                               "seedvr2", "boogu", "ovis_image", "joyimage", "lens",
+                                                               "cogvideox"}
     assert comfy_host("ideogram4").model_class("image") == "Ideogram4"
     assert comfy_host("sd3").model_class("3.5_medium") == "SD3"
     assert comfy_host("hidream").model_class("") == "HiDream"
