@@ -455,10 +455,51 @@ def hidream_o1_conds(ids: torch.Tensor, rows: int, cols: int) -> dict:
             "vinput_mask": after_text.clone(), "token_types": (torch.arange(total) >= text - 1).long().expand(batch, -1)}
 
 
+HIDREAM_O1_VISION = (151652, 151655, 151653)  # <|vision_start|>, <|image_pad|>, <|vision_end|>
+
+
+def hidream_o1_reference_conds(ids: torch.Tensor, rows: int, cols: int, refs: list, rand) -> dict:
+    """ComfyUI's HiDreamO1 extra_conds with reference images (build_extra_conds): refs [((vit t, h, w), (patch rows,
+    cols))]: each a [<|vision_start|>, <|image_pad|> x t h w / 4, <|vision_end|>] run after the prompt's first 3 tokens
+    (its MRoPE positions: the merged grid after the text before it), the image at 4096 + (0, r, c) and each reference's
+    patches after the last position (its own (0, r, c) grid); pixel values [1, t h w, 1536], grids [1, K, 3] and the
+    patches [1, R, 3072] (random; ComfyUI's repeat to the batch aside, which the pool also serves)."""
+    start, pad, end = HIDREAM_O1_VISION
+    batch = ids.shape[0]
+    runs = [torch.tensor([start] + [pad] * (t * h * w // 4) + [end]) for (t, h, w), _ in refs]
+    ids = torch.cat([ids[:, :3], torch.cat(runs).expand(batch, -1), ids[:, 3:]], dim=1)
+    text = ids.shape[1]
+    grid = lambda t, h, w, at: torch.stack([torch.arange(t).repeat_interleave(h * w) + at,  # noqa: E731
+                                            torch.arange(h).repeat_interleave(w).repeat(t) + at,
+                                            torch.arange(w).repeat(t * h) + at])
+    pieces, at = [torch.arange(3).expand(3, -1)], 3
+    for (t, h, w), _ in refs:
+        pieces += [torch.full((3, 1), at), grid(t, h // 2, w // 2, at + 1)]
+        at = int(pieces[-1].max()) + 1
+        pieces.append(torch.full((3, 1), at))
+        at += 1
+    pieces.append(torch.arange(at, at + text - sum(piece.shape[1] for piece in pieces)).expand(3, -1))
+    pieces.append(grid(1, rows, cols, 0) * torch.tensor([[0], [1], [1]]) + 4096)
+    at = int(pieces[-1].max()) + 1
+    for _, (ref_rows, ref_cols) in refs:
+        pieces.append(grid(1, ref_rows, ref_cols, 0) * torch.tensor([[0], [1], [1]]) + at)
+        at = int(pieces[-1].max()) + 1
+    positions = torch.cat(pieces, dim=1)
+    total = positions.shape[1]
+    patches = sum(ref_rows * ref_cols for _, (ref_rows, ref_cols) in refs)
+    return {"input_ids": ids, "position_ids": positions[None].expand(batch, -1, -1).clone(), "ar_len": text - 1,
+            "vinput_mask": (torch.arange(total) >= text).expand(batch, -1).clone(),
+            "token_types": (torch.arange(total) >= text - 1).long().expand(batch, -1),
+            "ref_patches": rand(1, patches, 3 * HIDREAM_O1_PATCH ** 2).expand(batch, -1, -1).clone(),
+            "ref_pixel_values": rand(1, sum(t * h * w for (t, h, w), _ in refs), 1536).expand(batch, -1, -1).clone(),
+            "ref_image_grid_thw": torch.tensor([[list(vit) for vit, _ in refs]]).expand(batch, -1, -1).clone()}
+
+
 def hidream_o1_cases(seed=20):
     """HiDream-O1 (pixels in 32 x 32 patches): 6 text + 35 image tokens (batch 2, prompts differ, CFG halves at
     different times: sigma x 1000), 9 + 9 tokens (batch 1), <|tms_token|> alone + 2 image tokens (fewer than the ranks,
-    no causal prefix)."""
+    no causal prefix); reference images (batch 2): one (6 + 8 text, 12 image, 6 reference tokens) and two of uneven
+    sizes (a 2 x 4 and a 6 x 2 vision grid, 1 x 3 and 2 x 2 patches: 6 + 9 text, 9 image, 7 reference tokens)."""
     rand, generator = seeded_randn(seed), torch.Generator().manual_seed(seed)
 
     def prompt(batch: int, text: int) -> torch.Tensor:
@@ -468,7 +509,12 @@ def hidream_o1_cases(seed=20):
     p = HIDREAM_O1_PATCH
     return {"41_tokens": (rand(2, 3, 5 * p, 7 * p), torch.tensor([700.0, 300.0]), hidream_o1_conds(prompt(2, 6), 5, 7)),
             "batch_1": (rand(1, 3, 3 * p, 3 * p), torch.tensor([500.0]), hidream_o1_conds(prompt(1, 9), 3, 3)),
-            "3_tokens": (rand(1, 3, p, 2 * p), torch.tensor([900.0]), hidream_o1_conds(prompt(1, 1), 1, 2))}
+            "3_tokens": (rand(1, 3, p, 2 * p), torch.tensor([900.0]), hidream_o1_conds(prompt(1, 1), 1, 2)),
+            "1_reference": (rand(2, 3, 3 * p, 4 * p), torch.tensor([800.0, 400.0]),
+                            hidream_o1_reference_conds(prompt(2, 6), 3, 4, [((1, 4, 6), (2, 3))], rand)),
+            "2_references": (rand(2, 3, 3 * p, 3 * p), torch.tensor([600.0, 200.0]),
+                             hidream_o1_reference_conds(prompt(2, 6), 3, 3, [((1, 2, 4), (1, 3)), ((1, 6, 2), (2, 2))],
+                                                        rand))}
 
 
 def joyimage_cases(seed=20):

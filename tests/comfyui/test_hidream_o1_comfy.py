@@ -1,8 +1,8 @@
 """HiDream-O1 against ComfyUI's own HiDreamO1Transformer (needs COMFYUI_PATH with comfy/ldm/hidream_o1): the reference
 forward the pool is held to (sp_lab.references.hidream_o1, the conformance suite's) equals ComfyUI's network (its
 two-pass attention, MRoPE, timestep token, KV cache) built at the tiny file's widths with its weights, on the suite's
-cases; ComfyUI's detection names the tiny file hidream_o1. The vision tower (reference images, refused by the plan)
-is built small and left out."""
+cases (reference images included: ComfyUI's vision tower built at the tiny file's sizes with its weights); ComfyUI's
+detection names the tiny file hidream_o1."""
 from __future__ import annotations
 
 import os
@@ -22,24 +22,28 @@ from test_image_families_comfy import comfy_detection, comfy_outputs, comfy_sett
 pytestmark = pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 pytest_plugins = ["family_pools"]  # its summary prints the parity table
 
-SMALL_VISION = dict(hidden_size=16, num_heads=2, intermediate_size=16, depth=1, num_position_embeddings=16)
+TINY_VISION = dict(hidden_size=128, num_heads=16, intermediate_size=48, depth=2, num_position_embeddings=16)
 
 
 def comfy_network(model_module, config: dict, path: str):
-    """ComfyUI's HiDreamO1Transformer at the file's decoder widths, the file's weights loaded (vision tower aside)."""
+    """ComfyUI's HiDreamO1Transformer at the file's widths, the file's weights loaded (the deepstack mergers aside,
+    which ComfyUI's model does not build)."""
     import comfy.utils
     text = {"vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"],
             "intermediate_size": config["intermediate_size"], "num_hidden_layers": config["num_layers"],
             "num_attention_heads": config["num_attention_heads"],
             "num_key_value_heads": config["num_key_value_heads"], "head_dim": config["head_dim"],
             "rope_dims": list(config["mrope_section"])}
-    network = model_module.HiDreamO1Transformer(text_config_overrides=text, vision_config_overrides=SMALL_VISION,
+    network = model_module.HiDreamO1Transformer(text_config_overrides=text, vision_config_overrides=TINY_VISION,
                                                 **comfy_settings())
     state = comfy.utils.state_dict_prefix_replace(comfy.utils.load_torch_file(path), {COMFY_PREFIX: ""},
                                                   filter_keys=True)
-    state = {key: value for key, value in state.items() if not key.startswith("visual.")}
+    vision = config["vision"]
+    assert (vision["width"], vision["inner"], vision["depth"], vision["positions"]) == tuple(
+        TINY_VISION[key] for key in ("hidden_size", "intermediate_size", "depth", "num_position_embeddings"))
+    state = {key: value for key, value in state.items() if not key.startswith("visual.deepstack_merger_list.")}
     missing, unexpected = network.load_state_dict(state, strict=False)
-    assert not unexpected and all(key.startswith("visual.") for key in missing), (missing, unexpected)
+    assert not unexpected and not missing, (missing, unexpected)
     return network.eval()
 
 
@@ -71,16 +75,13 @@ def prompt(seed: int, words: int):
     return [[ids.unsqueeze(-1).float(), {"text_input_ids": ids}]]
 
 
-def test_stock_sampler_on_the_sp_model_equals_comfys_model(tmp_path):
-    """The SP loader's MODEL in ComfyUI's own sampling (ComfyUI's HiDreamO1 class builds the input ids, MRoPE
-    positions and ar_len in extra_conds; cond and uncond batched, then prompts of different lengths), with and without
-    HiDreamO1PatchSeamSmoothing (a DIFFUSION_MODEL wrapper on rolled inputs), equals ComfyUI's own network."""
+def stock_models(tmp_path, devices: str = "cpu:2", cfg_parallel: bool = False):
+    """(ComfyUI's own HiDreamO1 MODEL, the SP loader's MODEL, the pool owner) of one tiny file."""
     cs.import_comfy()
     model_module = pytest.importorskip("comfy.ldm.hidream_o1.model", reason="this ComfyUI predates HiDream-O1")
     import comfy.model_patcher
     import comfy.supported_models
     import folder_paths
-    from comfy_extras.nodes_hidream_o1 import HiDreamO1PatchSeamSmoothing
     folder = tmp_path / "diffusion_models"
     folder_paths.add_model_folder_path("diffusion_models", str(folder), is_default=True)
     path = cs.write_tiny("hidream_o1", str(folder), seed=20, prefix=COMFY_PREFIX)
@@ -92,10 +93,19 @@ def test_stock_sampler_on_the_sp_model_equals_comfys_model(tmp_path):
     cpu = torch.device("cpu")
     theirs = comfy.model_patcher.ModelPatcher(network, load_device=cpu, offload_device=cpu)
     owner = cs.import_node_module("pool_owner").OWNER
+    ours = cs.import_node_module("loader").SPModelLoader.execute(
+        unet_name=os.path.basename(path), weight_dtype="fp32", devices=devices, ulysses_degree=0, ring_degree=1,
+        cfg_parallel=cfg_parallel).result[0]
+    return theirs, ours, owner
+
+
+def test_stock_sampler_on_the_sp_model_equals_comfys_model(tmp_path):
+    """The SP loader's MODEL in ComfyUI's own sampling (ComfyUI's HiDreamO1 class builds the input ids, MRoPE
+    positions and ar_len in extra_conds; cond and uncond batched, then prompts of different lengths), with and without
+    HiDreamO1PatchSeamSmoothing (a DIFFUSION_MODEL wrapper on rolled inputs), equals ComfyUI's own network."""
+    from comfy_extras.nodes_hidream_o1 import HiDreamO1PatchSeamSmoothing
+    theirs, ours, owner = stock_models(tmp_path)
     try:
-        ours = cs.import_node_module("loader").SPModelLoader.execute(
-            unet_name=os.path.basename(path), weight_dtype="fp32", devices="cpu:2", ulysses_degree=0, ring_degree=1,
-            cfg_parallel=False).result[0]
         latent = torch.zeros(1, 3, 64, 96)
         results = []
         for positive, negative in ((prompt(1, 4), prompt(2, 4)), (prompt(3, 5), prompt(4, 2))):
@@ -115,6 +125,29 @@ def test_stock_sampler_on_the_sp_model_equals_comfys_model(tmp_path):
         assert (actual - plain).abs().max() > 1e-3  # the wrapper ran
     finally:
         owner.close_all()
+
+
+def test_reference_images_through_the_stock_sampler_equal_comfys_model(tmp_path):
+    """HiDreamO1ReferenceImages (one image, then two of uneven sizes) on both prompts: ComfyUI's extra_conds resize
+    them, patchify them and prepare the vision tower's pixels; the SP model (Ulysses 3, then Ulysses 2 x CFG 2) equals
+    ComfyUI's own network, and the references change the image."""
+    from comfy_extras.nodes_hidream_o1 import HiDreamO1ReferenceImages
+    generator = torch.Generator().manual_seed(5)
+    images = [torch.rand(1, 70, 50, 3, generator=generator), torch.rand(1, 40, 90, 3, generator=generator)]
+    latent = torch.zeros(1, 3, 96, 64)
+    for devices, cfg_parallel in (("cpu:3", False), ("cpu:4", True)):
+        theirs, ours, owner = stock_models(tmp_path / devices.replace(":", "_"), devices, cfg_parallel)
+        try:
+            plain = cs.sample(ours, prompt(1, 4), prompt(2, 4), latent=latent)
+            for count in (1, 2):
+                refs = {f"image_{number + 1}": image for number, image in enumerate(images[:count])}
+                positive, negative = HiDreamO1ReferenceImages.execute(positive=prompt(1, 4), negative=prompt(2, 4),
+                                                                      images=refs).result
+                actual = cs.sample(ours, positive, negative, latent=latent)
+                cs.assert_close(actual, cs.sample(theirs, positive, negative, latent=latent))
+                assert (actual - plain).abs().max() > 1e-3, count  # the references reached the model
+        finally:
+            owner.close_all()
 
 
 def test_sp_checkpoint_loader_gives_comfys_tokenizer_and_pixel_space_vae(tmp_path):

@@ -1,11 +1,13 @@
-"""HiDream-O1 (text to image): ComfyUI's HiDreamO1 `diffusion_model(x, timesteps, input_ids, position_ids, ar_len,
-...)` (comfy/ldm/hidream_o1: a Qwen3-VL-8B decoder over [prompt tokens | 32 x 32 RGB patches], no VAE) on our own
-module (model.py; diffusers has no class for it).
+"""HiDream-O1 (text to image; edit and multi-reference with HiDreamO1ReferenceImages): ComfyUI's HiDreamO1
+`diffusion_model(x, timesteps, input_ids, position_ids, ar_len, ref_patches, ref_pixel_values, ...)`
+(comfy/ldm/hidream_o1: a Qwen3-VL-8B decoder over [prompt tokens | 32 x 32 RGB patches | reference patches], no VAE;
+the Qwen3-VL vision tower's output in the prompt's <|image_pad|> rows) on our own modules (model.py, vision.py;
+diffusers has no class for it).
 
-Plan (plan.py): one split stream [text | image] under a block-causal SegmentMask (the prompt before <|tms_token|>
-causal, <|tms_token|> and the image see everything), the timestep embedding written into <|tms_token|>'s row, the
-interleaved MRoPE from ComfyUI's position ids. Reference images (edit / multi-reference: the vision tower) and tensor
-parallelism are refused by name. The reference is sp_lab.references.hidream_o1.
+Plan (plan.py): one split stream [text | image | reference patches] under a block-causal SegmentMask (the prompt
+before <|tms_token|> causal, the rest sees everything), the timestep embedding written into <|tms_token|>'s row, the
+interleaved MRoPE from ComfyUI's position ids; the vision tower runs whole on every rank, once per generation (also
+under tensor parallelism, which splits the decoder layers only). The reference is sp_lab.references.hidream_o1.
 """
 from ..family import Family, PlanModel
 from .detection import CONFIG_KEYS, DESCRIPTION, NAME, detect

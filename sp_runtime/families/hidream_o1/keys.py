@@ -1,6 +1,7 @@
 """HiDream-O1's key plan: ComfyUI's names -> our HiDreamO1Transformer's (model.py): the decoder's
-`language_model.{embed_tokens,layers,norm}` at the top level (`layers` is the executor's block list); the vision tower
-`visual.*` (reference images only, refused) is read past and dropped; everything else keeps its name."""
+`language_model.{embed_tokens,layers,norm}` at the top level (`layers` is the executor's block list); the vision
+tower's deepstack mergers `visual.deepstack_merger_list.*` (unused: ComfyUI drops them too) are read past and dropped;
+everything else keeps its name (the vision tower `visual.*`, vision.py)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -8,7 +9,7 @@ from typing import Iterable
 from ...checkpoints.loading import KeyPlan, original_layout_plan
 
 DECODER = "language_model."
-DROPPED = "visual."  # the Qwen3-VL vision tower (and its deepstack mergers, which ComfyUI drops too)
+DROPPED = "visual.deepstack_merger_list."
 
 
 def original_plan(keys: Iterable[str], config=None) -> KeyPlan:

@@ -8,7 +8,8 @@ attention has bias-free q / k / v / o projections, grouped key / value heads, pe
 interleaved MRoPE (split-half pairs). The image is raw RGB in 32 x 32 patches (features (c, py, px)), embedded by a
 bias-free Linear to a bottleneck then a Linear to the width (x_embedder.proj1 / proj2); final_layer2.linear maps the
 final-normed image tokens back to patches. t_embedder1 is the DiT TimestepEmbedder (256 sinusoids, cos then sin,
-max period 10000, Linear-SiLU-Linear) whose output replaces the embedding of every <|tms_token|>.
+max period 10000, Linear-SiLU-Linear) whose output replaces the embedding of every <|tms_token|>. `visual` is the
+vision tower of reference images (vision.py), built when the file holds one (config `vision`).
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def transformer_class() -> type:
                      num_layers: int = 36, num_attention_heads: int = 32, num_key_value_heads: int = 8,
                      head_dim: int = 128, patch_size: int = 32, bottleneck_dim: int = 1024,
                      rope_theta: float = 5_000_000.0, mrope_section: tuple = (24, 20, 20), rms_norm_eps: float = 1e-6,
-                     tms_token_id: int = 151673, in_channels: int = 3):
+                     tms_token_id: int = 151673, in_channels: int = 3, vision: dict = None):
             super().__init__()
             features = in_channels * patch_size * patch_size
             self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
@@ -126,5 +127,8 @@ def transformer_class() -> type:
             self.t_embedder1 = TimestepEmbedder(hidden_size)
             self.x_embedder = PatchEmbed(features, bottleneck_dim, hidden_size)
             self.final_layer2 = FinalLayer(hidden_size, features)
+            if vision:
+                from .vision import VisionTower
+                self.visual = VisionTower(**vision)
 
     return HiDreamO1Transformer
