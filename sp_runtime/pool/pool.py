@@ -34,7 +34,7 @@ from .requests import POLL_S, Exchange, Timeouts, call_message, tail_of
 from .segments import claim_names, clean_stale_segments, fresh_name, release_retired
 from .shared_weights import can_share, remove_chunks
 from .spawn import RunFolder, Rendezvous, WorkerProcess, clean_stale_run_dirs, launch_worker, worker_env
-from .status import rank_memory
+from .status import machines as machine_summary, rank_memory
 from .steps import STEPS, StepHistory
 
 log = logging.getLogger("ulysses_sp.pool")
@@ -261,7 +261,8 @@ class WorkerPool:
         return {**kwargs, "controlnets": sent}
 
     def status(self) -> dict:
-        """JSON-ready snapshot: layout, state, per-rank device / pid / memory / models / calls, and call stats."""
+        """JSON-ready snapshot: layout, state, per-rank device / machine / pid / memory / models / calls, the machines
+        the ranks run on (name, host, joined, ranks) and call stats."""
         workers = list(self._workers)
         resident = [self._models[key] for key in sorted(self._resident) if key in self._models]
         weights = sum(info.weight_bytes for _, info in resident)
@@ -291,7 +292,8 @@ class WorkerPool:
                 "models": [_model_entry(request, info, key in self._resident, self._applied_loras.get(key),
                                         self._applied_patches.get(key))
                            for key, (request, info) in self._models.items()],
-                "shared_memory": self.segment_names(), "last_step": self.last_step, "ranks": ranks, **self.stats}
+                "shared_memory": self.segment_names(), "last_step": self.last_step, "ranks": ranks,
+                "machines": machine_summary(list(self.config.devices), self._join), **self.stats}
 
     @property
     def activity(self) -> str:

@@ -4,7 +4,7 @@ see the host's shared memory, so everything reaches it over the join channel. Gl
 Without the right to mount, the joiner shares /dev/shm but uses only its own names (never the host's segments).
 
 Covers: parity at u2 x r2 with the ring across the machines and at cfg2 across them (Flux.1's tiny model and its
-reference), a remote killed mid-request (error naming machine and rank, the pool recovers when it joins again), a
+reference), the status naming each rank's machine, a remote killed mid-request (error naming machine and rank, the pool recovers when it joins again), a
 wrong token, an unknown and a duplicate joiner, a model file that differs on the joined machine, and the layout rule.
 """
 from __future__ import annotations
@@ -153,8 +153,13 @@ def test_killed_remote_then_rejoined_ring_across_machines(flux, joiners):
     config = SPConfig(parse_devices("cpu:2,node2:cpu:2"), ulysses_degree=2, ring_degree=2)
     with WorkerPool(config, listen=f"127.0.0.1:{port}", token_file=flux["token"], threads=1,
                     start_timeout_s=START_S) as pool:
-        ranks = pool.status()["ranks"]
+        status = pool.status()
+        ranks = status["ranks"]
         assert [rank["machine"] for rank in ranks] == ["here", "here", "node2", "node2"]
+        assert [(m["name"], m["ranks"], m["joined"]) for m in status["machines"]] == [
+            ("here", [0, 1], True), ("node2", [2, 3], True)]
+        assert status["machines"][0]["host"] == socket.gethostname()
+        assert status["machines"][1]["host"].startswith("127.0.0.1:")  # the joined machine's address
         if PRIVATE_SHM:  # the joined machine's workers cannot see the host's shared memory
             seen = set(os.listdir(f"/proc/{ranks[2]['pid']}/root/dev/shm"))
             assert pool.segment_names() and not seen & set(pool.segment_names())
@@ -175,6 +180,7 @@ def test_killed_remote_then_rejoined_ring_across_machines(flux, joiners):
         assert failure and isinstance(failure[0], WorkerError), failure
         assert "node2" in str(failure[0]) and f"rank {failure[0].rank}" in str(failure[0])
         assert failure[0].rank in (2, 3) and time.monotonic() - killed_at < pool.timeouts.watchdog_s
+        assert [(m["name"], m["joined"], m["host"]) for m in pool.status()["machines"]][1] == ("node2", False, None)
         joiners(port)  # the machine joins again: the next request restarts the pool with it
         check_parity(pool, flux)
         assert pool.restarts == 1
