@@ -25,7 +25,7 @@ from ..lora.patch_set import PatchSet
 from ..lora.spec import LoraList, normalize_loras
 from .arena import InputArena, OutputArena
 from .control import ControlBlock
-from .errors import PoolClosedError, PoolForkedError, PoolStartError, WorkerError
+from .errors import PoolClosedError, PoolForkedError, PoolStartError, RemoteError, WorkerError
 from .handle import ModelHandle
 from .ownership import OwnerLock, new_token
 from .patch_transport import KeptSets, stage_patch_set
@@ -473,7 +473,7 @@ class WorkerPool:
             message = {"op": "load", "request": request.to_message(), "shared_weights": self._shared_weights_name()}
             try:
                 replies = self._request(message, should_cancel, on_progress=self._progress_relay(request, progress))
-            except Cancelled:
+            except (Cancelled, RemoteError):  # ranks that loaded it hold a model the pool does not know
                 self._drop_partial_load(request.key)
                 raise
             finally:
@@ -499,14 +499,15 @@ class WorkerPool:
         return fresh_name(self._token, "w")
 
     def _drop_partial_load(self, key: str) -> None:
-        """After a cancelled load: ranks that finished before they saw the cancel hold the model; free it (not
-        when close or an unload interrupted it: they free what they free, and never wait for this)."""
+        """After a cancelled or failed load: ranks that finished (before they saw the cancel, or on a machine whose
+        copy of the file was accepted) hold the model; free it (not when close or an unload interrupted it: they
+        free what they free, and never wait for this)."""
         if self._state != "idle" or self._interrupted:
             return
         try:
             self._request({"op": "unload", "key": key})
         except Exception:  # noqa: BLE001 - the pool says what failed; the model is unknown to the host anyway
-            log.warning("freeing a cancelled load of %s in the workers failed", key, exc_info=True)
+            log.warning("freeing a partial load of %s in the workers failed", key, exc_info=True)
 
     def _drop_superseded(self, request: LoadRequest) -> None:
         """Unload the copies of this model made from its file as it was before it changed on disk."""

@@ -256,8 +256,10 @@ def check_lora_files_across_machines(pool: WorkerPool, flux: dict) -> None:
     differs = os.path.join(flux["folder"], "host_loras", "lora_differs.safetensors")
     write_lora(differs)
     write_lora(os.path.join(flux["remote"], "lora_differs.safetensors"), rank=2)  # same name, another file
+    restarts = pool.restarts
     with pytest.raises(WorkerError, match=r"machine 'node2'.*lora_differs\.safetensors"):
         model.set_loras([[differs, LORA_STRENGTH]])
+    assert pool.restarts == restarts and pool.state == "idle"  # refused before node2's ranks began: no restart
     model.set_loras([])
     assert_matches(model(x, t, **inputs), base)
 
@@ -305,6 +307,7 @@ def test_cfg_across_machines_a_model_that_differs_there_and_a_hung_remote(flux, 
         pool.unload_all()
         with pytest.raises(WorkerError, match=r"machine 'node2'.*differs\.safetensors"):
             pool.load_model(renamed)
+        assert pool.restarts == 0 and pool.state == "idle"  # refused before node2's rank began: no restart
         check_parity(pool, flux)
         x, t, inputs = flux["cases"][CASES[0]]
         model = pool.load_model(flux["path"])
