@@ -103,29 +103,77 @@ function renderState(pool) {
   return el("div", { className: "usp-state", "data-user-state": shown.name }, ...parts);
 }
 
+// ---- the machines the ranks run on (a pool may span machines: "node2:cuda:0" is on the joined machine node2) -----
+const machineLabel = (name) => (name === "here" ? "this machine" : name);
+const machineOfDevice = (device) => {
+  const parts = String(device || "").split(":");
+  return parts.length > 1 && !/^(cpu|cuda|mps|xpu|npu|\d+)$/.test(parts[0]) ? parts[0] : "here";
+};
+
+function machinesOf(pool) {
+  const inner = pool.pool || {};
+  if (Array.isArray(inner.machines) && inner.machines.length) return inner.machines;
+  const found = new Map();  // an older status without the list: from each rank's machine or device
+  ranksOf(pool).forEach((rank, index) => {
+    const name = rank.machine || machineOfDevice(rank.device);
+    if (!found.has(name)) found.set(name, { name, host: null, joined: null, ranks: [] });
+    found.get(name).ranks.push(rank.rank ?? index);
+  });
+  return [...found.values()];
+}
+
+function rankSpan(ranks) {
+  const sorted = [...ranks].sort((a, b) => a - b);
+  const contiguous = sorted.every((value, i) => i === 0 || value === sorted[i - 1] + 1);
+  return sorted.length > 1 && contiguous ? `r${sorted[0]}–r${sorted[sorted.length - 1]}` : sorted.map((r) => `r${r}`)
+    .join(" ");
+}
+
+function renderMachines(machines) {
+  if (machines.length < 2) return null;
+  return el("div", { className: "usp-machines" }, ...machines.map((machine, index) => {
+    const where = `${machineLabel(machine.name)}${machine.host ? ` (${machine.host})` : ""}` +
+      (machine.joined === false ? " · not joined" : "");
+    return el("span", { className: `usp-machine usp-machine-${index % 4}` + (machine.joined === false ?
+      " usp-machine-away" : ""), "data-machine": machine.name }, `${where}: ${rankSpan(machine.ranks)}`);
+  }));
+}
+
 // ---- the layout as a grid: one block per CFG group, ring rows x Ulysses columns, each Ulysses column split into
-// its tensor-parallel ranks (TP is innermost: rank = ((cfg * R + ring) * U + ulysses) * T + tp, as sp_runtime.config)
+// its tensor-parallel ranks (TP is innermost: rank = ((cfg * R + ring) * U + ulysses) * T + tp, as sp_runtime.config).
+// A pool over several machines colours each rank by its machine and names the machine of a row that has one.
 function renderGrid(pool) {
   const config = pool.config || {};
   const u = config.ulysses_degree || 1, r = config.ring_degree || 1, c = config.cfg_degree || 1;
   const t = config.tensor_parallel_degree || 1;
   const ranks = ranksOf(pool);
+  const machines = machinesOf(pool);
+  const several = machines.length > 1;
+  const machineIndex = new Map();
+  machines.forEach((machine, index) => machine.ranks.forEach((rank) => machineIndex.set(rank, index)));
   const groups = [];
   for (let cfg = 0; cfg < c; cfg += 1) {
     const rows = [];
     for (let ring = 0; ring < r; ring += 1) {
-      const cells = [];
+      const cells = [], rowMachines = new Set();
       for (let uly = 0; uly < u; uly += 1) {
         for (let tp = 0; tp < t; tp += 1) {
           const index = ((cfg * r + ring) * u + uly) * t + tp;
           const rank = ranks[index] || { rank: index, device: pool.devices[index] };
-          const where = `ulysses ${uly}, ring ${ring}, cfg ${cfg}` + (t > 1 ? `, tp ${tp}` : "");
+          const machineAt = machineIndex.has(index) ? machineIndex.get(index) : 0;
+          const machine = (machines[machineAt] || { name: "here" }).name;
+          rowMachines.add(machine);
+          const where = `ulysses ${uly}, ring ${ring}, cfg ${cfg}` + (t > 1 ? `, tp ${tp}` : "") +
+            (several ? `, on ${machineLabel(machine)}` : "");
           cells.push(el("td", { className: "usp-cell" + (rank.alive === false ? " usp-dead" : "") +
-            (t > 1 && tp === 0 && uly > 0 ? " usp-tp-first" : ""), "data-rank": index, title: `rank ${index}: ${where}` },
+            (t > 1 && tp === 0 && uly > 0 ? " usp-tp-first" : "") + (several ? ` usp-machine-${machineAt % 4}` : ""),
+          "data-rank": index, "data-machine": machine, title: `rank ${index}: ${where}` },
             el("b", {}, `r${index}`), el("br"), rank.device));
         }
       }
-      rows.push(el("tr", {}, el("th", { className: "usp-axis" }, r > 1 ? `ring ${ring}` : ""), ...cells));
+      const rowMachine = several && rowMachines.size === 1 ? machineLabel([...rowMachines][0]) : "";
+      const axis = [r > 1 ? `ring ${ring}` : "", rowMachine].filter(Boolean).join(" · ");
+      rows.push(el("tr", {}, el("th", { className: "usp-axis" }, axis), ...cells));
     }
     groups.push(el("div", { className: "usp-cfg" },
       c > 1 ? el("div", { className: "usp-muted" }, cfg === 0 ? "CFG group 0 (cond)" : `CFG group ${cfg} (uncond)`)
@@ -133,9 +181,10 @@ function renderGrid(pool) {
       el("table", { className: "usp-grid-table" }, ...rows)));
   }
   const title = `Ulysses ${u} × Ring ${r} × CFG ${c}` + (t > 1 ? ` × TP ${t}` : "") +
-    ` = ${pool.world_size} ranks (${pool.backend})`;
-  return el("div", { className: "usp-grid", "data-layout": pool.layout },
-    el("div", { className: "usp-label" }, "layout ", el("b", {}, pool.layout), ` · ${title}`), ...groups);
+    ` = ${pool.world_size} ranks (${pool.backend})` + (several ? ` on ${machines.length} machines` : "");
+  return el("div", { className: "usp-grid", "data-layout": pool.layout, "data-machines": machines.length },
+    el("div", { className: "usp-label" }, "layout ", el("b", {}, pool.layout), ` · ${title}`),
+    renderMachines(machines), ...groups);
 }
 
 // ---- bars ------------------------------------------------------------------------------------------------------
@@ -394,6 +443,11 @@ const STYLE = `
 .usp-cell.usp-dead { border-color: #b91c1c; background: #b91c1c33; }
 .usp-cell.usp-tp-first { border-left-width: 3px; }  /* where a Ulysses column's TP group starts */
 .usp-axis { font-weight: normal; color: var(--descrip-text, #888); padding-right: 4px; }
+.usp-machines { display: flex; flex-wrap: wrap; gap: 4px; margin: 2px 0 4px; }
+.usp-machine { border: 1px solid var(--border-color); border-radius: 4px; padding: 0 5px; }
+.usp-machine.usp-machine-away { border-style: dashed; color: var(--descrip-text, #888); }
+.usp-machine-0 { border-left: 4px solid #3b82f6; } .usp-machine-1 { border-left: 4px solid #a855f7; }
+.usp-machine-2 { border-left: 4px solid #14b8a6; } .usp-machine-3 { border-left: 4px solid #f97316; }
 .usp-row { display: flex; align-items: center; gap: 6px; margin: 2px 0; }
 .usp-row-name { width: 72px; flex: none; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
 .usp-bar { position: relative; flex: 1; height: 16px; background: var(--comfy-input-bg);

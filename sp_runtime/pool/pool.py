@@ -25,7 +25,7 @@ from ..lora.patch_set import PatchSet
 from ..lora.spec import LoraList, normalize_loras
 from .arena import InputArena, OutputArena
 from .control import ControlBlock
-from .errors import PoolClosedError, PoolForkedError, PoolStartError, WorkerError
+from .errors import PoolClosedError, PoolForkedError, PoolStartError, RemoteError, WorkerError
 from .handle import ModelHandle
 from .ownership import OwnerLock, new_token
 from .patch_transport import KeptSets, stage_patch_set
@@ -34,7 +34,7 @@ from .requests import POLL_S, Exchange, Timeouts, call_message, tail_of
 from .segments import claim_names, clean_stale_segments, fresh_name, release_retired
 from .shared_weights import can_share, remove_chunks
 from .spawn import RunFolder, Rendezvous, WorkerProcess, clean_stale_run_dirs, launch_worker, worker_env
-from .status import rank_memory
+from .status import machines as machine_summary, rank_memory
 from .steps import STEPS, StepHistory
 
 log = logging.getLogger("ulysses_sp.pool")
@@ -261,7 +261,8 @@ class WorkerPool:
         return {**kwargs, "controlnets": sent}
 
     def status(self) -> dict:
-        """JSON-ready snapshot: layout, state, per-rank device / pid / memory / models / calls, and call stats."""
+        """JSON-ready snapshot: layout, state, per-rank device / machine / pid / memory / models / calls, the machines
+        the ranks run on (name, host, joined, ranks) and call stats."""
         workers = list(self._workers)
         resident = [self._models[key] for key in sorted(self._resident) if key in self._models]
         weights = sum(info.weight_bytes for _, info in resident)
@@ -291,7 +292,8 @@ class WorkerPool:
                 "models": [_model_entry(request, info, key in self._resident, self._applied_loras.get(key),
                                         self._applied_patches.get(key))
                            for key, (request, info) in self._models.items()],
-                "shared_memory": self.segment_names(), "last_step": self.last_step, "ranks": ranks, **self.stats}
+                "shared_memory": self.segment_names(), "last_step": self.last_step, "ranks": ranks,
+                "machines": machine_summary(list(self.config.devices), self._join), **self.stats}
 
     @property
     def activity(self) -> str:
@@ -471,7 +473,7 @@ class WorkerPool:
             message = {"op": "load", "request": request.to_message(), "shared_weights": self._shared_weights_name()}
             try:
                 replies = self._request(message, should_cancel, on_progress=self._progress_relay(request, progress))
-            except Cancelled:
+            except (Cancelled, RemoteError):  # ranks that loaded it hold a model the pool does not know
                 self._drop_partial_load(request.key)
                 raise
             finally:
@@ -497,14 +499,15 @@ class WorkerPool:
         return fresh_name(self._token, "w")
 
     def _drop_partial_load(self, key: str) -> None:
-        """After a cancelled load: ranks that finished before they saw the cancel hold the model; free it (not
-        when close or an unload interrupted it: they free what they free, and never wait for this)."""
+        """After a cancelled or failed load: ranks that finished (before they saw the cancel, or on a machine whose
+        copy of the file was accepted) hold the model; free it (not when close or an unload interrupted it: they
+        free what they free, and never wait for this)."""
         if self._state != "idle" or self._interrupted:
             return
         try:
             self._request({"op": "unload", "key": key})
         except Exception:  # noqa: BLE001 - the pool says what failed; the model is unknown to the host anyway
-            log.warning("freeing a cancelled load of %s in the workers failed", key, exc_info=True)
+            log.warning("freeing a partial load of %s in the workers failed", key, exc_info=True)
 
     def _drop_superseded(self, request: LoadRequest) -> None:
         """Unload the copies of this model made from its file as it was before it changed on disk."""

@@ -262,6 +262,9 @@ class Machine:
         if marker == self._last_request:
             return
         self._last_request = marker
+        # the cancel flag as the host holds it now (a request clears it): the one last sent may be a cancelled
+        # call's, and the next beat could come after this request's first block check
+        self._cancel = self.control.cancel_requested() if self.control is not None else False
         header, payload = {"request": message, "cancel": self._cancel}, []
         if message["op"] == "call":
             header["inputs"] = self._inputs(message, payload)

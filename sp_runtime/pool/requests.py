@@ -23,6 +23,7 @@ from ..checkpoints.loading import ProgressFn
 from .arena import InputArena, OutputArena
 from .control import ControlBlock
 from .errors import PoolClosedError, RemoteError, WorkerError
+from .identity import IdentityMismatch
 from .protocol import encode_tree, recv, send
 from .spawn import WorkerProcess
 
@@ -120,8 +121,11 @@ class Exchange:
         if all(reply["error"] == "Cancelled" for reply in errors.values()) and (
                 len(errors) == len(replies) or op in APART):
             raise Cancelled(next(iter(errors.values()))["message"])
-        # Ranks that failed differently (or not at all) may disagree about which collectives ran: restart.
-        consistent = len(errors) == len(replies) and len({reply["error"] for reply in errors.values()}) == 1
+        # Ranks that failed differently (or not at all) may disagree about which collectives ran: restart. Not when
+        # a joined machine refused its copy of a file (before its ranks began a load or LoRA change, which have no
+        # collectives): the pool frees a partial load and re-applies LoRAs itself.
+        consistent = len(errors) == len(replies) and len({reply["error"] for reply in errors.values()}) == 1 or (
+            op in APART and all(reply["error"] == IdentityMismatch.__name__ for reply in errors.values()))
         if not consistent:
             self.on_break(f"ranks {sorted(errors)} of {len(replies)} failed during {op}")
         raise self.remote_error(errors, op, restarted=not consistent)

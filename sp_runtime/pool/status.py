@@ -1,7 +1,9 @@
-"""Memory figures for pool.status(): RSS and peak RSS of CPU workers measured from the host, CUDA figures reported
-by workers (under the same names: "peak" is what the panel and the bench show for every device)."""
+"""Parts of pool.status(): memory figures (RSS and peak RSS of CPU workers measured from the host, CUDA figures
+reported by workers, under the same names: "peak" is what the panel and the bench show for every device) and the
+machines the ranks run on (what the panel groups its layout grid by)."""
 from __future__ import annotations
 
+import socket
 import sys
 from typing import Optional
 
@@ -46,3 +48,23 @@ def memory_limit(process) -> dict:
         if soft != psutil.RLIM_INFINITY:
             return {"limit": soft, "limit_kind": "address-space limit"}
     return {"limit": psutil.virtual_memory().total, "limit_kind": "machine memory"}
+
+
+def machines(devices: list[str], join) -> list[dict]:
+    """Each machine the ranks run on, in rank order: {"name": "here" (this computer) or the joined machine's
+    `--name`, "host": this computer's host name or the joined machine's address (None until it joins), "joined":
+    whether it is connected now, "ranks": its ranks}. join: the pool's JoinPoint (None: one machine)."""
+    from ..devices import machine_of
+    found: dict[str, dict] = {}
+    for rank, device in enumerate(devices):
+        name = machine_of(device) or "here"
+        if name not in found:
+            if name == "here":
+                found[name] = {"name": name, "host": socket.gethostname(), "joined": True, "ranks": []}
+            else:
+                machine = join.machines.get(name) if join is not None else None
+                connected = machine is not None and machine.connected
+                found[name] = {"name": name, "host": machine.peer if connected else None, "joined": connected,
+                               "ranks": []}
+        found[name]["ranks"].append(rank)
+    return list(found.values())

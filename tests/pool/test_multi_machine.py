@@ -4,8 +4,11 @@ see the host's shared memory, so everything reaches it over the join channel. Gl
 Without the right to mount, the joiner shares /dev/shm but uses only its own names (never the host's segments).
 
 Covers: parity at u2 x r2 with the ring across the machines and at cfg2 across them (Flux.1's tiny model and its
-reference), a remote killed mid-request (error naming machine and rank, the pool recovers when it joins again), a
-wrong token, an unknown and a duplicate joiner, a model file that differs on the joined machine, and the layout rule.
+reference), the status naming each rank's machine, a LoRA file each machine loads from its own folder (equal to the
+merged checkpoint's single-device reference; one that differs on the joined machine is refused naming it), a cancel
+that stops the remote ranks too, a remote killed mid-request (error naming machine and rank, the pool recovers when
+it joins again), a wrong token, an unknown and a duplicate joiner, a model file that differs on the joined machine,
+and the layout rule.
 """
 from __future__ import annotations
 
@@ -24,12 +27,13 @@ import pytest
 import torch
 
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from patch_reference import random_patch
-from sp_lab.conformance import conformance
+from pool_kit import assert_matches, call_toy, reference as toy_reference, toy_checkpoint
+from sp_lab.conformance import conformance, file_reference
 from sp_runtime.lora.patch_set import PatchSet, TargetPatches
-from sp_runtime import SPConfig
+from sp_runtime import Cancelled, SPConfig
 from sp_runtime.devices import parse_devices
 from sp_runtime.pool import WorkerPool
 from sp_runtime.pool.errors import WorkerError
@@ -153,8 +157,13 @@ def test_killed_remote_then_rejoined_ring_across_machines(flux, joiners):
     config = SPConfig(parse_devices("cpu:2,node2:cpu:2"), ulysses_degree=2, ring_degree=2)
     with WorkerPool(config, listen=f"127.0.0.1:{port}", token_file=flux["token"], threads=1,
                     start_timeout_s=START_S) as pool:
-        ranks = pool.status()["ranks"]
+        status = pool.status()
+        ranks = status["ranks"]
         assert [rank["machine"] for rank in ranks] == ["here", "here", "node2", "node2"]
+        assert [(m["name"], m["ranks"], m["joined"]) for m in status["machines"]] == [
+            ("here", [0, 1], True), ("node2", [2, 3], True)]
+        assert status["machines"][0]["host"] == socket.gethostname()
+        assert status["machines"][1]["host"].startswith("127.0.0.1:")  # the joined machine's address
         if PRIVATE_SHM:  # the joined machine's workers cannot see the host's shared memory
             seen = set(os.listdir(f"/proc/{ranks[2]['pid']}/root/dev/shm"))
             assert pool.segment_names() and not seen & set(pool.segment_names())
@@ -175,10 +184,13 @@ def test_killed_remote_then_rejoined_ring_across_machines(flux, joiners):
         assert failure and isinstance(failure[0], WorkerError), failure
         assert "node2" in str(failure[0]) and f"rank {failure[0].rank}" in str(failure[0])
         assert failure[0].rank in (2, 3) and time.monotonic() - killed_at < pool.timeouts.watchdog_s
+        assert [(m["name"], m["joined"], m["host"]) for m in pool.status()["machines"]][1] == ("node2", False, None)
         joiners(port)  # the machine joins again: the next request restarts the pool with it
         check_parity(pool, flux)
         assert pool.restarts == 1
         check_patch_set_reaches_both_machines(pool, flux)
+        check_lora_files_across_machines(pool, flux)
+        check_cancel_stops_the_remote_ranks(pool, flux)
 
 
 def check_patch_set_reaches_both_machines(pool: WorkerPool, flux: dict) -> None:
@@ -205,6 +217,76 @@ def check_patch_set_reaches_both_machines(pool: WorkerPool, flux: dict) -> None:
     assert (got - flux["outputs"][CASES[0]]).abs().max().item() > 1e-3 * scale  # the patch changed the output
 
 
+LORA_KEY, LORA_RANK, LORA_ALPHA, LORA_STRENGTH = "double_blocks.0.img_mlp.0", 4, 2.0, 0.7
+
+
+def write_lora(path: str, rank: int = LORA_RANK, seed: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ComfyUI-named LoRA (B @ A, alpha) on one Linear of Flux's first double block; returns (B, A)."""
+    g = torch.Generator().manual_seed(seed)
+    up, down = torch.randn(384, rank, generator=g), torch.randn(rank, 96, generator=g)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file({f"diffusion_model.{LORA_KEY}.lora_B.weight": up, f"diffusion_model.{LORA_KEY}.lora_A.weight": down,
+               f"diffusion_model.{LORA_KEY}.alpha": torch.tensor(LORA_ALPHA)}, path)
+    return up, down
+
+
+def check_lora_files_across_machines(pool: WorkerPool, flux: dict) -> None:
+    """A LoRA file (each machine reads its own copy, checked against the host's identity) at u2 x r2 equals the
+    single-device reference of the checkpoint with it merged by hand (W + strength x alpha / rank x B @ A); a LoRA
+    whose copy on the joined machine differs is refused naming the machine and file, and the pool serves after."""
+    lora = os.path.join(flux["folder"], "host_loras", "cross_lora.safetensors")
+    up, down = write_lora(lora)
+    shutil.copy(lora, os.path.join(flux["remote"], "cross_lora.safetensors"))
+    state = load_file(flux["path"])
+    with safe_open(flux["path"], "pt") as handle:
+        metadata = handle.metadata()
+    key = f"model.diffusion_model.{LORA_KEY}.weight"
+    state[key] = state[key] + LORA_STRENGTH * LORA_ALPHA / LORA_RANK * (up @ down)
+    merged = os.path.join(flux["folder"], "host_loras", "merged.safetensors")
+    save_file(state, merged, metadata)
+    x, t, inputs = flux["cases"][CASES[0]]
+    want = file_reference("flux", merged)(x, t, **inputs)
+    base = flux["outputs"][CASES[0]]
+    scale = max(1.0, want.abs().max().item())
+    assert (want - base).abs().max().item() > 1e-3 * scale, "the LoRA changes nothing"
+    model = pool.load_model(flux["path"])
+    assert model.set_loras([[lora, LORA_STRENGTH]])["parameters"] >= 1
+    error = (model(x, t, **inputs) - want).abs().max().item()
+    assert error <= 1e-5 * scale, f"LoRA across machines: max abs diff {error:.3g} > 1e-5 x {scale:.3g}"
+    differs = os.path.join(flux["folder"], "host_loras", "lora_differs.safetensors")
+    write_lora(differs)
+    write_lora(os.path.join(flux["remote"], "lora_differs.safetensors"), rank=2)  # same name, another file
+    restarts = pool.restarts
+    with pytest.raises(WorkerError, match=r"machine 'node2'.*lora_differs\.safetensors"):
+        model.set_loras([[differs, LORA_STRENGTH]])
+    assert pool.restarts == restarts and pool.state == "idle"  # refused before node2's ranks began: no restart
+    model.set_loras([])
+    assert_matches(model(x, t, **inputs), base)
+
+
+def check_cancel_stops_the_remote_ranks(pool: WorkerPool, flux: dict) -> None:
+    """A call cancelled mid-run (the toy's blocks sleep 1 s each) stops every rank, the joined machine's too, at the
+    same block check, without a restart; the next call equals the reference."""
+    os.makedirs(os.path.join(flux["folder"], "host_toy"), exist_ok=True)
+    path = toy_checkpoint(os.path.join(flux["folder"], "host_toy"), depth=3, heads=4)
+    shutil.copy(path, os.path.join(flux["remote"], os.path.basename(path)))
+    model = pool.load_model(path)
+    pids, restarts = pool.worker_pids, pool.restarts
+    started = time.monotonic()
+    with pytest.raises(Cancelled):
+        call_toy(model, toy_sleep=1.0, should_cancel=lambda: time.monotonic() - started > 0.3)
+    elapsed = time.monotonic() - started
+    assert elapsed < 2 * 1.0 + 1.0, f"cancel across machines took {elapsed:.1f} s (the call takes > 3 s)"
+    assert pool.worker_pids == pids and pool.restarts == restarts and pool.state == "idle"
+    deadline = time.monotonic() + 2.0  # the joined machine's counters come with its next beat (5 a second)
+    while len({rank["blocks_done"] for rank in pool.status()["ranks"]}) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done = [rank["blocks_done"] for rank in pool.status()["ranks"]]
+    assert len(set(done)) == 1 and done[0] < 3, f"blocks passed per rank after the cancel: {done}"
+    out, inputs = call_toy(model, seed=4)
+    assert_matches(out, toy_reference(path)(**inputs))
+
+
 def test_cfg_across_machines_a_model_that_differs_there_and_a_hung_remote(flux, joiners, tmp_path):
     """cfg2: one CFG half per machine. A model whose file on the joined machine is not the host's is refused with
     an error naming the machine and file; the pool then serves the matching one. A joined machine that stops
@@ -225,6 +307,7 @@ def test_cfg_across_machines_a_model_that_differs_there_and_a_hung_remote(flux, 
         pool.unload_all()
         with pytest.raises(WorkerError, match=r"machine 'node2'.*differs\.safetensors"):
             pool.load_model(renamed)
+        assert pool.restarts == 0 and pool.state == "idle"  # refused before node2's rank began: no restart
         check_parity(pool, flux)
         x, t, inputs = flux["cases"][CASES[0]]
         model = pool.load_model(flux["path"])

@@ -99,3 +99,19 @@ def test_devices_of_joined_machines():
         devices.parse_devices("cpu,node2:0", cuda_count=1)
     with pytest.raises(ValueError, match="more than once"):
         devices.parse_devices("node2:0,node2:0")
+
+
+def test_status_names_the_machines_of_the_ranks():
+    """pool.status()["machines"]: this machine first, then each joined one with its address once it has joined."""
+    import socket
+    from types import SimpleNamespace
+    from sp_runtime.pool.status import machines
+    ranks = devices.parse_devices("cpu:2,node2:cpu,node3:cpu")
+    joined = SimpleNamespace(machines={"node2": SimpleNamespace(connected=True, peer="10.0.0.2:4100"),
+                                       "node3": SimpleNamespace(connected=False, peer="10.0.0.3:4100")})
+    assert machines(ranks, joined) == [
+        {"name": "here", "host": socket.gethostname(), "joined": True, "ranks": [0, 1]},
+        {"name": "node2", "host": "10.0.0.2:4100", "joined": True, "ranks": [2]},
+        {"name": "node3", "host": None, "joined": False, "ranks": [3]}]
+    assert machines(["cpu", "cpu"], None) == [{"name": "here", "host": socket.gethostname(), "joined": True,
+                                               "ranks": [0, 1]}]

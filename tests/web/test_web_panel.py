@@ -1,7 +1,8 @@
 """The Ulysses SP panel (web/ulysses_sp.js) in headless Chromium against a running ComfyUI: the sidebar tab draws
-the pool (layout grid, memory and compute bars per rank, models, a step-time chart that gains a point per step from
-the websocket events), shows a killed worker as failed and then the recovery, runs the doctor, and follows
-ComfyUI's light and dark palettes (screenshots go to the test's temporary folder, or SP_PANEL_SCREENSHOT).
+the pool (layout grid, its ranks grouped by machine for a pool over several, memory and compute bars per rank,
+models, a step-time chart that gains a point per step from the websocket events), shows a killed worker as failed
+and then the recovery, runs the doctor, and follows ComfyUI's light and dark palettes (screenshots go to the test's
+temporary folder, or SP_PANEL_SCREENSHOT).
 
 Needs COMFYUI_PATH, the `playwright` Python package and a Chromium at /usr/bin/chromium (Debian's `chromium`);
 skipped with the reason otherwise.
@@ -138,6 +139,41 @@ def test_grid_splits_each_ulysses_column_into_its_tp_ranks(server, page):
     }""")
     assert "TP 2" in titles[0], titles
     assert titles[1:] == ["rank 0: ulysses 0, ring 0, cfg 0, tp 0", "rank 1: ulysses 0, ring 0, cfg 0, tp 1"]
+
+
+def test_grid_groups_the_ranks_by_machine(server, page):
+    """A pool over two machines (the running pool's status restated as u1 x r2 with rank 1 on the joined machine
+    node2, as pool.status() reports it): each cell names its machine, each ring row that one machine holds is
+    labelled with it, and a legend lists the machines with their hosts and ranks."""
+    open_panel(page)
+    page.wait_for_selector(POOL, timeout=30_000)
+    drawn = page.evaluate("""async () => {
+        const api = window.comfyAPI.api.api;
+        const status = await (await api.fetchApi("/ulysses_sp/status")).json();
+        const pool = status.pools.find((p) => p.devices.join(",") === "cpu,cpu");
+        Object.assign(pool.config, { ulysses_degree: 1, ring_degree: 2, cfg_degree: 1, tensor_parallel_degree: 1 });
+        pool.layout = "r2";
+        Object.assign(pool.pool.ranks[1], { device: "node2:cpu", machine: "node2" });
+        pool.pool.machines = [{ name: "here", host: "hostbox", joined: true, ranks: [0] },
+                              { name: "node2", host: "10.0.0.2:40000", joined: true, ranks: [1] }];
+        api.dispatchEvent(new CustomEvent("ulysses_sp.status", { detail: status }));
+        const grid = document.querySelector("#ulysses-sp-panel .usp-pool[data-devices='cpu,cpu'] .usp-grid");
+        return { machines: grid.dataset.machines,
+                 cells: [...grid.querySelectorAll(".usp-cell")].map((cell) => [cell.dataset.machine, cell.title]),
+                 rows: [...grid.querySelectorAll(".usp-axis")].map((th) => th.innerText),
+                 legend: [...grid.querySelectorAll(".usp-machine")].map((chip) => chip.innerText),
+                 colours: [...grid.querySelectorAll(".usp-cell")]
+                     .map((cell) => getComputedStyle(cell).borderLeftColor) };
+    }""")
+    assert drawn["machines"] == "2"
+    assert drawn["cells"] == [["here", "rank 0: ulysses 0, ring 0, cfg 0, on this machine"],
+                              ["node2", "rank 1: ulysses 0, ring 1, cfg 0, on node2"]]
+    assert drawn["rows"] == ["ring 0 · this machine", "ring 1 · node2"]
+    assert drawn["legend"] == ["this machine (hostbox): r0", "node2 (10.0.0.2:40000): r1"]
+    assert drawn["colours"][0] != drawn["colours"][1], "each machine's ranks are drawn in its own colour"
+    page.click("#ulysses-sp-panel .usp-refresh")  # the real single-machine status again: no machine legend
+    page.wait_for_selector(f"{POOL} .usp-grid[data-machines='1']", timeout=30_000)
+    assert not page.query_selector(f"{POOL} .usp-machine")
 
 
 def test_chart_gains_one_point_per_step_while_sampling(server, page):
