@@ -89,6 +89,27 @@ def test_low_precision_storage_at_tp2_within_bf16_rounding(tp_pool, tmp_path):
         handle.unload()
 
 
+@on_tp2
+def test_compiled_blocks_at_tp2_equal_eager(tp_pool, tmp_path):
+    """compile=True at TP 2: the blocks' all-reduces (row-parallel attention output / MLP / Flux's single-block
+    proj_out) and all-gathers (split modulation) traced into the graphs as functional collectives, equal to the eager
+    TP 2 output (aot_eager: the same graphs dynamo and AOT autograd trace, compiled in seconds, not inductor's C++)."""
+    layout, pool = tp_pool
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(2, 16, 9, 7, generator=g), torch.tensor([0.5, 0.25])
+    inputs = {"context": torch.randn(2, 9, 32, generator=g), "y": torch.randn(2, 24, generator=g),
+              "guidance": torch.tensor([3.5, 3.5])}
+    path = write_tiny_checkpoint("flux", str(tmp_path / "flux.safetensors"), seed=SEED, num_layers=1,
+                                 num_single_layers=1)
+    handle = pool.load_model(path, "float32")
+    want = handle(x, t, **inputs)
+    handle.unload()
+    handle = pool.load_model(path, "float32", compile=True, compile_backend="aot_eager")
+    for _ in range(2):  # the first call compiles, the second reuses the graphs
+        assert_parity(handle(x, t, **inputs), want, "float32", f"tp/{layout}/flux/compiled")
+    handle.unload()
+
+
 # quantized files at TP 2: (format, only): per-tensor and per-row scaled fp8, int8, mxfp8 / nvfp4 blocks, GGUF blocks
 QUANTIZED = (("scaled_fp8", None), ("comfy_quant", "int8_tensorwise"), ("comfy_quant", "mxfp8"),
              ("comfy_quant", "nvfp4"), ("gguf", "Q8_0"))
