@@ -149,6 +149,58 @@ def test_quantized_files_at_tp2_equal_world_1(tp_pool, tmp_path):
         handle.unload()
 
 
+@on_tp2
+def test_stock_lora_patches_on_split_quantized_layers_at_tp2(tp_pool, tmp_path):
+    """ComfyUI's weight patches (what the stock LoRA nodes send) on quantized layers split by TP 2: additive ones
+    (a LoRA at an offset into the fused qkv and on the whole single-block linear1: column-parallel; a LoRA on the
+    attention output, a LoHa on the MLP's second layer and a diff on linear2: row-parallel, the last two full
+    differences; a LoKr on the split modulation) kept as unmerged terms, each rank its rows / columns of them: equal
+    to the same file and patches on one device (bf16 compute, as quantized files run); [] gives the file's output
+    back bitwise. An OFT (it needs the whole weight) is refused by name, the weights left as they were. Each patch
+    alone moves the output by 0.1-1.1 of its scale (bf16: 1e-2 rounding at TP 2 against one device with or without
+    them; with float32 compute forced in the workers, off-test: 6e-7)."""
+    from safetensors.torch import load_file
+    from patch_reference import random_patch
+    from sp_runtime.lora.patch_set import PatchSet, TargetPatches
+    layout, pool = tp_pool
+    path, reference_path = str(tmp_path / "fp8.safetensors"), str(tmp_path / "reference.safetensors")
+    write_quantized("flux", path, reference_path, "scaled_fp8", seed=SEED, num_attention_heads=4)
+    shapes = {key: tuple(value.shape) for key, value in load_file(reference_path).items()}
+    width = shapes["double_blocks.0.img_attn.proj.weight"][0]
+
+    def patch(key, kind, seed, **scalars):
+        shape = (scalars["offset"][2], shapes[key][1]) if "offset" in scalars else shapes[key]
+        return key, TargetPatches(shapes[key], (random_patch(kind, shape, seed, **scalars),))
+    patches = PatchSet(dict((
+        patch("double_blocks.0.img_attn.qkv.weight", "lora", 1, strength=1.5, alpha=2.0, offset=(0, width, width)),
+        patch("double_blocks.0.img_attn.proj.weight", "lora", 2, strength=1.5),
+        patch("double_blocks.0.img_mlp.2.weight", "loha", 3, strength=-3.0),
+        patch("double_blocks.0.img_mod.lin.weight", "lokr", 4, strength=1.0),
+        patch("single_blocks.0.linear1.weight", "lora", 5, strength=1.5),
+        patch("single_blocks.0.linear2.weight", "diff", 6, strength=4.0))))
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(2, 16, 9, 7, generator=g), torch.tensor([0.5, 0.25])
+    inputs = {"context": torch.randn(2, 9, 32, generator=g), "y": torch.randn(2, 24, generator=g),
+              "guidance": torch.tensor([3.5, 3.5])}
+    with WorkerPool(SPConfig(["cpu"])) as single:  # the same file and patches on one device
+        whole = single.load_model(path)
+        single.set_loras(whole, [], patches=patches)
+        want = whole(x, t, **inputs)
+    handle = pool.load_model(path)
+    assert handle.info.quant
+    plain = handle(x, t, **inputs).clone()
+    assert (want - plain).abs().max() > 0.05 * want.abs().max(), "the patches change nothing"
+    pool.set_loras(handle, [], patches=patches)
+    assert_parity(handle(x, t, **inputs), want, "bfloat16", f"tp/{layout}/flux/fp8/patches")
+    key, target = patch("double_blocks.0.img_mlp.0.weight", "oft", 9, strength=0.5)
+    with pytest.raises(Exception, match="ComfyUI weight patches \\(oft\\) on the split quantized layer "
+                                        "transformer_blocks.0.ff.net.0.proj.weight at tensor parallelism"):
+        pool.set_loras(handle, [], patches=PatchSet({key: target}))
+    pool.set_loras(handle, [])
+    assert torch.equal(handle(x, t, **inputs), plain)
+    handle.unload()
+
+
 def _flux_lora(reference: str, path: str) -> str:
     from safetensors.torch import load_file
     from test_lora import make_deltas, write_lora
