@@ -166,6 +166,8 @@ def _head_widths(modules: dict, attentions: list[str], found: dict, where: str, 
         full = inner if isinstance(inner, int) else query.out_features if query is not None else attn.head_dim * heads
         widths[path] = width = full // heads
         grouped = {inside + name: modules[inside + name] for name in KEYS_VALUES if inside + name in found}
+        if grouped:  # the whole model's key / value heads, for grouped_key_values (a split leaves a rank's share)
+            attn.tp_kv_heads = max(proj.out_features for proj in grouped.values()) // width
         if query is not None and any(proj.out_features != query.out_features for proj in grouped.values()) and (
                 heads % degree or any(proj.out_features // width % degree for proj in grouped.values())):
             if all(found[name].kind == KEY_VALUE for name in grouped):

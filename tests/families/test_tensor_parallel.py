@@ -66,8 +66,8 @@ def test_what_tp_cannot_split_is_refused_by_name(tp_pool, tmp_path):
     with pytest.raises(Exception, match="tensor_parallel_degree=4 with shard_weights"):
         pool.load_model(few_heads, shard_weights=True)
     with pytest.raises(Exception, match="tensor_parallel_degree=4 does not divide the 6 query and 2 key / value "
-                                        "heads of .*attn \\(grouped-query attention"):  # Lumina 2's (no KEY_VALUE)
-        pool.load_model(write_tiny_checkpoint("lumina2", str(tmp_path / "lumina2.safetensors"), seed=1))
+                                        "heads of .*attn \\(grouped-query attention"):  # Boogu's (no KEY_VALUE)
+        pool.load_model(write_tiny_checkpoint("boogu", str(tmp_path / "boogu.safetensors"), seed=1))
 
 
 @on_tp2
@@ -256,9 +256,9 @@ def test_tp_loading_reads_only_the_rank_slices(tmp_path):
 def test_grouped_query_attention_at_tp4(tp_pool, family_subject):
     """Key / value heads the degree does not divide are kept whole (KEY_VALUE) and each rank's query heads read
     theirs: Krea 2's 5 query heads over 1 (2 / 1 / 1 / 1), HiDream-O1's 6 over 2 (2 / 2 / 1 / 1: a group of 3 cut
-    across ranks; at TP 2 the suite checks its key / value heads split)."""
+    across ranks; at TP 2 the suite checks its key / value heads split), Lumina 2's and OmniGen2's 6 over 2."""
     layout, pool = tp_pool
-    for name in ("krea2", "hidream_o1"):
+    for name in ("krea2", "hidream_o1", "lumina2", "omnigen2"):
         subject = family_subject(name)
         handle = pool.load_model(subject.path, **subject.spec.load_options)
         for case, (x, t, inputs) in subject.spec.cases().items():
