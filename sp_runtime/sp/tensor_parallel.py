@@ -38,8 +38,9 @@ from ..formats import QuantLinear
 
 COLUMN, ROW, GATHER, NORM, KEY_VALUE = "column", "row", "gather", "norm", "key_value"
 PACKED = "packed"
-QUERIES = ("to_q", "to_query", "q_proj")  # diffusers' names (Kandinsky 5's), transformers' (HiDream-O1's)
-KEYS_VALUES = ("to_k", "to_v", "to_key", "to_value", "k_proj", "v_proj")
+QUERIES = ("to_q", "to_query", "q_proj", "processor.img_to_q")  # diffusers' (Kandinsky 5's), transformers', Boogu's
+KEYS_VALUES = ("to_k", "to_v", "to_key", "to_value", "k_proj", "v_proj",
+               *(f"processor.{stream}_to_{kind}" for stream in ("img", "instruct") for kind in "kv"))
 
 
 @dataclass(frozen=True)

@@ -65,9 +65,20 @@ def test_what_tp_cannot_split_is_refused_by_name(tp_pool, tmp_path):
             pool.load_model(quantized)
     with pytest.raises(Exception, match="tensor_parallel_degree=4 with shard_weights"):
         pool.load_model(few_heads, shard_weights=True)
-    with pytest.raises(Exception, match="tensor_parallel_degree=4 does not divide the 6 query and 2 key / value "
-                                        "heads of .*attn \\(grouped-query attention"):  # Boogu's (no KEY_VALUE)
-        pool.load_model(write_tiny_checkpoint("boogu", str(tmp_path / "boogu.safetensors"), seed=1))
+
+
+def test_grouped_heads_without_key_value_splits_are_refused_by_name():
+    """A plan that splits grouped key / value projections by columns (no KEY_VALUE) at a degree that does not divide
+    both head counts: refused before anything is cut (every family declares KEY_VALUE now: a bare module here)."""
+    from diffusers.models.attention_processor import Attention
+    from sp_runtime.sp.tensor_parallel import GENERIC, parallelize
+    block = torch.nn.Module()
+    block.attn = Attention(query_dim=72, heads=6, kv_heads=2, dim_head=12)
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([block])
+    with pytest.raises(ValueError, match="tensor_parallel_degree=4 does not divide the 6 query and 2 key / value "
+                                         "heads of blocks.0.attn \\(grouped-query attention"):
+        parallelize(model, ["blocks"], GENERIC, None, 0, 4)
 
 
 @on_tp2
@@ -256,9 +267,10 @@ def test_tp_loading_reads_only_the_rank_slices(tmp_path):
 def test_grouped_query_attention_at_tp4(tp_pool, family_subject):
     """Key / value heads the degree does not divide are kept whole (KEY_VALUE) and each rank's query heads read
     theirs: Krea 2's 5 query heads over 1 (2 / 1 / 1 / 1), HiDream-O1's 6 over 2 (2 / 2 / 1 / 1: a group of 3 cut
-    across ranks; at TP 2 the suite checks its key / value heads split), Lumina 2's and OmniGen2's 6 over 2."""
+    across ranks; at TP 2 the suite checks its key / value heads split), Lumina 2's, OmniGen2's and Boogu's 6 over 2 (Boogu's joint
+    attention with its per-stream projections too)."""
     layout, pool = tp_pool
-    for name in ("krea2", "hidream_o1", "lumina2", "omnigen2"):
+    for name in ("krea2", "hidream_o1", "lumina2", "omnigen2", "boogu"):
         subject = family_subject(name)
         handle = pool.load_model(subject.path, **subject.spec.load_options)
         for case, (x, t, inputs) in subject.spec.cases().items():
