@@ -12,7 +12,6 @@ from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_runtime.checkpoints.header import Header
 from sp_runtime.detection import detect as detect_any
 from sp_runtime.families import boogu, lumina2
-from sp_runtime.families.boogu import plan
 
 
 def released_keys(double: int = 8, feed_forward: int = 13568) -> dict:

@@ -267,8 +267,8 @@ def test_tp_loading_reads_only_the_rank_slices(tmp_path):
 def test_grouped_query_attention_at_tp4(tp_pool, family_subject):
     """Key / value heads the degree does not divide are kept whole (KEY_VALUE) and each rank's query heads read
     theirs: Krea 2's 5 query heads over 1 (2 / 1 / 1 / 1), HiDream-O1's 6 over 2 (2 / 2 / 1 / 1: a group of 3 cut
-    across ranks; at TP 2 the suite checks its key / value heads split), Lumina 2's, OmniGen2's and Boogu's 6 over 2 (Boogu's joint
-    attention with its per-stream projections too)."""
+    across ranks; at TP 2 the suite checks its key / value heads split), Lumina 2's, OmniGen2's and Boogu's 6 over 2
+    (Boogu's joint attention with its per-stream projections too)."""
     layout, pool = tp_pool
     for name in ("krea2", "hidream_o1", "lumina2", "omnigen2", "boogu"):
         subject = family_subject(name)
