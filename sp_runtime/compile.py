@@ -1,8 +1,9 @@
 """Opt-in torch.compile of a loaded model's transformer blocks (load option compile=True), and the graph breaks
 it took. The sequence-parallel exchanges stay outside the graphs (sp_attention's distributed path is excluded from
 compilation): one break per attention with more than one rank, none at one rank. The first call of each new shape
-compiles (warm-up, minutes with inductor); later calls reuse the graphs.
-"""
+compiles (warm-up, minutes with inductor; load option compile_backend picks another torch.compile backend, e.g.
+"aot_eager": seconds); later calls reuse the graphs. Tensor parallelism's collectives are traced into the graphs
+(sp.tensor_parallel)."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,6 @@
 """A loaded model's runtime options inside a worker: its attention options (backend, FP8 exchange, overlap) made
 current around each call, and its blocks compiled once when asked (load options attention, fp8_exchange, overlap,
-compile; see sp_runtime.attention.options).
+compile, compile_backend; see sp_runtime.attention.options).
 """
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ class OptionedModel:
         compile_flag = options.get("compile", False)
         if not isinstance(compile_flag, bool):
             raise ValueError(f"load option compile must be true or false, got {compile_flag!r}")
+        backend = options.get("compile_backend", "inductor")  # torch.compile's: "aot_eager" compiles in seconds
+        if not isinstance(backend, str):
+            raise ValueError(f"load option compile_backend must be a torch.compile backend name, got {backend!r}")
         if compile_flag:
             leave_exchanges_to_eager()  # the exchanges stay outside the compiled graphs
-        self.compiled_blocks = compile_blocks(inner.model) if compile_flag else 0
+        self.compiled_blocks = compile_blocks(inner.model, backend=backend) if compile_flag else 0
 
     def forward(self, x, timestep, inputs: dict[str, Any], out, ctx) -> None:
         with using(self.attention):

@@ -229,14 +229,20 @@ class LoraState:
         sources = row_sources(target.shape, targets, self.device)
         names = [found.parameter for found in targets]
         quantized = {name: file_deltas(name) for name in names if name in self.quantized}
+        additive = all(is_additive(patch) for patch in target.patches)
         split_layers = [name for name in quantized if name in self.tp_slices]
-        if split_layers:  # the patched weight is put together whole: a split layer's share of it is not
-            raise ValueError(f"ComfyUI weight patches on the split quantized layer {split_layers[0]} at tensor "
-                             f"parallelism are not supported; load a float file, or use ulysses_degree")
-        if quantized and all(is_additive(patch) for patch in target.patches):
+        if split_layers and not (additive and len(quantized) == len(names)):
+            # a rank holds its slice of the quantized weight only: a patch that needs the whole weight (DoRA, OFT,
+            # strength_model, ...) cannot be applied to it; additive ones are terms the rank keeps its share of
+            kinds = sorted({patch.kind for patch in target.patches if not is_additive(patch)})
+            what = f"({', '.join(kinds)}) " if kinds else "(on quantized and float parameters at once) "
+            raise ValueError(f"ComfyUI weight patches {what}on the split quantized layer {split_layers[0]} at "
+                             f"tensor parallelism are not supported (only additive ones: lora, loha, lokr, diff "
+                             f"without DoRA, strength_model 1); load a float file, or use ulysses_degree")
+        if quantized and additive:  # unmerged terms of the whole weight; a split layer keeps its rows / columns
             for name, terms in _additive_terms(key, target, targets, sources, change.parameters).items():
                 if name in quantized:
-                    self.quantized[name].deltas = quantized[name] + terms
+                    self.quantized[name].deltas = quantized[name] + _split_terms(terms, self.tp_slices.get(name))
             names = [name for name in names if name not in quantized]
             if not names:
                 return

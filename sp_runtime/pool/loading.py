@@ -56,5 +56,3 @@ def _check_tensor_parallel(tp, request, detection, shard) -> None:
     degree = f"tensor_parallel_degree={tp.degree}"
     if shard is not None:
         raise ValueError(f"{degree} with shard_weights: both split the weights; use one of them")
-    if request.options.get("compile"):  # the all-reduces inside the blocks are not checked under torch.compile yet
-        raise ValueError(f"{degree} with compile is not supported yet; turn compile off")

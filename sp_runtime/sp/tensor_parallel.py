@@ -16,6 +16,12 @@ which the rest of the runtime rewrites in place as plain tensors (LoRA merges fr
 QuantLinear buffers, shard_weights' flat block buffers, layerwise fp8 casting); the split itself is a slice of the
 weight and one all_reduce, the same ops those classes run, so a few lines here give the same result with no DTensor
 dispatch on every call.
+Under compile=True (sp_runtime.compile) the all-reduces / all-gathers of the split layers stay inside the compiled
+blocks: dynamo traces c10d's in-place collectives as functional collectives (_c10d_functional.all_reduce /
+all_gather_into_tensor + wait_tensor) on the same process group, the same sum of the same partial outputs, so the
+graphs equal eager TP (bitwise with aot_eager; inductor 4e-7 of the scale, its own fusion rounding) and no graph break
+per row-parallel layer (torch.compiler.disable here would cost one per layer and keep inductor from fusing the bias
+add after the sum).
 """
 from __future__ import annotations
 
@@ -32,8 +38,9 @@ from ..formats import QuantLinear
 
 COLUMN, ROW, GATHER, NORM, KEY_VALUE = "column", "row", "gather", "norm", "key_value"
 PACKED = "packed"
-QUERIES = ("to_q", "to_query", "q_proj")  # diffusers' names (Kandinsky 5's), transformers' (HiDream-O1's)
-KEYS_VALUES = ("to_k", "to_v", "to_key", "to_value", "k_proj", "v_proj")
+QUERIES = ("to_q", "to_query", "q_proj", "processor.img_to_q")  # diffusers' (Kandinsky 5's), transformers', Boogu's
+KEYS_VALUES = ("to_k", "to_v", "to_key", "to_value", "k_proj", "v_proj",
+               *(f"processor.{stream}_to_{kind}" for stream in ("img", "instruct") for kind in "kv"))
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,8 @@ def _head_widths(modules: dict, attentions: list[str], found: dict, where: str, 
         full = inner if isinstance(inner, int) else query.out_features if query is not None else attn.head_dim * heads
         widths[path] = width = full // heads
         grouped = {inside + name: modules[inside + name] for name in KEYS_VALUES if inside + name in found}
+        if grouped:  # the whole model's key / value heads, for grouped_key_values (a split leaves a rank's share)
+            attn.tp_kv_heads = max(proj.out_features for proj in grouped.values()) // width
         if query is not None and any(proj.out_features != query.out_features for proj in grouped.values()) and (
                 heads % degree or any(proj.out_features // width % degree for proj in grouped.values())):
             if all(found[name].kind == KEY_VALUE for name in grouped):

@@ -12,7 +12,6 @@ from sp_lab.tiny_models import COMFY_PREFIX, write_tiny_checkpoint
 from sp_runtime.checkpoints.header import Header
 from sp_runtime.detection import detect as detect_any
 from sp_runtime.families import boogu, lumina2
-from sp_runtime.families.boogu import plan
 
 
 def released_keys(double: int = 8, feed_forward: int = 13568) -> dict:
@@ -94,12 +93,3 @@ def test_refusals_by_name(worker):
         single_rank_output(worker, x[:, :, None], t, inputs)
     with pytest.raises(ValueError, match="needs context"):
         single_rank_output(worker, x, t, {})
-
-
-def test_tensor_parallel_degrees_must_divide_both_head_counts():
-    plan.check_tensor_parallel(6, 2, 2)
-    plan.check_tensor_parallel(28, 7, 7)
-    with pytest.raises(ValueError, match="tensor_parallel_degree=2 does not divide Boogu-Image's 28 query and 7"):
-        plan.check_tensor_parallel(28, 7, 2)
-    with pytest.raises(ValueError, match="tensor_parallel_degree=2 does not divide Boogu-Image's 5 query and 5"):
-        plan.check_tensor_parallel(5, 5, 2)

@@ -34,7 +34,7 @@ class JointAttention(nn.Module):
     def __init__(self, dim: int, head_dim: int, heads: int, kv_heads: int):
         super().__init__()
         from diffusers.models.normalization import RMSNorm
-        self.head_dim = head_dim
+        self.head_dim, self.heads = head_dim, heads  # heads: this rank's at TP (sp.tensor_parallel splits them)
         self.norm_q, self.norm_k = RMSNorm(head_dim, eps=1e-5), RMSNorm(head_dim, eps=1e-5)
         self.to_out = nn.ModuleList([nn.Linear(heads * head_dim, dim, bias=False), nn.Dropout(0.0)])
         self.processor = JointProjections(heads * head_dim, kv_heads * head_dim)

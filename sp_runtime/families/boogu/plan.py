@@ -14,7 +14,7 @@ import torch
 from ...attention import SeqShards
 from ...sp import AttentionSpec, Output, Part, Plan, Stage, Stream
 from ...sp.processor import Geometry
-from ...sp.tensor_parallel import COLUMN, GATHER, ROW, Split, TensorParallelPlan
+from ...sp.tensor_parallel import COLUMN, GATHER, KEY_VALUE, ROW, Split, TensorParallelPlan, grouped_key_values
 from ...sp.tokens import TokenGrid, as_list
 from ..lumina2.plan import embed_caption, project_grouped_qkv
 from ..omnigen2.plan import embed_reference, grid_ids, patches
@@ -36,8 +36,6 @@ def check(call) -> None:
         raise ValueError(f"Boogu-Image needs context [batch, tokens, {config.cap_feat_dim}] (the Qwen3-VL text "
                          f"encoder output); got {None if context is None else tuple(context.shape)}")
     _check_instruction(inputs.get("attention_mask"), inputs.get("num_tokens"), context.shape[1])
-    tp = getattr(call.ctx.groups, "tp", None)
-    check_tensor_parallel(config.num_attention_heads, config.num_kv_heads, tp.degree if tp is not None else 1)
     refs = as_list(inputs.get("ref_latents"))
     if len(refs) > MAX_REFERENCES:
         raise ValueError(f"ref_latents: {len(refs)} reference latents; Boogu-Image embeds at most {MAX_REFERENCES} "
@@ -54,15 +52,6 @@ def _check_instruction(mask, num_tokens, tokens: int) -> None:
         raise ValueError(f"attention_mask / num_tokens: a padded instruction ({num_tokens} of {tokens} tokens) is "
                          f"not supported: Boogu-Image attends every instruction token (ComfyUI's model places its "
                          f"rotary positions after num_tokens and cannot run a padded one either)")
-
-
-def check_tensor_parallel(heads: int, kv_heads: int, degree: int) -> None:
-    """The joint attention's projections are split in equal feature ranges: whole heads only where the degree
-    divides both head counts (grouped models are refused so at load already; this covers ungrouped ones)."""
-    if degree > 1 and (heads % degree or kv_heads % degree):
-        raise ValueError(f"tensor_parallel_degree={degree} does not divide Boogu-Image's {heads} query and "
-                         f"{kv_heads} key / value heads (its double-stream joint attention is split by whole heads): "
-                         f"use a degree that divides both")
 
 
 def layout(call) -> list[Stream]:
@@ -146,8 +135,8 @@ def joint_attention(attn, text: torch.Tensor, image: torch.Tensor, geometry: Geo
         return both.unflatten(-1, (-1, attn.head_dim))
     query, key, value = heads("q"), heads("k"), heads("v")
     query, key = attn.norm_q(query).to(value.dtype), attn.norm_k(key).to(value.dtype)
-    repeats = query.shape[2] // key.shape[2]
-    out = geometry.attend([query, key.repeat_interleave(repeats, dim=2), value.repeat_interleave(repeats, dim=2)])
+    key, value = grouped_key_values(attn, [key, value], attn.heads, getattr(attn, "tp_kv_heads", key.shape[2]))
+    out = geometry.attend([query, key, value])
     out = out[0].flatten(2, 3).to(value.dtype)
     words = text.shape[1]
     return attn.to_out[0](projections.instruct_out(out[:, :words])), attn.to_out[0](projections.img_out(out[:, words:]))
@@ -158,10 +147,13 @@ def join(call) -> None:
 
 
 GROUPED = AttentionSpec(project=project_grouped_qkv)
-# the joint attention's per-stream projections split by heads (q / k / v by columns, the per-stream outputs by rows,
-# summed), its shared to_out then whole on every rank (gathered); everything else as Lumina 2's generic plan
-JOINT_SPLITS = (*(Split(f"{stream}_to_{kind}", COLUMN) for stream in ("img", "instruct") for kind in "qkv"),
-                Split("img_out", ROW), Split("instruct_out", ROW), Split("img_instruct_attn.to_out.0", GATHER))
+# the joint attention (its heads split, balanced) with its per-stream projections split by whole heads (q by columns,
+# k / v too where the degree divides both head counts, else kept whole: KEY_VALUE; the per-stream outputs by rows,
+# summed), its shared to_out then whole on every rank (gathered); the other attentions' key / value heads as Lumina 2's
+JOINT_SPLITS = (*(Split(f"{stream}_to_q", COLUMN) for stream in ("img", "instruct")),
+                *(Split(f"{stream}_to_{kind}", KEY_VALUE) for stream in ("img", "instruct") for kind in "kv"),
+                Split("img_out", ROW), Split("instruct_out", ROW), Split("img_instruct_attn.to_out.0", GATHER),
+                Split("to_k", KEY_VALUE), Split("to_v", KEY_VALUE))
 PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dim_rope, ROPE_THETA), condition=condition,
             stages=(Stage("context_refiner", caption_block, attends="caption", text=None, attention=GROUPED),
                     Stage("noise_refiner", image_block, attends="image", text=None, attention=GROUPED),
@@ -172,4 +164,5 @@ PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dim_rop
                           attention=GROUPED, before=join)),
             head=lambda call: call.model.norm_out(call.joint[:, call.caption.shape[1] + call.ref.shape[1]:],
                                                   call.adaln),
-            output_tokens=output_tokens, tensor_parallel=TensorParallelPlan(extra=JOINT_SPLITS))
+            output_tokens=output_tokens, tensor_parallel=TensorParallelPlan(extra=JOINT_SPLITS,
+                                                                               attentions=("img_instruct_attn",)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...sp import AttentionSpec, Output, Part, Plan, Stage, Stream
+from ...sp.tensor_parallel import KEY_VALUE, Split, TensorParallelPlan, grouped_key_values
 from ...sp.tokens import TokenGrid, pad_to_patch, patchify
 from ..z_image.plan import caption_block, check_nextdit, image_axes, image_block, join, joint_block, output_tokens
 from .detection import PATCH, ROPE_THETA
@@ -57,8 +58,9 @@ def project_grouped_qkv(attn, hidden: torch.Tensor):
     head_dim = query.shape[-1]
     key, value = (proj(hidden).unflatten(-1, (-1, head_dim)) for proj in (attn.to_k, attn.to_v))
     query, key = attn.norm_q(query).to(value.dtype), attn.norm_k(key).to(value.dtype)
-    repeats = attn.heads // key.shape[2]
-    return [query, key.repeat_interleave(repeats, dim=2), value.repeat_interleave(repeats, dim=2)], None
+    # at TP: this rank's query heads, each with its key / value head (split with them or kept whole: KEY_VALUE)
+    key, value = grouped_key_values(attn, [key, value], attn.heads, getattr(attn, "tp_kv_heads", key.shape[2]))
+    return [query, key, value], None
 
 
 def condition(call) -> None:
@@ -72,6 +74,8 @@ def condition(call) -> None:
 
 
 GROUPED = AttentionSpec(project=project_grouped_qkv)
+# the generic plan, with the key / value heads split where the degree divides both head counts, else kept whole
+TENSOR_PARALLEL = TensorParallelPlan(extra=(Split("to_k", KEY_VALUE), Split("to_v", KEY_VALUE)))
 PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dim_rope, ROPE_THETA),
             condition=condition,
             stages=(Stage("context_refiner", caption_block, attends="caption", text=None, attention=GROUPED),
@@ -79,4 +83,4 @@ PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dim_rop
                     Stage("layers", joint_block, attends=("caption", "image"), text=None, attention=GROUPED,
                           before=join)),
             head=lambda call: call.model.norm_out(call.joint[:, call.caption.shape[1]:], call.adaln),
-            output_tokens=output_tokens)
+            output_tokens=output_tokens, tensor_parallel=TENSOR_PARALLEL)

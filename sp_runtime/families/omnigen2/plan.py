@@ -11,7 +11,7 @@ import torch
 
 from ...sp import Part, Plan, Output, Stage, Stream
 from ...sp.tokens import TokenGrid, as_list, pad_to_patch, patchify
-from ..lumina2.plan import GROUPED, condition, embed_caption
+from ..lumina2.plan import GROUPED, TENSOR_PARALLEL, condition, embed_caption
 from ..z_image.plan import caption_block, check_nextdit, image_block, joint_block, output_tokens
 from .detection import PATCH, REFERENCE_SLOTS, ROPE_THETA
 
@@ -94,4 +94,4 @@ PLAN = Plan(check=check, layout=layout, rope=lambda config: (config.axes_dim_rop
                     Stage("ref_image_refiner", reference_block, attends="reference", text=None, attention=GROUPED),
                     Stage("layers", joint_block, attends=("caption", "reference", "image"), text=None,
                           attention=GROUPED, before=join)),
-            head=head, output_tokens=output_tokens)
+            head=head, output_tokens=output_tokens, tensor_parallel=TENSOR_PARALLEL)  # Lumina 2's
