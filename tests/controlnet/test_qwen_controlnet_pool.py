@@ -24,14 +24,14 @@ def _case(seed: int, height: int = 10, width: int = 14, batch: int = 2):
     return x, torch.tensor([0.7, 0.3][:batch]), context, hints
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def models():
     return {"main": build_tiny_model("qwen_image", 3, num_layers=MAIN_BLOCKS),
             "union": build_tiny_model("qwen_image_controlnet", 5),
             "other": build_tiny_model("qwen_image_controlnet", 6, num_layers=3)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def files(models, tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen_controlnet")
     return {name: save_tiny(model, str(folder / f"{name}.safetensors"), "diffusers", "float32")
@@ -52,7 +52,7 @@ def _cases(models):
             "20_tokens_batch_1": (odd_x, odd_t, {"context": odd_context}, [("other", odd_hints[0], 0.5)])}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references(models):
     return {name: reference_forward_controlled(models["main"], x, t, inputs["context"],
                                                [(models[net], hint, strength) for net, hint, strength in nets],
@@ -72,6 +72,8 @@ def test_controlnets_match_diffusers_at_every_degree(family_pool, files, models,
     cases = _cases(models)
     if family_pool.config.world_size == 1:  # nothing is split: one case for the world-1 path
         cases = {"chained_two": cases["chained_two"]}
+    elif family_pool.config.world_size > 2:  # every case at 2; at 3 and 4 the uneven splits (suite time)
+        cases = {name: cases[name] for name in ("35_tokens", "20_tokens_batch_1")}
     for name, case in cases.items():
         assert_parity(_run(family_pool, files, case), references[name], "float32",
                       f"controlnet/u{family_pool.config.world_size}/{name}")

@@ -25,14 +25,14 @@ LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": 
            "diffusers_folder": dict(layout="diffusers_folder")}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def chroma_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chroma")
     return {name: write_other("chroma", str(folder / (name if "folder" in name else f"{name}.safetensors")),
                                         seed=SEED, **kw) for name, kw in LAYOUTS.items()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def chroma_references(family_subject):
     """The conformance suite's outputs (same seed and cases)."""
     return family_subject("chroma").outputs
@@ -181,7 +181,7 @@ def _needs_comfyui():
     return pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def chroma_comfy(tmp_path_factory):
     import comfy_support as cs
     cs.import_comfy()
@@ -275,7 +275,7 @@ def test_comfy_model_class_from_header(chroma_files):
 # ComfyUI tier: ComfyUI's own ChromaRadiance (19 double / 38 single blocks for its hardcoded 344 modulations, the tiny
 # width) on the Radiance file (x0 and sequential text ids); image sizes whole patches (ComfyUI's x0 residual subtracts
 # the padded image from the cropped output, so it fails on padded sizes, which the pool serves).
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def radiance_comfy(tmp_path_factory):
     import comfy_support as cs
     cs.import_comfy()

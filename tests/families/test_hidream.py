@@ -22,7 +22,7 @@ SEED = 8  # the conformance suite's tiny HiDream (sp_lab.conformance.product)
 LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers_folder": dict(layout="diffusers_folder")}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hidream_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hidream")
     return {name: write_other("hidream", str(folder / (name if "folder" in name else f"{name}.safetensors")),
@@ -115,7 +115,7 @@ def _needs_comfyui():
     return pytest.mark.skipif(cs.comfyui_path() is None, reason=cs.NO_COMFYUI)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hidream_comfy(hidream_files):
     import comfy_support as cs
     cs.import_comfy()

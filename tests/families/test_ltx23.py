@@ -45,14 +45,14 @@ def make_cases(seed=6):
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def release_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ltx23")
     return {release: write_tiny_checkpoint("ltx2", str(folder / f"ltx-{release}.safetensors"), seed=SEED,
                                            prefix=COMFY_PREFIX, release=release) for release in RELEASES}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def models():
     return {release: build_tiny_model("ltx2", SEED, release=release) for release in RELEASES}
 
@@ -70,7 +70,7 @@ class References(dict):
         return self[key]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references(models):
     return References(models)
 

@@ -24,7 +24,7 @@ LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": 
            "diffusers_folder": dict(layout="diffusers_folder")}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lumina_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lumina2")
     return {name: write_tiny_checkpoint("lumina2", str(folder / (name if "folder" in name else

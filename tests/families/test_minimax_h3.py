@@ -50,7 +50,7 @@ def make_cases(seed=2):
             "ref2va_blocks_batch2": case(2, 2, 4, 6, 3, 6, keyframes=1, references=True)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mm_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("minimax_h3")
     return {variant: tiny.write_tiny_checkpoint(str(folder / f"{variant}.safetensors"), seed=SEED, variant=variant,
@@ -58,7 +58,7 @@ def mm_files(tmp_path_factory):
             for variant in tiny.VARIANTS}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mm_references():
     return {(variant, name): reference_forward(tiny.build_tiny_model(SEED, variant), *case[:2], **case[2])
             for variant in tiny.VARIANTS for name, case in make_cases().items()}

@@ -24,14 +24,14 @@ LAYOUTS = {"comfy_prefix": dict(prefix=COMFY_PREFIX), "comfy": {}, "diffusers": 
            "diffusers_folder": dict(layout="diffusers_folder"), "large_comfy": dict(variant="3.5_large")}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sd3_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sd3")
     return {name: write_other("sd3", str(folder / (name if "folder" in name else f"{name}.safetensors")),
                                      seed=SEED, **kw) for name, kw in LAYOUTS.items()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sd3_references(family_subject):
     """SD3.5 Medium's outputs: the conformance suite's (same seed and cases); SD3.5 Large's one case: here."""
     references = {("3.5_medium", name): out for name, out in family_subject("sd3").outputs.items()}
@@ -183,7 +183,7 @@ def comfy_network(path: str):
     return config, network.eval()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sd3_comfy(sd3_files):
     import comfy_support as cs
     cs.import_comfy()

@@ -40,7 +40,7 @@ VARIANT_CASES = {
 VARIANT_SIZES = {"heads3": dict(num_attention_heads=3)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wan")
     paths = {}
@@ -51,7 +51,7 @@ def files(tmp_path_factory):
     return paths
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references(files):
     """Stock diffusers outputs: fp32 from in-memory models (independent of our loader and key plan); low
     precision from the same file loaded in-process with the same dtype policy."""
@@ -288,7 +288,7 @@ COMFY_KINDS = {  # name -> (WanModel arguments, cases)
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def comfyui():
     """ComfyUI's core imported (CPU mode); requested before `pool` so a missing ComfyUI starts no pool."""
     from comfy_support import NO_COMFYUI, comfyui_path, import_comfy

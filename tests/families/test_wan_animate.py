@@ -56,18 +56,18 @@ def comfy_cases() -> dict:
             "long_pose_no_clip": _call(g, 3, 2, 4, pose_frames=4, face_frames=0, clip=False, text_tokens=7)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model():
     return build_tiny_model("wan", SEED, variant="animate", **SIZE)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def path(tmp_path_factory):
     return write_tiny_checkpoint("wan", str(tmp_path_factory.mktemp("wan_animate") / "animate.safetensors"),
                                  seed=SEED, variant="animate", prefix=COMFY_PREFIX, **SIZE)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references(model):
     return {name: reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in make_cases().items()}
 
@@ -88,7 +88,7 @@ def test_the_face_and_the_pose_change_the_output(model, references):
     assert relative_error(still, references["pose_without_face"]) > 1e-3
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def other_layouts(tmp_path_factory):
     """The same weights without the prefix, and as a diffusers folder."""
     folder = tmp_path_factory.mktemp("wan_animate_layouts")
@@ -158,7 +158,7 @@ def test_bad_animate_inputs_are_named(path):
 COMFY_UNET = dict(cs.COMFY_TINY_UNET["wan"], model_type="animate", in_dim=36, dim=384, num_heads=3, num_layers=5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def comfy_animate(path):
     """ComfyUI's own WAN22_Animate model (AnimateWanModel) with the file's weights, in a ModelPatcher."""
     if cs.comfyui_path() is None:

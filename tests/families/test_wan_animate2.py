@@ -57,13 +57,13 @@ def make_cases() -> dict:
             "no_pose": _call(g, 2, 2, 4, 6, pose=False)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model():
     """The tiny model as the workers build it: diffusers' WanTransformer3DModel with Wan 2.1 I2V's modules."""
     return build_tiny_model("wan", SEED, variant="animate2", **SIZE)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def path(tmp_path_factory):
     return write_tiny_checkpoint("wan", str(tmp_path_factory.mktemp("wan_animate2") / "animate2.safetensors"),
                                  seed=SEED, variant="animate2", prefix=COMFY_PREFIX, **SIZE)
@@ -89,7 +89,7 @@ def diffusers_model(config, original: dict):
     return reference.eval()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def diffusers_animate2(model):
     return diffusers_model(model.config, release_state(model))
 
@@ -132,7 +132,7 @@ def diffusers_forward(reference, x, timestep, inputs) -> torch.Tensor:
     return torch.stack(out)[:, :, :, :x.shape[3], :x.shape[4]]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references(model, diffusers_animate2):
     cases = make_cases()
     out = {name: diffusers_forward(diffusers_animate2, x, t, inputs) for name, (x, t, inputs) in cases.items()
@@ -167,7 +167,7 @@ def test_the_pose_and_the_strengths_change_the_output(diffusers_animate2, refere
         assert relative_error(changed, references["pose_padded"]) > 1e-3, change
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def other_layouts(model, tmp_path_factory):
     """The same weights: without metadata (ComfyUI's names), as the Wan-Video release names them, and with
     diffusers' WanAnimate2Transformer3DModel's names."""
@@ -281,7 +281,7 @@ needs_comfy_animate2 = pytest.mark.skipif(
     f"than 0.3.64 (the class came in 2026)")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def comfy_animate2(path):
     """ComfyUI's own WanAnimate2Model with the file's weights."""
     cs.import_comfy()

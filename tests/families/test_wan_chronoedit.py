@@ -40,13 +40,13 @@ def chronoedit_model():
     return model.eval()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def chrono_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("chronoedit") / "chrono_edit_14B.safetensors"
     return write_tiny_checkpoint("wan", str(path), seed=SEED, variant="i2v", prefix=COMFY_PREFIX, **SIZE)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references():
     model = chronoedit_model()
     return {case: reference_forward(model, x, t, **inputs) for case, (x, t, inputs) in cases().items()}

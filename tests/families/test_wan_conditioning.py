@@ -46,7 +46,7 @@ def camera_cases(variant: str) -> dict:
             "24_tokens": call(2, 3, 4, 8), "no_conditions": call(2, 2, 4, 4, camera=False)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def camera_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wan_camera")
     return {variant: write_tiny_checkpoint("wan", str(folder / f"{variant}.safetensors"), seed=seed, variant=variant,
@@ -54,7 +54,7 @@ def camera_files(tmp_path_factory):
             for variant, (seed, *_rest) in CAMERA_MODELS.items()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def camera_references():
     """diffusers' stock forward on in-memory weights (independent of our loader and SP forward)."""
     refs = {}
@@ -144,7 +144,7 @@ def fun_cases(name: str) -> dict:
     return cases if latent_channels == 16 else {case: cases[case] for case in FUN_5B_CASES[name]}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fun_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wan_fun")
     return {name: write_tiny_checkpoint("wan", str(folder / f"{name}.safetensors"), seed=seed, variant=variant,
@@ -152,7 +152,7 @@ def fun_files(tmp_path_factory):
             for name, (variant, seed, *_rest, size) in FUN_MODELS.items()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fun_references():
     """diffusers' stock forward on in-memory weights (independent of our loader, key plan and SP forward)."""
     refs = {}
@@ -225,18 +225,18 @@ def humo_cases() -> dict:
             "no_audio": call(2, 2, 4, 4, audio=False)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def humo_path(tmp_path_factory):
     return write_tiny_checkpoint("wan", str(tmp_path_factory.mktemp("wan_humo") / "humo.safetensors"), seed=HUMO_SEED,
                                  variant="humo", prefix=COMFY_PREFIX, **HUMO_SIZE)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def humo_model():
     return build_tiny_model("wan", HUMO_SEED, variant="humo", **HUMO_SIZE)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def humo_references(humo_model):
     return {name: reference_forward(humo_model, x, t, **inputs) for name, (x, t, inputs) in humo_cases().items()}
 
@@ -302,7 +302,7 @@ def vace_two_hint_cases() -> dict:
                                    "vace_strength": [0.5, 0.7]}), (hint, [1.2]))}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vace_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wan_vace")
     return {name: write_tiny_checkpoint("wan", str(folder / (name + ("" if "folder" in name else ".safetensors"))),
@@ -310,12 +310,12 @@ def vace_files(tmp_path_factory):
             for name, arguments in VACE_FILES.items()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vace_model():
     return build_tiny_model("wan", VACE_SEED, variant="vace", **VACE_SIZE)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vace_references(vace_model):
     """diffusers' stock forward on in-memory weights (independent of our loader, key plan and SP forward)."""
     refs = {name: reference_forward(vace_model, x, t, **inputs) for name, (x, t, inputs) in vace_cases().items()}

@@ -37,14 +37,14 @@ def cases() -> dict:
             "4_tokens_batch_1": call(1, 1, 4, 3, clip_fea_ref=rand(1, 3, 1280), fps=10.0)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dancer_file(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wan_dancer")
     return write_tiny_checkpoint("wan", str(folder / "wan2.2_dancer_14b_global.safetensors"), seed=SEED,
                                  variant="dancer", prefix=COMFY_PREFIX)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references():
     model = build_tiny_model("wan", SEED, variant="dancer")
     return {case: dancer_reference_forward(model, x, t, **inputs) for case, (x, t, inputs) in cases().items()}

@@ -33,13 +33,13 @@ def cases() -> dict:
             "plain": (rand(2, 16, 2, 4, 4), torch.tensor([900.0, 100.0]), {"context": rand(2, 6, 32)})}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bernini_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("wan_in_context") / "wan2.2_bernini_r_high_noise.safetensors"
     return write_tiny_checkpoint("wan", str(path), seed=SEED, variant="t2v", prefix=COMFY_PREFIX)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references():
     model = build_tiny_model("wan", SEED, variant="t2v")
     return {case: in_context_reference_forward(model, x, t, **inputs) for case, (x, t, inputs) in cases().items()}

@@ -53,18 +53,18 @@ def make_cases() -> dict:
             "no_audio_batch_1": call(1, 1, 8, 8, audio=False, reference=True, motion=2)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def path(tmp_path_factory):
     return write_tiny_checkpoint("wan", str(tmp_path_factory.mktemp("wan_s2v") / "s2v.safetensors"), seed=SEED,
                                  variant="s2v", prefix=COMFY_PREFIX, **SIZE)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model():
     return build_tiny_model("wan", SEED, variant="s2v", **SIZE)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def worker(path):
     """The worker model of one process (no pool), for the checks of bad inputs."""
     groups = ParallelGroups(SPConfig(["cpu"]), 0, SeqParallel.single(), None, 0, None)
@@ -73,7 +73,7 @@ def worker(path):
     return loaded
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references(model):
     return {name: reference_forward(model, x, t, **inputs) for name, (x, t, inputs) in make_cases().items()}
 
@@ -143,7 +143,7 @@ def test_audio_frames_must_split_the_video_tokens(worker):
 # ---------------------------------------------------------------------------------------------------------------
 # ComfyUI's own WanModel_S2V (only where COMFYUI_PATH points at a ComfyUI checkout)
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def comfyui():
     from comfy_support import NO_COMFYUI, comfyui_path, import_comfy
     if comfyui_path() is None:
@@ -151,7 +151,7 @@ def comfyui():
     return import_comfy()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def comfy_outputs(comfyui, path):
     """ComfyUI's WanModel_S2V with the tiny file's weights, called as WAN22_S2V calls it (conditions batched), on
     the cases it can run (even sizes: it does not pad control_video)."""

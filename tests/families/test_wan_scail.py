@@ -40,14 +40,14 @@ def cases(variant: str) -> dict:
             "2_tokens_batch_1": call(1, 0, 1, 2, 2, masks=False, ref_mask_flag=True)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def scail_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wan_scail")
     return {variant: write_tiny_checkpoint("wan", str(folder / f"wan2.1_14B_{variant}.safetensors"), seed=seed,
                                            variant=variant, prefix=COMFY_PREFIX) for variant, seed in SEEDS.items()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references():
     refs = {}
     for variant, seed in SEEDS.items():

@@ -42,7 +42,7 @@ def call(variant: str, bf16_timesteps: bool = False) -> tuple:
     return x, torch.tensor([500.0, 250.0]) if bf16_timesteps else t, inputs
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def quant_files(tmp_path_factory):
     """(variant, format) -> (quantized file, float32 file of the weights it encodes, {key: quant type})."""
     folder = tmp_path_factory.mktemp("wan_variants_quant")
@@ -57,7 +57,7 @@ def quant_files(tmp_path_factory):
     return files
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references(quant_files):
     """Single-process runs on the dequantized weights: fp32, and bf16 (weights rounded as the workers' per-layer
     dequantization rounds them)."""
@@ -71,11 +71,6 @@ def references(quant_files):
     return refs
 
 
-def _skip_degree(pool, wanted: tuple) -> None:
-    if len(pool.config.devices) not in wanted:
-        pytest.skip(f"runs at degrees {wanted} (suite time)")
-
-
 def test_the_extra_modules_are_quantized(quant_files):
     for (variant, fmt), (_, _, kinds) in quant_files.items():
         modules = {key.split(".", 1)[0] for key in kinds}
@@ -84,9 +79,9 @@ def test_the_extra_modules_are_quantized(quant_files):
         assert expected <= modules, (variant, fmt, modules)
 
 
+@pytest.mark.parametrize("family_pool", [3], indirect=True)  # one degree each (suite time)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fp32_equals_the_dequantized_reference(family_pool, quant_files, references, variant):
-    _skip_degree(family_pool, (3,))
     for fmt in VARIANTS[variant][0]:
         handle = family_pool.load_model(quant_files[variant, fmt][0], "fp32")
         assert handle.info.variant == variant and handle.info.weight_dtype == "float32"
@@ -95,9 +90,9 @@ def test_fp32_equals_the_dequantized_reference(family_pool, quant_files, referen
         family_pool.unload(handle)
 
 
+@pytest.mark.parametrize("family_pool", [2], indirect=True)  # one degree each (suite time)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_default_keeps_weights_quantized(family_pool, quant_files, references, variant):
-    _skip_degree(family_pool, (2,))
     for fmt in VARIANTS[variant][1]:
         handle = family_pool.load_model(quant_files[variant, fmt][0])
         assert handle.info.compute_dtype == "bfloat16" and handle.info.weight_dtype in ("comfy_quant", "scaled_fp8",
@@ -123,9 +118,9 @@ def write_lora(path: str, variant: str, base: dict, seed: int = 3) -> dict:
     return deltas
 
 
+@pytest.mark.parametrize("family_pool", [4], indirect=True)  # one degree each (suite time)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_lora_on_the_extra_modules_of_a_quantized_model(family_pool, quant_files, variant, tmp_path):
-    _skip_degree(family_pool, (4,))
     path, reference_path, kinds = quant_files[variant, "comfy_quant"]
     base = load_file(reference_path)
     lora = str(tmp_path / "lora.safetensors")

@@ -33,7 +33,7 @@ def other_parts() -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def all_in_one_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("all_in_one")
     files = {}

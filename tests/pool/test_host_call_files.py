@@ -20,7 +20,7 @@ model_spec = import_node_module("model_spec")
 CALLS = 20
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mixed_file(tmp_path_factory):
     """A tiny Qwen-Image in ComfyUI's mixed precision: detecting it reads its `.comfy_quant` entries from the file."""
     folder = tmp_path_factory.mktemp("host_call")

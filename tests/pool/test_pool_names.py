@@ -17,7 +17,7 @@ from pool_kit import assert_matches, call_toy, reference, toy_checkpoint, toy_in
 LINUX_SHM = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm to list segments")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     return toy_checkpoint(tmp_path_factory.mktemp("toy"))
 

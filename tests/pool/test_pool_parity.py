@@ -20,7 +20,7 @@ CASES = {  # name: (x size, frames); token counts 35 and 2*3*4 + ... chosen to l
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     folder = tmp_path_factory.mktemp("toy")
     return {"image": toy_checkpoint(folder, "image.safetensors", seed=1),

@@ -25,7 +25,7 @@ pytest_plugins = ["family_pools"]
 OPTIONS = {"qwen_image": {}, "flux": {}, "wan": {"head_dim": 16}}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shard")
     return {family: write_tiny_checkpoint(family, str(folder / f"{family}.safetensors"), seed=5)
