@@ -44,7 +44,7 @@ from sp_runtime.pool.wire import read_token
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = ("35_tokens", "odd_latent")  # odd token counts, batch 2
 START_S = 240.0
-WATCHDOG_S = 15.0  # the hung-remote case waits this long; above what a busy shared machine's pauses reach  # generous: the test machine is shared; a quiet one starts in seconds
+WATCHDOG_S = 8.0  # the hung-remote case waits this long; above what a busy shared machine's pauses reach  # generous: the test machine is shared; a quiet one starts in seconds
 
 
 def _can_mount_private_shm() -> bool:
