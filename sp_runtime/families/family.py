@@ -131,6 +131,19 @@ def pool_load(load_model: Callable, worker_from_model: Callable) -> Callable:
         return worker_from_model(model, detection, dtypes, request.options)
     return load
 
+def by_variant(models: dict, detect: Callable, family: str, kind: str) -> tuple[Callable, Callable]:
+    """(load_model, load) of a family whose variants are PlanModels of their own: the file's detection picks one."""
+    def load_model(path: str, dtype: str = "default", device="cpu", detection=None, options=None, progress=None,
+                   header=None):
+        from ..checkpoints.loading import detected_checkpoint
+        header, detection = detected_checkpoint(path, header, detection, detect, family, kind)
+        return models[detection.variant].load_model(path, dtype, device, detection, options, progress, header)
+
+    def load(request, detection, device, groups, progress):
+        return models[detection.variant].load(request, detection, device, groups, progress)
+    return load_model, load
+
+
 def with_rope_axes_option(detection, options: dict):
     """The load option axes_dims_rope (models of unusual head sizes) in the detection's config (PlanModel.prepare)."""
     if "axes_dims_rope" not in options:

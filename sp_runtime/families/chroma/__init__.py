@@ -9,8 +9,7 @@ padding mask). Radiance (variant "radiance", pixel space): radiance.py adds the 
 radiance_plan.py runs the trunk and the NeRF blocks on each rank's own patches and the final 3x3 convolution on the
 gathered image; one PlanModel per variant.
 """
-from ...checkpoints.loading import detected_checkpoint
-from ..family import Family, PlanModel
+from ..family import Family, PlanModel, by_variant
 from . import radiance, radiance_plan
 from .detection import CLASS_NAME, CONFIG_KEYS, DESCRIPTION, NAME, RADIANCE_KEYS, RADIANCE_MARKERS, detect
 from .host import COMFY
@@ -25,16 +24,7 @@ RADIANCE = PlanModel(NAME, "Chroma", CLASS_NAME, detect, weight_plan, radiance_p
                      describe=lambda model, detection: {key: detection.config[key] for key in RADIANCE_KEYS})
 MODELS = {"": MODEL, "radiance": RADIANCE}
 
-
-def load_model(path: str, dtype: str = "default", device="cpu", detection=None, options=None, progress=None,
-               header=None):
-    """The variant's PlanModel.load_model (Radiance: the trunk with its NeRF head)."""
-    header, detection = detected_checkpoint(path, header, detection, detect, NAME, "Chroma")
-    return MODELS[detection.variant].load_model(path, dtype, device, detection, options, progress, header)
-
-
-def load(request, detection, device, groups, progress):
-    return MODELS[detection.variant].load(request, detection, device, groups, progress)
+load_model, load = by_variant(MODELS, detect, NAME, "Chroma")  # the file's variant picks its model
 
 
 FAMILY = Family(NAME, DESCRIPTION, detect, load, COMFY, weight_plan, original_plan, load_model,

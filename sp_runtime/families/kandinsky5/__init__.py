@@ -7,7 +7,7 @@ image model takes 4-D latents, the video model 5-D: one PlanModel each, chosen b
 reference is sp_lab.references.kandinsky5.
 """
 from ...checkpoints.loading import diffusers_names, identity_plan
-from ..family import Family, PlanModel
+from ..family import Family, PlanModel, by_variant
 from .detection import CLASS_NAME, CONFIG_KEYS, DESCRIPTION, NAME, detect
 from .host import COMFY
 from .plan import PLAN
@@ -16,11 +16,8 @@ MODELS = {variant: PlanModel(NAME, "Kandinsky 5", CLASS_NAME, detect, diffusers_
                              CONFIG_KEYS, channels=lambda model: (model.visual_embeddings.in_layer.in_features // 4,
                                                                   model.config.out_visual_dim))
           for variant, x_ndim in (("image", 4), ("video", 5))}
+_, load = by_variant(MODELS, detect, NAME, "Kandinsky 5")
 load_model = MODELS["video"].load_model  # the same model for both variants
-
-
-def load(request, detection, device, groups, progress):
-    return MODELS[detection.variant].load(request, detection, device, groups, progress)
 
 
 FAMILY = Family(NAME, DESCRIPTION, detect, load, COMFY, diffusers_names, identity_plan, load_model,

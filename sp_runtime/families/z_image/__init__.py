@@ -8,8 +8,7 @@ then its image shard; nothing is masked, so the order changes nothing). Ulysses 
 Ming-Image (variant "ming_image", ming.py): 5-D latents, reference frames and direct caption tokens in the same two
 streams, without pad tokens where its file has none; one PlanModel per variant (x is 4-D / 5-D).
 """
-from ...checkpoints.loading import detected_checkpoint
-from ..family import Family, PlanModel
+from ..family import Family, PlanModel, by_variant
 from . import ming
 from .detection import CLASS_NAME, CONFIG_KEYS, NAME, PAD_MULTIPLE, PATCH, UNUSED, architecture, detect
 from .host import COMFY
@@ -22,16 +21,7 @@ MODELS = {variant: PlanModel(NAME, "Z-Image", CLASS_NAME, detect, weight_plan, p
           for variant, plan, x_ndim in (("image", PLAN, 4), ("ming_image", ming.MING_PLAN, 5))}
 MODEL = MODELS["image"]
 
-
-def load_model(path: str, dtype: str = "default", device="cpu", detection=None, options=None, progress=None,
-               header=None):
-    """The variant's PlanModel.load_model (the same diffusers class; Ming-Image without pad tokens drops them)."""
-    header, detection = detected_checkpoint(path, header, detection, detect, NAME, "Z-Image")
-    return MODELS[detection.variant].load_model(path, dtype, device, detection, options, progress, header)
-
-
-def load(request, detection, device, groups, progress):
-    return MODELS[detection.variant].load(request, detection, device, groups, progress)
+load_model, load = by_variant(MODELS, detect, NAME, "Z-Image")  # the file's variant picks its model
 
 
 FAMILY = Family(NAME, "Z-Image (base, turbo, Ming-Image)", detect, load, COMFY, weight_plan, original_plan,
