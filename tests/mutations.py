@@ -96,12 +96,12 @@ MUTATIONS = [
     dict(id="radiance-conv-on-shard", bug="Chroma Radiance's final 3x3 convolution runs on each rank's own patches "
                                           "(the others' zero) instead of the gathered image",
          file="sp_runtime/families/chroma/radiance_plan.py",
-         original="    features = gather_tokens(features, shard, call.seq)  # [B, N, P*P*width]\n",
+         original="    features = gather_tokens(features, shard.shards, call.seq)  # [B, N, P*P*width]\n",
          replacement="    features = F.pad(features, (0, 0, shard.lo, shard.stream.total - shard.hi))\n",
          tests=["tests/families/test_family_conformance.py", "-k", "degree2-chroma:radiance"]),
     dict(id="radiance-shards-untrimmed", bug="Chroma Radiance's gathered patches keep the padding of uneven shards "
                                              "(every rank's shard taken at the largest size)",
-         file="sp_runtime/families/chroma/radiance_plan.py",
+         file="sp_runtime/attention/gather.py",
          original="    pieces = [gathered[rank * shards.chunk:rank * shards.chunk + size] "
                   "for rank, size in enumerate(shards.sizes)]\n",
          replacement="    pieces = [gathered[:shards.total]]\n",

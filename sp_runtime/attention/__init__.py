@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..groups import SeqParallel
-from .gather import gather_rows
+from .gather import gather_rows, gather_tokens
 from .hybrid import hybrid_attention
 from .key_shards import attention_over_key_shards
 from .local import joint_local_attention, local_attention
@@ -16,7 +16,7 @@ from .shards import SeqShards
 from .ulysses import ulysses_attention
 
 __all__ = ["SeqShards", "SequenceMask", "FunctionMask", "KeyValues", "Segment", "SegmentMask",
-           "attention_over_key_shards", "gather_rows", "local_attention", "joint_local_attention",
+           "attention_over_key_shards", "gather_rows", "gather_tokens", "local_attention", "joint_local_attention",
            "sp_attention", "ulysses_attention", "ring_attention", "hybrid_attention"]
 
 

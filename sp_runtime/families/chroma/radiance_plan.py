@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from ...attention import gather_rows
+from ...attention import gather_tokens
 from ...sp.tokens import as_list, pad_to_patch, patchify, text_key_mask
 from ..flux import plan as flux
 from . import plan as chroma
@@ -61,7 +61,7 @@ def head(call) -> torch.Tensor:
     pixels = raw.reshape(batch * count, raw.shape[-1] // patch ** 2, patch * patch).transpose(1, 2)
     tokens = call.image.reshape(batch * count, call.image.shape[-1])
     features = nerf(model, pixels, tokens).reshape(batch, count, patch * patch * width)
-    features = gather_tokens(features, shard, call.seq)  # [B, N, P*P*width]
+    features = gather_tokens(features, shard.shards, call.seq)  # [B, N, P*P*width]
     grid = shard.stream.parts[0].output.grid
     image = features.reshape(batch, grid.rows, grid.cols, patch, patch, width).permute(0, 5, 1, 3, 2, 4)
     image = final_layer(model)(image.reshape(batch, width, grid.rows * patch, grid.cols * patch))
@@ -71,17 +71,6 @@ def head(call) -> torch.Tensor:
         image = (call.input("x", torch.float32) - image.float()) / sigma
     return patchify(pad_to_patch(image, patch), patch)[:, shard.lo:shard.hi]
 
-
-def gather_tokens(tokens: torch.Tensor, shard, seq) -> torch.Tensor:
-    """Every rank's tokens [B, n_r, F] of a split stream -> [B, N, F] in stream order (shards padded to the
-    largest for the all-gather, then trimmed)."""
-    shards = shard.shards
-    if shards is None or shards.degree == 1:
-        return tokens
-    rows = F.pad(tokens.transpose(0, 1), (0, 0, 0, 0, 0, shards.chunk - tokens.shape[1]))
-    gathered = gather_rows(rows.contiguous(), seq)
-    pieces = [gathered[rank * shards.chunk:rank * shards.chunk + size] for rank, size in enumerate(shards.sizes)]
-    return torch.cat(pieces).transpose(0, 1)
 
 
 PLAN = replace(chroma.PLAN, check=check, layout=layout, head=head)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ...attention import gather_rows
+from ...attention import gather_tokens
 from ...attention.backends import attend
 from ...sp import Plan, Stage, Stream, text_stream, video_part
 from ...sp.tensor_parallel import COLUMN, ROW, Split, TensorParallelPlan
@@ -101,7 +101,7 @@ def run_block(block, call) -> None:
     vq, vk = rotate(vq, rope), rotate(vk, rope)
     if call.text_rope is not None:
         tq, tk = rotate(tq, call.text_rope), rotate(tk, call.text_rope)
-    keys, values = _gathered(vk, call), _gathered(vv, call)
+    keys, values = (gather_tokens(t, call.shards["video"].shards, call.seq) for t in (vk, vv))
     vid_out, txt_out = windowed_attention(vq, tq, keys, values, tk, tv, own, members)
     attn = block.attn
     video = call.video + block.gate("vid", attn.proj_out.of("vid")(vid_out.flatten(2)), emb, "attn")
@@ -125,17 +125,6 @@ def windowed_attention(vq, tq, keys, values, tk, tv, own, members):
         txt_out += heads(attend(heads(tq), key, value)).float()
     return vid_out, (txt_out / len(members)).to(tq.dtype)
 
-
-def _gathered(tokens: torch.Tensor, call) -> torch.Tensor:
-    """Every rank's tokens [B, n, H, D] -> the whole sequence's [B, S, H, D] (all-gathered over the sequence
-    group, shards padded to the largest)."""
-    shards = call.shards["video"].shards
-    if shards.degree == 1:
-        return tokens
-    rows = torch.nn.functional.pad(tokens.transpose(0, 1), (0, 0, 0, 0, 0, 0, 0, shards.chunk - tokens.shape[1]))
-    gathered = gather_rows(rows.contiguous(), call.seq)
-    pieces = [gathered[rank * shards.chunk:rank * shards.chunk + size] for rank, size in enumerate(shards.sizes)]
-    return torch.cat(pieces).transpose(0, 1)
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
